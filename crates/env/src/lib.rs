@@ -20,8 +20,11 @@
 //! ```
 
 pub mod client;
+pub mod conformance;
 pub mod environment;
 pub mod foreign;
+pub mod policy;
+pub mod scaffold;
 pub mod server;
 pub mod spec;
 pub mod tasks;
