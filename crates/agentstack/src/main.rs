@@ -1,1 +1,5 @@
-fn main() {}
+//! The `agentstack` binary: everything lives in `agentstack-cli`.
+
+fn main() -> std::process::ExitCode {
+    agentstack_cli::main()
+}

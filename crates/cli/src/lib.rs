@@ -1,1 +1,98 @@
-//! stub
+//! The `agentstack` command line: clap arguments ([`args`]) are resolved into settings
+//! ([`settings`]) and handed to one command in [`commands`]. Domain logic lives in the
+//! domain crates; this crate parses, prints and sets exit codes.
+//!
+//! Exit codes: 0 success, 1 a user error (bad input, a failed check), 2 an internal
+//! error or a check that could not run.
+
+pub mod args;
+pub mod commands;
+pub mod env_vars;
+pub mod settings;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// An error that carries its exit code.
+#[derive(Debug)]
+pub struct Exit {
+    /// The process exit code.
+    pub code: u8,
+    /// What to print on stderr (nothing when empty).
+    pub error: Option<anyhow::Error>,
+}
+
+impl Exit {
+    /// A user error (exit 1).
+    pub fn user(error: anyhow::Error) -> Self {
+        Self {
+            code: 1,
+            error: Some(error),
+        }
+    }
+
+    /// Exit with `code` having already printed everything.
+    pub fn quiet(code: u8) -> Self {
+        Self { code, error: None }
+    }
+}
+
+impl From<anyhow::Error> for Exit {
+    fn from(error: anyhow::Error) -> Self {
+        Self::user(error)
+    }
+}
+
+/// Runs the CLI with the process arguments and returns the exit code.
+pub fn main() -> ExitCode {
+    let cli = args::Cli::parse();
+    init_tracing(cli.global.verbose, cli.global.quiet);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: could not start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(commands::run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(exit) => {
+            if let Some(error) = exit.error {
+                if is_broken_pipe(&error) {
+                    return ExitCode::SUCCESS;
+                }
+                eprintln!("error: {error}");
+                for cause in error.chain().skip(1) {
+                    eprintln!("  caused by: {cause}");
+                }
+            }
+            ExitCode::from(exit.code)
+        }
+    }
+}
+
+fn is_broken_pipe(error: &anyhow::Error) -> bool {
+    error.chain().any(|e| {
+        e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+fn init_tracing(verbose: u8, quiet: bool) {
+    let default = match (quiet, verbose) {
+        (true, _) => "error",
+        (false, 0) => "warn,agentstack=info",
+        (false, 1) => "info",
+        (false, _) => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env(env_vars::AGENTSTACK_LOG)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

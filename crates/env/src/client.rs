@@ -8,7 +8,9 @@
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use agentstack_protocol::http::{EnvironmentMetadata, HealthResponse, ResetRequest, SchemaResponse};
+use agentstack_protocol::http::{
+    EnvironmentMetadata, HealthResponse, ResetRequest, SchemaResponse,
+};
 use agentstack_protocol::mcp::{JsonRpcRequest, JsonRpcResponse, RequestId};
 use agentstack_protocol::ws::{ClientMessage, ServerMessage, StepResult, WsError};
 use futures_util::{SinkExt, StreamExt};
@@ -136,7 +138,10 @@ impl EnvClient {
         session_id: &str,
         config: ClientConfig,
     ) -> Result<Self, ClientError> {
-        let url = format!("{}?session_id={session_id}", route_url(base_url, "/ws", true)?);
+        let url = format!(
+            "{}?session_id={session_id}",
+            route_url(base_url, "/ws", true)?
+        );
         Self::open(url, config).await
     }
 
@@ -174,7 +179,10 @@ impl EnvClient {
 
     /// Sends a raw frame without waiting for a reply.
     pub async fn send_raw(&mut self, message: Message) -> Result<(), ClientError> {
-        self.socket.send(message).await.map_err(ClientError::WebSocket)
+        self.socket
+            .send(message)
+            .await
+            .map_err(ClientError::WebSocket)
     }
 
     /// Waits for the next protocol frame.
@@ -232,7 +240,10 @@ impl EnvClient {
     }
 
     /// Applies one action (any value that serializes to a JSON object).
-    pub async fn step<A: Serialize + ?Sized>(&mut self, action: &A) -> Result<StepResult, ClientError> {
+    pub async fn step<A: Serialize + ?Sized>(
+        &mut self,
+        action: &A,
+    ) -> Result<StepResult, ClientError> {
         let data = serde_json::value::to_raw_value(action)
             .map_err(|e| ClientError::Protocol(format!("action does not serialize: {e}")))?;
         let reply = self.call(ClientMessage::Step(&data)).await?;
@@ -251,7 +262,11 @@ impl EnvClient {
     }
 
     /// A JSON-RPC call through the session (`{"type":"mcp"}`).
-    pub async fn mcp(&mut self, method: &str, params: Map<String, Value>) -> Result<JsonRpcResponse, ClientError> {
+    pub async fn mcp(
+        &mut self,
+        method: &str,
+        params: Map<String, Value>,
+    ) -> Result<JsonRpcResponse, ClientError> {
         let id = self.next_rpc_id;
         self.next_rpc_id += 1;
         let request = JsonRpcRequest::new(method, params, Some(RequestId::Number(id)));
@@ -301,8 +316,10 @@ impl<A: Serialize, O: DeserializeOwned> TypedEnvClient<A, O> {
     }
 
     fn typed(result: StepResult) -> Result<StepResult<O>, ClientError> {
-        let observation = serde_json::from_value(Value::Object(result.observation))
-            .map_err(|e| ClientError::Protocol(format!("observation does not fit its type: {e}")))?;
+        let observation =
+            serde_json::from_value(Value::Object(result.observation)).map_err(|e| {
+                ClientError::Protocol(format!("observation does not fit its type: {e}"))
+            })?;
         Ok(StepResult {
             observation,
             reward: result.reward,
@@ -372,10 +389,15 @@ impl HttpClient {
     /// GETs `route` and returns the status and JSON body (`Null` if not JSON).
     pub async fn get_json(&self, route: &str) -> Result<(u16, Value), ClientError> {
         let url = format!("{}{route}", self.base);
-        let response = self.http.get(&url).send().await.map_err(|e| ClientError::Http {
-            url: url.clone(),
-            source: e,
-        })?;
+        let response = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|e| ClientError::Http {
+                url: url.clone(),
+                source: e,
+            })?;
         Self::read(url, response).await
     }
 
@@ -415,9 +437,8 @@ impl HttpClient {
                 body: body.to_string(),
             });
         }
-        serde_json::from_value(body.clone()).map_err(|e| {
-            ClientError::Protocol(format!("unexpected body from {url}: {e}: {body}"))
-        })
+        serde_json::from_value(body.clone())
+            .map_err(|e| ClientError::Protocol(format!("unexpected body from {url}: {e}: {body}")))
     }
 
     /// `GET /health`.
@@ -436,13 +457,20 @@ impl HttpClient {
     }
 
     /// `POST /mcp` with a JSON-RPC request.
-    pub async fn mcp(&self, method: &str, params: Map<String, Value>) -> Result<JsonRpcResponse, ClientError> {
+    pub async fn mcp(
+        &self,
+        method: &str,
+        params: Map<String, Value>,
+    ) -> Result<JsonRpcResponse, ClientError> {
         let id = self
             .next_rpc_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let request = JsonRpcRequest::new(method, params, Some(RequestId::Number(id)));
         let (status, body) = self
-            .post_json("/mcp", serde_json::to_string(&request).expect("requests serialize"))
+            .post_json(
+                "/mcp",
+                serde_json::to_string(&request).expect("requests serialize"),
+            )
             .await?;
         if status != 200 {
             return Err(ClientError::Status {
@@ -486,12 +514,14 @@ impl EnvPool {
         parallel: usize,
         config: ClientConfig,
     ) -> Result<Self, ClientError> {
-        let clients = futures_util::stream::iter((0..size).map(|_| EnvClient::connect(base_url, config.clone())))
-            .buffer_unordered(parallel.max(1))
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, _>>()?;
+        let clients = futures_util::stream::iter(
+            (0..size).map(|_| EnvClient::connect(base_url, config.clone())),
+        )
+        .buffer_unordered(parallel.max(1))
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
         Ok(Self { clients })
     }
 

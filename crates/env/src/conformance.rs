@@ -113,14 +113,19 @@ pub async fn validate(url: &str, options: &Options) -> Result<Report, Unreachabl
     let mut checks = Checks(Vec::new());
 
     // openenv validate --url's six checks.
-    let health = http.get_json("/health").await.map_err(|source| Unreachable {
-        url: url.to_owned(),
-        source,
-    })?;
+    let health = http
+        .get_json("/health")
+        .await
+        .map_err(|source| Unreachable {
+            url: url.to_owned(),
+            source,
+        })?;
     let openapi = http.get_json("/openapi.json").await.ok();
     checks.expect(
         "openapi_version_available",
-        openapi.as_ref().is_some_and(|(s, v)| *s == 200 && v["info"]["version"].is_string()),
+        openapi
+            .as_ref()
+            .is_some_and(|(s, v)| *s == 200 && v["info"]["version"].is_string()),
         "GET /openapi.json has info.version",
     );
     checks.expect(
@@ -131,25 +136,41 @@ pub async fn validate(url: &str, options: &Options) -> Result<Report, Unreachabl
     let metadata = http.get_json("/metadata").await.ok();
     checks.expect(
         "metadata_endpoint",
-        metadata.as_ref().is_some_and(|(s, v)| *s == 200 && is_str(v, "name") && is_str(v, "description")),
+        metadata
+            .as_ref()
+            .is_some_and(|(s, v)| *s == 200 && is_str(v, "name") && is_str(v, "description")),
         "GET /metadata has string name and description",
     );
     let schema = http.get_json("/schema").await.ok();
     let schema_ok = schema.as_ref().is_some_and(|(s, v)| {
-        *s == 200 && ["action", "observation", "state"].iter().all(|k| v[*k].is_object())
+        *s == 200
+            && ["action", "observation", "state"]
+                .iter()
+                .all(|k| v[*k].is_object())
     });
-    checks.expect("schema_endpoint", schema_ok, "GET /schema has action, observation and state objects");
+    checks.expect(
+        "schema_endpoint",
+        schema_ok,
+        "GET /schema has action, observation and state objects",
+    );
     let mcp = http.post_json("/mcp", "{}".into()).await.ok();
     checks.expect(
         "mcp_endpoint",
-        mcp.as_ref().is_some_and(|(s, v)| *s == 200 && v["jsonrpc"] == "2.0"),
-        format!("POST /mcp {{}} -> {:?}", mcp.as_ref().map(|(s, v)| format!("{s} {v}"))),
+        mcp.as_ref()
+            .is_some_and(|(s, v)| *s == 200 && v["jsonrpc"] == "2.0"),
+        format!(
+            "POST /mcp {{}} -> {:?}",
+            mcp.as_ref().map(|(s, v)| format!("{s} {v}"))
+        ),
     );
     let paths = openapi
         .as_ref()
         .and_then(|(_, v)| v["paths"].as_object().cloned())
         .unwrap_or_default();
-    let present: Vec<bool> = ["/reset", "/step", "/state"].iter().map(|p| paths.contains_key(*p)).collect();
+    let present: Vec<bool> = ["/reset", "/step", "/state"]
+        .iter()
+        .map(|p| paths.contains_key(*p))
+        .collect();
     checks.expect(
         "mode_endpoint_consistency",
         present.iter().all(|&p| p == present[0]),
@@ -177,7 +198,9 @@ fn reward_check(reward: Option<f64>, range: Option<(f64, f64)>) -> Result<(), St
         None => Ok(()),
         Some(r) if !r.is_finite() => Err(format!("reward {r} is not finite")),
         Some(r) => match range {
-            Some((lo, hi)) if r < lo || r > hi => Err(format!("reward {r} outside the declared range [{lo}, {hi}]")),
+            Some((lo, hi)) if r < lo || r > hi => Err(format!(
+                "reward {r} outside the declared range [{lo}, {hi}]"
+            )),
             _ => Ok(()),
         },
     }
@@ -205,7 +228,11 @@ async fn session_checks(url: &str, action_schema: &Value, options: &Options, che
         .await;
     let first = match reset {
         Ok(r) => {
-            checks.expect("ws.reset", reward_check(r.reward, options.reward_range).is_ok(), "reset returns an observation");
+            checks.expect(
+                "ws.reset",
+                reward_check(r.reward, options.reward_range).is_ok(),
+                "reset returns an observation",
+            );
             r
         }
         Err(e) => {
@@ -216,8 +243,13 @@ async fn session_checks(url: &str, action_schema: &Value, options: &Options, che
     match client.state().await {
         Ok(state) => checks.expect(
             "ws.state_contract.reset",
-            state.get("episode_id") == Some(&json!(episode_id)) && state.get("step_count") == Some(&json!(0)),
-            format!("after reset: episode_id {:?}, step_count {:?}", state.get("episode_id"), state.get("step_count")),
+            state.get("episode_id") == Some(&json!(episode_id))
+                && state.get("step_count") == Some(&json!(0)),
+            format!(
+                "after reset: episode_id {:?}, step_count {:?}",
+                state.get("episode_id"),
+                state.get("step_count")
+            ),
         ),
         Err(e) => checks.add("ws.state_contract.reset", Status::Fail, e.to_string()),
     }
@@ -253,12 +285,19 @@ async fn session_checks(url: &str, action_schema: &Value, options: &Options, che
         }
     }
     if steps > 0 {
-        checks.add("ws.step", Status::Pass, format!("{steps} steps with schema-generated actions"));
+        checks.add(
+            "ws.step",
+            Status::Pass,
+            format!("{steps} steps with schema-generated actions"),
+        );
     } else {
         checks.add(
             "ws.step",
             Status::Warn,
-            format!("no schema-generated action was accepted: {}", step_errors.join("; ")),
+            format!(
+                "no schema-generated action was accepted: {}",
+                step_errors.join("; ")
+            ),
         );
     }
     checks.expect(
@@ -276,8 +315,13 @@ async fn session_checks(url: &str, action_schema: &Value, options: &Options, che
     match client.state().await {
         Ok(state) => checks.expect(
             "ws.state_contract.steps",
-            state.get("episode_id") == Some(&json!(episode_id)) && state.get("step_count") == Some(&json!(steps)),
-            format!("after {steps} steps: episode_id {:?}, step_count {:?}", state.get("episode_id"), state.get("step_count")),
+            state.get("episode_id") == Some(&json!(episode_id))
+                && state.get("step_count") == Some(&json!(steps)),
+            format!(
+                "after {steps} steps: episode_id {:?}, step_count {:?}",
+                state.get("episode_id"),
+                state.get("step_count")
+            ),
         ),
         Err(e) => checks.add("ws.state_contract.steps", Status::Fail, e.to_string()),
     }
@@ -301,14 +345,32 @@ async fn error_checks(url: &str, options: &Options, checks: &mut Checks) {
     };
     let cases: [(&'static str, &str, ErrorCode); 4] = [
         ("ws.error.invalid_json", "{not json", ErrorCode::InvalidJson),
-        ("ws.error.unknown_type", r#"{"type":"jump"}"#, ErrorCode::UnknownType),
-        ("ws.error.extra_key", r#"{"type":"state","bogus":1}"#, ErrorCode::ValidationError),
-        ("ws.error.missing_data", r#"{"type":"step"}"#, ErrorCode::ValidationError),
+        (
+            "ws.error.unknown_type",
+            r#"{"type":"jump"}"#,
+            ErrorCode::UnknownType,
+        ),
+        (
+            "ws.error.extra_key",
+            r#"{"type":"state","bogus":1}"#,
+            ErrorCode::ValidationError,
+        ),
+        (
+            "ws.error.missing_data",
+            r#"{"type":"step"}"#,
+            ErrorCode::ValidationError,
+        ),
     ];
     for (id, frame, want) in cases {
         match client.request_raw(frame.to_owned()).await {
-            Ok(ServerMessage::Error(e)) if e.code == want => checks.add(id, Status::Pass, format!("{frame} -> {}", e.code)),
-            Ok(other) => checks.add(id, Status::Fail, format!("{frame} -> {}, expected {want}", other.to_json())),
+            Ok(ServerMessage::Error(e)) if e.code == want => {
+                checks.add(id, Status::Pass, format!("{frame} -> {}", e.code))
+            }
+            Ok(other) => checks.add(
+                id,
+                Status::Fail,
+                format!("{frame} -> {}, expected {want}", other.to_json()),
+            ),
             Err(e) => {
                 checks.add(id, Status::Fail, format!("{frame} -> {e}"));
                 return;
@@ -316,7 +378,11 @@ async fn error_checks(url: &str, options: &Options, checks: &mut Checks) {
         }
     }
     match client.state().await {
-        Ok(_) => checks.add("ws.error.recoverable", Status::Pass, "the session works after recoverable errors"),
+        Ok(_) => checks.add(
+            "ws.error.recoverable",
+            Status::Pass,
+            "the session works after recoverable errors",
+        ),
         Err(e) => checks.add("ws.error.recoverable", Status::Fail, e.to_string()),
     }
     let _ = client.close().await;
@@ -325,8 +391,16 @@ async fn error_checks(url: &str, options: &Options, checks: &mut Checks) {
             Ok(ServerMessage::Error(e)) if e.code == ErrorCode::SessionError => {
                 checks.add("ws.error.unknown_session", Status::Pass, e.message)
             }
-            other => checks.add("ws.error.unknown_session", Status::Fail, format!("expected SESSION_ERROR, got {other:?}")),
+            other => checks.add(
+                "ws.error.unknown_session",
+                Status::Fail,
+                format!("expected SESSION_ERROR, got {other:?}"),
+            ),
         },
-        Err(e) => checks.add("ws.error.unknown_session", Status::Warn, format!("connection refused outright: {e}")),
+        Err(e) => checks.add(
+            "ws.error.unknown_session",
+            Status::Warn,
+            format!("connection refused outright: {e}"),
+        ),
     }
 }

@@ -514,7 +514,10 @@ impl<E: Environment> DynEnvironment for Hosted<E> {
     ) -> BoxFuture<'a, Result<CallToolResult, ToolCallError>> {
         Box::pin(async move {
             self.step_count += 1;
-            self.env.call_tool(name, arguments).await.map(CallToolResult::ok)
+            self.env
+                .call_tool(name, arguments)
+                .await
+                .map(CallToolResult::ok)
         })
     }
 }

@@ -70,7 +70,9 @@ pub enum ForeignError {
         source: std::io::Error,
     },
     /// The process exited before it was healthy.
-    #[error("`{command}` exited with {status} before answering /health; its output ends with:\n{output}")]
+    #[error(
+        "`{command}` exited with {status} before answering /health; its output ends with:\n{output}"
+    )]
     Exited {
         /// The command.
         command: String,
@@ -154,9 +156,20 @@ impl ForeignCommand {
             _ => format!("{}:{}", dir.display(), parent.display()),
         };
         Ok(Self {
-            argv: [python, "-m", "uvicorn", &app, "--host", "{host}", "--port", "{port}", "--log-level", "warning"]
-                .map(str::to_owned)
-                .to_vec(),
+            argv: [
+                python,
+                "-m",
+                "uvicorn",
+                &app,
+                "--host",
+                "{host}",
+                "--port",
+                "{port}",
+                "--log-level",
+                "warning",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
             cwd: Some(dir),
             env: vec![("PYTHONPATH".into(), pythonpath)],
             name: manifest.name,
@@ -168,9 +181,10 @@ impl ForeignCommand {
     pub fn command_line(line: &str) -> Result<Self, ForeignError> {
         let argv: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
         let first = argv.first().ok_or(ForeignError::EmptyCommand)?;
-        let name = Path::new(first)
-            .file_stem()
-            .map_or_else(|| "foreign".to_owned(), |s| s.to_string_lossy().into_owned());
+        let name = Path::new(first).file_stem().map_or_else(
+            || "foreign".to_owned(),
+            |s| s.to_string_lossy().into_owned(),
+        );
         Ok(Self {
             argv,
             cwd: None,
@@ -193,20 +207,27 @@ pub struct ForeignEnv {
 
 /// Picks a free port on the loopback interface.
 pub fn free_port() -> Result<u16, ForeignError> {
-    let listener = StdListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).map_err(ForeignError::Port)?;
+    let listener = StdListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
+        .map_err(ForeignError::Port)?;
     Ok(listener.local_addr().map_err(ForeignError::Port)?.port())
 }
 
 impl ForeignEnv {
     /// Starts `command` on a free loopback port and waits up to `ready_within` for
     /// `GET /health` to answer healthy.
-    pub async fn start(command: ForeignCommand, ready_within: Duration) -> Result<Self, ForeignError> {
+    pub async fn start(
+        command: ForeignCommand,
+        ready_within: Duration,
+    ) -> Result<Self, ForeignError> {
         let port = free_port()?;
         let host = "127.0.0.1";
         let argv: Vec<String> = command
             .argv
             .iter()
-            .map(|a| a.replace("{port}", &port.to_string()).replace("{host}", host))
+            .map(|a| {
+                a.replace("{port}", &port.to_string())
+                    .replace("{host}", host)
+            })
             .collect();
         let (program, args) = argv.split_first().ok_or(ForeignError::EmptyCommand)?;
         let mut cmd = Command::new(program);
@@ -319,7 +340,10 @@ impl Drop for ForeignEnv {
 
 #[cfg(target_os = "linux")]
 fn die_with_parent(cmd: &mut Command) {
-    #[expect(unsafe_code, reason = "pre_exec is the only way to set PR_SET_PDEATHSIG in the child")]
+    #[expect(
+        unsafe_code,
+        reason = "pre_exec is the only way to set PR_SET_PDEATHSIG in the child"
+    )]
     // SAFETY: the closure only calls prctl, which is async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {

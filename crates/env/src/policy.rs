@@ -19,14 +19,23 @@ pub enum Policy {
     Scripted,
 }
 
-const WORDS: [&str; 8] = ["hello", "crane", "42", "slate", "world", "7", "agent", "stack"];
+const WORDS: [&str; 8] = [
+    "hello", "crane", "42", "slate", "world", "7", "agent", "stack",
+];
 
 /// Chooses an action for `schema` given the last `observation`.
-pub fn choose(policy: Policy, schema: &Value, observation: &Map<String, Value>, rng: &mut impl Rng) -> Value {
+pub fn choose(
+    policy: Policy,
+    schema: &Value,
+    observation: &Map<String, Value>,
+    rng: &mut impl Rng,
+) -> Value {
     let mut action = value_for(policy, schema, schema, rng, 0);
     // Hints: sample a legal move when the observation lists them.
     for (hint, field) in [("legal_columns", "column"), ("legal_actions", "action")] {
-        if let (Some(Value::Array(options)), Some(obj)) = (observation.get(hint), action.as_object_mut()) {
+        if let (Some(Value::Array(options)), Some(obj)) =
+            (observation.get(hint), action.as_object_mut())
+        {
             if obj.contains_key(field) && !options.is_empty() {
                 let pick = match policy {
                     Policy::Random => options.choose(rng).cloned(),
@@ -56,7 +65,13 @@ fn resolve<'a>(root: &'a Value, schema: &'a Value) -> &'a Value {
     schema
 }
 
-fn value_for(policy: Policy, root: &Value, schema: &Value, rng: &mut impl Rng, depth: usize) -> Value {
+fn value_for(
+    policy: Policy,
+    root: &Value,
+    schema: &Value,
+    rng: &mut impl Rng,
+    depth: usize,
+) -> Value {
     let schema = resolve(root, schema);
     if depth > 8 {
         return Value::Null;
@@ -103,7 +118,9 @@ fn value_for(policy: Policy, root: &Value, schema: &Value, rng: &mut impl Rng, d
                     .map(|r| r.iter().filter_map(Value::as_str).collect())
                     .unwrap_or_default();
                 for (name, prop) in props {
-                    if required.contains(&name.as_str()) || name != "metadata" && policy == Policy::Scripted {
+                    if required.contains(&name.as_str())
+                        || name != "metadata" && policy == Policy::Scripted
+                    {
                         out.insert(name.clone(), value_for(policy, root, prop, rng, depth + 1));
                     }
                 }
@@ -116,11 +133,19 @@ fn value_for(policy: Policy, root: &Value, schema: &Value, rng: &mut impl Rng, d
                 Policy::Scripted => 1,
             };
             let items = schema.get("items").cloned().unwrap_or(json!({}));
-            Value::Array((0..n).map(|_| value_for(policy, root, &items, rng, depth + 1)).collect())
+            Value::Array(
+                (0..n)
+                    .map(|_| value_for(policy, root, &items, rng, depth + 1))
+                    .collect(),
+            )
         }
         "integer" => {
             let lo = schema.get("minimum").and_then(Value::as_i64).unwrap_or(0);
-            let hi = schema.get("maximum").and_then(Value::as_i64).unwrap_or(lo + 9).max(lo);
+            let hi = schema
+                .get("maximum")
+                .and_then(Value::as_i64)
+                .unwrap_or(lo + 9)
+                .max(lo);
             match policy {
                 Policy::Random => json!(rng.random_range(lo..=hi)),
                 Policy::Scripted => json!(lo),
@@ -128,7 +153,11 @@ fn value_for(policy: Policy, root: &Value, schema: &Value, rng: &mut impl Rng, d
         }
         "number" => {
             let lo = schema.get("minimum").and_then(Value::as_f64).unwrap_or(0.0);
-            let hi = schema.get("maximum").and_then(Value::as_f64).unwrap_or(lo + 1.0).max(lo);
+            let hi = schema
+                .get("maximum")
+                .and_then(Value::as_f64)
+                .unwrap_or(lo + 1.0)
+                .max(lo);
             match policy {
                 Policy::Random => json!(rng.random_range(lo..=hi)),
                 Policy::Scripted => json!(lo),

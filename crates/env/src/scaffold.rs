@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum ScaffoldError {
     /// The name cannot be a crate, module and URL name.
-    #[error("'{0}' is not a valid environment name; use lowercase letters, digits and '_', starting with a letter")]
+    #[error(
+        "'{0}' is not a valid environment name; use lowercase letters, digits and '_', starting with a letter"
+    )]
     BadName(String),
     /// The target exists.
     #[error("{0} already exists; choose another name or directory")]
@@ -24,25 +26,60 @@ pub enum ScaffoldError {
 }
 
 const RUST: [(&str, &str); 3] = [
-    ("Cargo.toml", include_str!("../templates/rust/Cargo.toml.tmpl")),
-    ("src/main.rs", include_str!("../templates/rust/src/main.rs.tmpl")),
-    ("README.md", include_str!("../templates/rust/README.md.tmpl")),
+    (
+        "Cargo.toml",
+        include_str!("../templates/rust/Cargo.toml.tmpl"),
+    ),
+    (
+        "src/main.rs",
+        include_str!("../templates/rust/src/main.rs.tmpl"),
+    ),
+    (
+        "README.md",
+        include_str!("../templates/rust/README.md.tmpl"),
+    ),
 ];
 
 const PYTHON: [(&str, &str); 8] = [
-    ("openenv.yaml", include_str!("../templates/python/openenv.yaml.tmpl")),
-    ("__init__.py", include_str!("../templates/python/__init__.py.tmpl")),
-    ("models.py", include_str!("../templates/python/models.py.tmpl")),
-    ("server/__init__.py", include_str!("../templates/python/server/__init__.py.tmpl")),
-    ("server/environment.py", include_str!("../templates/python/server/environment.py.tmpl")),
-    ("server/app.py", include_str!("../templates/python/server/app.py.tmpl")),
-    ("pyproject.toml", include_str!("../templates/python/pyproject.toml.tmpl")),
-    ("README.md", include_str!("../templates/python/README.md.tmpl")),
+    (
+        "openenv.yaml",
+        include_str!("../templates/python/openenv.yaml.tmpl"),
+    ),
+    (
+        "__init__.py",
+        include_str!("../templates/python/__init__.py.tmpl"),
+    ),
+    (
+        "models.py",
+        include_str!("../templates/python/models.py.tmpl"),
+    ),
+    (
+        "server/__init__.py",
+        include_str!("../templates/python/server/__init__.py.tmpl"),
+    ),
+    (
+        "server/environment.py",
+        include_str!("../templates/python/server/environment.py.tmpl"),
+    ),
+    (
+        "server/app.py",
+        include_str!("../templates/python/server/app.py.tmpl"),
+    ),
+    (
+        "pyproject.toml",
+        include_str!("../templates/python/pyproject.toml.tmpl"),
+    ),
+    (
+        "README.md",
+        include_str!("../templates/python/README.md.tmpl"),
+    ),
 ];
 
 fn valid(name: &str) -> bool {
     name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
 }
 
 fn type_name(name: &str) -> String {
@@ -50,7 +87,9 @@ fn type_name(name: &str) -> String {
         .filter(|p| !p.is_empty())
         .map(|p| {
             let mut c = p.chars();
-            c.next().map(|f| f.to_ascii_uppercase().to_string() + c.as_str()).unwrap_or_default()
+            c.next()
+                .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
         })
         .collect()
 }
@@ -120,10 +159,16 @@ mod tests {
         assert!(yaml.contains("name: demo_env"));
         let app = std::fs::read_to_string(dir.join("server/app.py")).unwrap();
         assert!(app.contains("DemoEnvEnvironment") && !app.contains("{{"));
-        assert!(matches!(create("demo_env", true, tmp.path()), Err(ScaffoldError::Exists(_))));
+        assert!(matches!(
+            create("demo_env", true, tmp.path()),
+            Err(ScaffoldError::Exists(_))
+        ));
         let rust = create("rusty", false, tmp.path()).unwrap();
         let cargo = std::fs::read_to_string(rust.join("Cargo.toml")).unwrap();
         assert!(cargo.contains("agentstack-env = { path"));
-        assert!(matches!(create("Bad-Name", false, tmp.path()), Err(ScaffoldError::BadName(_))));
+        assert!(matches!(
+            create("Bad-Name", false, tmp.path()),
+            Err(ScaffoldError::BadName(_))
+        ));
     }
 }

@@ -79,7 +79,9 @@ impl EnvSpec {
                 state: schema_of::<StateSchema<E::State>>(),
                 reset_observation: None,
             },
-            factory: Arc::new(move || Ok(Box::new(Hosted::new(factory())) as Box<dyn DynEnvironment>)),
+            factory: Arc::new(move || {
+                Ok(Box::new(Hosted::new(factory())) as Box<dyn DynEnvironment>)
+            }),
             tasks,
         }
     }

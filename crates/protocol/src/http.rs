@@ -147,7 +147,10 @@ impl StepRequest {
         let action = match object.remove("action") {
             Some(Value::Object(action)) => Some(action),
             None => {
-                issues.push(ValidationIssue::missing(vec!["body".into(), "action".into()]));
+                issues.push(ValidationIssue::missing(vec![
+                    "body".into(),
+                    "action".into(),
+                ]));
                 None
             }
             Some(other) => {
@@ -181,7 +184,11 @@ impl StepRequest {
         };
         let mut id_issues = Vec::new();
         let request_id = optional_id(&mut object, "request_id", &mut id_issues);
-        issues.extend(id_issues.into_iter().map(|i| i.under(&[LocPart::from("body")])));
+        issues.extend(
+            id_issues
+                .into_iter()
+                .map(|i| i.under(&[LocPart::from("body")])),
+        );
         match action {
             Some(action) if issues.is_empty() => Ok(Self {
                 action,
@@ -323,7 +330,10 @@ mod tests {
         );
         let obj = json!({"action":{"message":"hi"},"timeout_s":0,"render":true});
         let err = StepRequest::from_object(obj.as_object().unwrap().clone()).unwrap_err();
-        assert_eq!(err[0].loc, vec![LocPart::from("body"), LocPart::from("timeout_s")]);
+        assert_eq!(
+            err[0].loc,
+            vec![LocPart::from("body"), LocPart::from("timeout_s")]
+        );
         let obj = json!({"action":{"message":"hi"},"timeout_s":2.5,"render":true});
         let ok = StepRequest::from_object(obj.as_object().unwrap().clone()).unwrap();
         assert_eq!(ok.timeout_s, Some(2.5));

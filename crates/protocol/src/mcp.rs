@@ -119,6 +119,10 @@ impl JsonRpcRequest {
 
     /// Parses a request body. On failure returns the error response to send:
     /// `-32700` for text that is not JSON, `-32600` for JSON that is not a request.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the error is the response to send, built once on a cold path"
+    )]
     pub fn parse(body: &str) -> Result<Self, JsonRpcResponse> {
         let value: Value = serde_json::from_str(body)
             .map_err(|_| JsonRpcResponse::error(None, code::PARSE_ERROR, None, None))?;
@@ -126,6 +130,10 @@ impl JsonRpcRequest {
     }
 
     /// Validates an already-parsed value as a request.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the error is the response to send, built once on a cold path"
+    )]
     pub fn from_value(value: Value) -> Result<Self, JsonRpcResponse> {
         let id = value
             .get("id")
@@ -458,15 +466,25 @@ mod tests {
             ("{}", code::INVALID_REQUEST),
             (r#"{"method":"tools/list","id":1}"#, code::INVALID_REQUEST),
             (r#"{"jsonrpc":"1.0","method":"x"}"#, code::INVALID_REQUEST),
-            (r#"{"jsonrpc":"2.0","method":"x","extra":1}"#, code::INVALID_REQUEST),
-            (r#"{"jsonrpc":"2.0","method":"x","params":[1]}"#, code::INVALID_REQUEST),
+            (
+                r#"{"jsonrpc":"2.0","method":"x","extra":1}"#,
+                code::INVALID_REQUEST,
+            ),
+            (
+                r#"{"jsonrpc":"2.0","method":"x","params":[1]}"#,
+                code::INVALID_REQUEST,
+            ),
         ];
         for (body, want) in bad {
             let resp = JsonRpcRequest::parse(body).unwrap_err();
             assert_eq!(resp.outcome.unwrap_err().code, want, "{body}");
         }
         let resp = JsonRpcRequest::parse(r#"{"method":"tools/list","id":9}"#).unwrap_err();
-        assert_eq!(resp.id, Some(RequestId::Number(9)), "keeps the id when it can");
+        assert_eq!(
+            resp.id,
+            Some(RequestId::Number(9)),
+            "keeps the id when it can"
+        );
     }
 
     #[test]
@@ -483,19 +501,29 @@ mod tests {
         );
         for resp in [ok, err] {
             let text = serde_json::to_string(&resp).unwrap();
-            assert_eq!(serde_json::from_str::<JsonRpcResponse>(&text).unwrap(), resp);
+            assert_eq!(
+                serde_json::from_str::<JsonRpcResponse>(&text).unwrap(),
+                resp
+            );
         }
     }
 
     #[test]
     fn step_actions_and_tool_spellings() {
         let a: McpStepAction = serde_json::from_value(json!({"type":"list_tools"})).unwrap();
-        assert_eq!(a, McpStepAction::ListTools { metadata: Map::new() });
+        assert_eq!(
+            a,
+            McpStepAction::ListTools {
+                metadata: Map::new()
+            }
+        );
         let a: McpStepAction = serde_json::from_value(
             json!({"type":"call_tool","tool_name":"echo_message","arguments":{"message":"x"}}),
         )
         .unwrap();
-        assert!(matches!(a, McpStepAction::CallTool { ref tool_name, .. } if tool_name == "echo_message"));
+        assert!(
+            matches!(a, McpStepAction::CallTool { ref tool_name, .. } if tool_name == "echo_message")
+        );
         assert!(serde_json::from_value::<McpStepAction>(json!({"type":"call_tool"})).is_err());
 
         let spec = ToolSpec {
@@ -506,7 +534,12 @@ mod tests {
         let v = serde_json::to_value(&spec).unwrap();
         assert!(v.get("inputSchema").is_some());
         let step: StepTool = spec.into();
-        assert!(serde_json::to_value(&step).unwrap().get("input_schema").is_some());
+        assert!(
+            serde_json::to_value(&step)
+                .unwrap()
+                .get("input_schema")
+                .is_some()
+        );
         let r = CallToolResult::ok(json!("hi"));
         assert_eq!(r.structured_content, Some(json!({"result":"hi"})));
     }

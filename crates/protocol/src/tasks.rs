@@ -136,6 +136,9 @@ mod tests {
             name: "train".into(),
             kind: SplitType::Train,
         };
-        assert_eq!(serde_json::to_string(&s).unwrap(), r#"{"name":"train","type":"train"}"#);
+        assert_eq!(
+            serde_json::to_string(&s).unwrap(),
+            r#"{"name":"train","type":"train"}"#
+        );
     }
 }

@@ -390,7 +390,11 @@ mod tests {
             let got = ClientMessage::parse(text).unwrap();
             assert_eq!(got, want, "{text}");
             let again = got.to_json();
-            assert_eq!(ClientMessage::parse(&again).unwrap(), want, "round trip {again}");
+            assert_eq!(
+                ClientMessage::parse(&again).unwrap(),
+                want,
+                "round trip {again}"
+            );
         }
     }
 
@@ -403,13 +407,41 @@ mod tests {
         let cases = [
             ("not json", ErrorCode::InvalidJson, "Invalid JSON"),
             ("{\"type\":", ErrorCode::InvalidJson, "Invalid JSON"),
-            (r#"{"type":"jump"}"#, ErrorCode::UnknownType, "Unknown message type: jump"),
-            (r#"{"data":{}}"#, ErrorCode::UnknownType, "Unknown message type: "),
-            (r#"{"type":5}"#, ErrorCode::UnknownType, "Unknown message type: <not a string>"),
-            (r#"{"type":"step"}"#, ErrorCode::ValidationError, "data: Field required"),
-            (r#"{"type":"step","data":[1]}"#, ErrorCode::ValidationError, "valid dictionary"),
-            (r#"{"type":"state","data":{}}"#, ErrorCode::ValidationError, "data: Extra inputs"),
-            (r#"{"type":"reset","x":1}"#, ErrorCode::ValidationError, "x: Extra inputs"),
+            (
+                r#"{"type":"jump"}"#,
+                ErrorCode::UnknownType,
+                "Unknown message type: jump",
+            ),
+            (
+                r#"{"data":{}}"#,
+                ErrorCode::UnknownType,
+                "Unknown message type: ",
+            ),
+            (
+                r#"{"type":5}"#,
+                ErrorCode::UnknownType,
+                "Unknown message type: <not a string>",
+            ),
+            (
+                r#"{"type":"step"}"#,
+                ErrorCode::ValidationError,
+                "data: Field required",
+            ),
+            (
+                r#"{"type":"step","data":[1]}"#,
+                ErrorCode::ValidationError,
+                "valid dictionary",
+            ),
+            (
+                r#"{"type":"state","data":{}}"#,
+                ErrorCode::ValidationError,
+                "data: Extra inputs",
+            ),
+            (
+                r#"{"type":"reset","x":1}"#,
+                ErrorCode::ValidationError,
+                "x: Extra inputs",
+            ),
             ("[1,2]", ErrorCode::ValidationError, "JSON object"),
             ("42", ErrorCode::ValidationError, "JSON object"),
         ];
@@ -454,5 +486,33 @@ mod tests {
             r#"{"type":"observation","data":{"observation":{"echoed_message":"hi"},"reward":0.2,"done":false}}"#
         );
         assert_eq!(parse_server_message(&text).unwrap(), msg);
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The parser never panics; whatever parses survives a round trip.
+        #[test]
+        fn arbitrary_text_never_panics(text in ".{0,200}") {
+            if let Ok(message) = ClientMessage::parse(&text) {
+                let again = message.to_json();
+                prop_assert_eq!(ClientMessage::parse(&again).unwrap(), message);
+            }
+        }
+
+        /// Envelopes built from arbitrary JSON objects round-trip.
+        #[test]
+        fn step_payloads_round_trip(key in "[a-z_]{1,12}", value in any::<i64>(), text in "\\PC{0,40}") {
+            let data = serde_json::json!({ key.clone(): value, "text": text });
+            let frame = serde_json::json!({"type": "step", "data": data}).to_string();
+            let message = ClientMessage::parse(&frame).unwrap();
+            let ClientMessage::Step(raw) = message else { panic!("not a step") };
+            let back: Value = serde_json::from_str(raw.get()).unwrap();
+            prop_assert_eq!(back, data);
+        }
     }
 }

@@ -6,8 +6,8 @@ use agentstack_protocol::http::{ErrorDetail, HealthResponse, ResetRequest, StepR
 use agentstack_protocol::mcp::JsonRpcRequest;
 use agentstack_protocol::openapi::{self, Routes};
 use agentstack_protocol::tasks::{
-    NumTasksResponse, SplitRequest, TaskRangeRequest, TaskRangeResponse, TaskRequest,
-    TaskResponse, TasksResponse, resolve_index, resolve_range,
+    NumTasksResponse, SplitRequest, TaskRangeRequest, TaskRangeResponse, TaskRequest, TaskResponse,
+    TasksResponse, resolve_index, resolve_range,
 };
 use agentstack_protocol::validation::ValidationIssue;
 use axum::Router;
@@ -45,9 +45,10 @@ pub(crate) enum ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, body) = match self {
-            ApiError::Validation(issues) => {
-                (StatusCode::UNPROCESSABLE_ENTITY, ErrorDetail::issues(issues))
-            }
+            ApiError::Validation(issues) => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                ErrorDetail::issues(issues),
+            ),
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, ErrorDetail::message(m)),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, ErrorDetail::message(m)),
             ApiError::NotImplemented(m) => (StatusCode::NOT_IMPLEMENTED, ErrorDetail::message(m)),
@@ -107,14 +108,12 @@ impl EnvCtx {
             .map_err(|m| ApiError::Execution(format!("could not create the environment: {m}")))
     }
 
-    async fn timed<T>(
-        &self,
-        what: &str,
-        fut: impl Future<Output = T>,
-    ) -> Result<T, ApiError> {
+    async fn timed<T>(&self, what: &str, fut: impl Future<Output = T>) -> Result<T, ApiError> {
         let limit = self.state.config.step_timeout;
         tokio::time::timeout(limit, fut).await.map_err(|_| {
-            ApiError::Timeout(format!("{what} took longer than the step timeout of {limit:?}"))
+            ApiError::Timeout(format!(
+                "{what} took longer than the step timeout of {limit:?}"
+            ))
         })
     }
 }
@@ -163,7 +162,11 @@ async fn openapi_doc(State(ctx): State<EnvCtx>) -> Response {
     ))
 }
 
-async fn ws(State(ctx): State<EnvCtx>, upgrade: WebSocketUpgrade, query: axum::extract::Query<SessionQuery>) -> Response {
+async fn ws(
+    State(ctx): State<EnvCtx>,
+    upgrade: WebSocketUpgrade,
+    query: axum::extract::Query<SessionQuery>,
+) -> Response {
     super::ws::upgrade(ctx, upgrade, query.0.session_id, super::ws::Mode::Env)
 }
 
@@ -208,7 +211,12 @@ fn body_object(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError>
 
 async fn reset(State(ctx): State<EnvCtx>, body: Bytes) -> Result<Response, ApiError> {
     let request = ResetRequest::from_object(body_object(&body)?).map_err(|issues| {
-        ApiError::Validation(issues.into_iter().map(|i| i.under(&["body".into()])).collect())
+        ApiError::Validation(
+            issues
+                .into_iter()
+                .map(|i| i.under(&["body".into()]))
+                .collect(),
+        )
     })?;
     let mut env = ctx.fresh()?;
     let result = ctx.timed("reset", env.reset(request)).await??;
@@ -223,7 +231,9 @@ async fn step(State(ctx): State<EnvCtx>, body: Bytes) -> Result<Response, ApiErr
     let limit = request
         .timeout_s
         .map(std::time::Duration::from_secs_f64)
-        .map_or(ctx.state.config.step_timeout, |t| t.min(ctx.state.config.step_timeout));
+        .map_or(ctx.state.config.step_timeout, |t| {
+            t.min(ctx.state.config.step_timeout)
+        });
     let result = tokio::time::timeout(limit, step_raw(env.as_mut(), &action))
         .await
         .map_err(|_| ApiError::Timeout(format!("step took longer than {limit:?}")))?;
@@ -276,10 +286,7 @@ fn task_source(
         .ok_or_else(|| ApiError::NotFound(format!("unknown environment '{env_name}'")))?;
     let spec = &state.envs[index];
     let tasks = spec.tasks().cloned().ok_or_else(|| {
-        ApiError::NotImplemented(format!(
-            "environment '{}' has no task list",
-            spec.name()
-        ))
+        ApiError::NotImplemented(format!("environment '{}' has no task list", spec.name()))
     })?;
     Ok((spec.name().to_owned(), tasks))
 }
@@ -287,7 +294,12 @@ fn task_source(
 fn parse_body<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     let text = std::str::from_utf8(body).unwrap_or("");
     crate::environment::deserialize_with_issues::<T>(text).map_err(|issues| {
-        ApiError::Validation(issues.into_iter().map(|i| i.under(&["body".into()])).collect())
+        ApiError::Validation(
+            issues
+                .into_iter()
+                .map(|i| i.under(&["body".into()]))
+                .collect(),
+        )
     })
 }
 

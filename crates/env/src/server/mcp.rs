@@ -17,7 +17,8 @@ pub(crate) async fn handle(
     bound: Option<&Arc<Session>>,
 ) -> JsonRpcResponse {
     let id = request.id.clone();
-    let err = |code: i64, message: String| JsonRpcResponse::error(id.clone(), code, Some(message), None);
+    let err =
+        |code: i64, message: String| JsonRpcResponse::error(id.clone(), code, Some(message), None);
     let sessions = &ctx.state.sessions;
     match request.method.as_str() {
         method::SESSION_CREATE => {
@@ -50,7 +51,10 @@ pub(crate) async fn handle(
                 );
             }
             let Some(session) = sessions.get(target) else {
-                return err(code::INVALID_PARAMS, format!("Unknown session_id: {target}"));
+                return err(
+                    code::INVALID_PARAMS,
+                    format!("Unknown session_id: {target}"),
+                );
             };
             if session.attached.load(Ordering::Acquire) {
                 session.close_requested.store(true, Ordering::Release);
@@ -87,7 +91,10 @@ pub(crate) async fn handle(
                 }
                 None => match ctx.state.envs[ctx.index].instantiate() {
                     Ok(mut env) => tools(ctx, env.as_mut(), &request).await,
-                    Err(m) => err(code::INTERNAL_ERROR, format!("could not create the environment: {m}")),
+                    Err(m) => err(
+                        code::INTERNAL_ERROR,
+                        format!("could not create the environment: {m}"),
+                    ),
                 },
             }
         }
@@ -95,12 +102,20 @@ pub(crate) async fn handle(
     }
 }
 
-async fn tools(ctx: &EnvCtx, env: &mut dyn DynEnvironment, request: &JsonRpcRequest) -> JsonRpcResponse {
+async fn tools(
+    ctx: &EnvCtx,
+    env: &mut dyn DynEnvironment,
+    request: &JsonRpcRequest,
+) -> JsonRpcResponse {
     let id = request.id.clone();
-    let err = |code: i64, message: String| JsonRpcResponse::error(id.clone(), code, Some(message), None);
+    let err =
+        |code: i64, message: String| JsonRpcResponse::error(id.clone(), code, Some(message), None);
     let specs = env.tools();
     if specs.is_empty() {
-        return err(code::INTERNAL_ERROR, "Environment does not support MCP".into());
+        return err(
+            code::INTERNAL_ERROR,
+            "Environment does not support MCP".into(),
+        );
     }
     if request.method == method::TOOLS_LIST {
         return JsonRpcResponse::result(id.clone(), json!({ "tools": specs }));

@@ -139,8 +139,16 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         && !matches!(
             name,
-            "ws" | "mcp" | "reset" | "step" | "state" | "health" | "metadata" | "schema"
-                | "docs" | "openapi.json" | "list_environments"
+            "ws" | "mcp"
+                | "reset"
+                | "step"
+                | "state"
+                | "health"
+                | "metadata"
+                | "schema"
+                | "docs"
+                | "openapi.json"
+                | "list_environments"
         )
 }
 
@@ -259,8 +267,7 @@ impl Server {
         let mut rx = handle.shutdown.subscribe();
         let result = axum::serve(
             self.listener,
-            self.app
-                .into_make_service_with_connect_info::<SocketAddr>(),
+            self.app.into_make_service_with_connect_info::<SocketAddr>(),
         )
         .with_graceful_shutdown(async move {
             tokio::select! {
@@ -276,14 +283,19 @@ impl Server {
 }
 
 async fn reap_loop(state: Arc<AppState>) {
-    let every = (state.config.idle_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(30));
+    let every =
+        (state.config.idle_timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(30));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let reaped = state.sessions.reap_idle(state.config.idle_timeout);
         if reaped > 0 {
-            tracing::info!(reaped, active = state.sessions.active(), "reaped idle sessions");
+            tracing::info!(
+                reaped,
+                active = state.sessions.active(),
+                "reaped idle sessions"
+            );
         }
     }
 }
@@ -297,5 +309,7 @@ pub(crate) fn app(state: Arc<AppState>) -> Router {
     }
     router
         .fallback(http::not_found)
-        .layer(axum::extract::DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            state.config.max_body_bytes,
+        ))
 }

@@ -92,7 +92,9 @@ impl Sessions {
     }
 
     pub fn touch(&self, session: &Session) {
-        session.last_active_ms.store(self.now_ms(), Ordering::Relaxed);
+        session
+            .last_active_ms
+            .store(self.now_ms(), Ordering::Relaxed);
     }
 
     pub fn idle_for(&self, session: &Session) -> Duration {
@@ -111,7 +113,10 @@ impl Sessions {
             .filter(|s| !s.attached.load(Ordering::Acquire) && self.idle_for(s) > limit)
             .map(|s| s.id.clone())
             .collect();
-        expired.iter().filter(|id| self.remove(id).is_some()).count()
+        expired
+            .iter()
+            .filter(|id| self.remove(id).is_some())
+            .count()
     }
 
     /// Removes every session (shutdown).

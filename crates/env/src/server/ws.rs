@@ -145,7 +145,9 @@ where
             next = tokio::time::timeout(idle, socket.next()) => Some(next),
         };
         let Some(next) = next else {
-            let _ = socket.send(close_frame(CLOSE_NORMAL, "server shutting down")).await;
+            let _ = socket
+                .send(close_frame(CLOSE_NORMAL, "server shutting down"))
+                .await;
             break;
         };
         let message = match next {
@@ -176,7 +178,9 @@ where
                         ),
                     );
                     let _ = socket.send(error_frame(&err)).await;
-                    let _ = socket.send(close_frame(CLOSE_TOO_BIG, "message too big")).await;
+                    let _ = socket
+                        .send(close_frame(CLOSE_TOO_BIG, "message too big"))
+                        .await;
                 }
                 tracing::debug!(error = %message, "WebSocket read failed");
                 break;
@@ -262,7 +266,10 @@ async fn handle_envelope(ctx: &EnvCtx, session: &Arc<Session>, frame: &str) -> R
     Reply::Frame(match message {
         ClientMessage::Reset(data) => match ResetRequest::parse(data.get()) {
             Err(issues) => error_json(WsError::validation(
-                issues.into_iter().map(|i| i.under(&["data".into()])).collect(),
+                issues
+                    .into_iter()
+                    .map(|i| i.under(&["data".into()]))
+                    .collect(),
             )),
             Ok(request) => {
                 let mut env = session.env.lock().await;
@@ -292,9 +299,15 @@ async fn handle_envelope(ctx: &EnvCtx, session: &Arc<Session>, frame: &str) -> R
                     Ok(request) => super::mcp::handle(ctx, request, Some(session)).await,
                     Err(response) => response,
                 },
-                Err(_) => JsonRpcResponse::error(None, agentstack_protocol::mcp::code::PARSE_ERROR, None, None),
+                Err(_) => JsonRpcResponse::error(
+                    None,
+                    agentstack_protocol::mcp::code::PARSE_ERROR,
+                    None,
+                    None,
+                ),
             };
-            ServerMessage::<()>::Mcp(serde_json::to_value(response).expect("responses serialize")).to_json()
+            ServerMessage::<()>::Mcp(serde_json::to_value(response).expect("responses serialize"))
+                .to_json()
         }
     })
 }

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use agentstack_env::client::{ClientConfig, ClientError, EnvClient, HttpClient};
 use agentstack_env::server::{Server, ServerConfig, ServerHandle};
-use agentstack_env::{EnvError, EnvInfo, EnvSpec, Environment, ResetArgs, Step, TaskError, TaskSource, ToolCallError};
+use agentstack_env::{
+    EnvError, EnvInfo, EnvSpec, Environment, ResetArgs, Step, TaskError, TaskSource, ToolCallError,
+};
 use agentstack_protocol::http::ResetRequest;
 use agentstack_protocol::mcp::{ToolSpec, code, method};
 use agentstack_protocol::tasks::{Split, SplitType};
@@ -42,10 +44,17 @@ struct Numbers;
 
 impl TaskSource for Numbers {
     fn splits(&self) -> Vec<Split> {
-        vec![Split { name: "train".into(), kind: SplitType::Train }]
+        vec![Split {
+            name: "train".into(),
+            kind: SplitType::Train,
+        }]
     }
     fn num_tasks(&self, split: &str) -> Result<usize, TaskError> {
-        if split == "train" { Ok(5) } else { Err(self.unknown_split(split)) }
+        if split == "train" {
+            Ok(5)
+        } else {
+            Err(self.unknown_split(split))
+        }
     }
     fn task(&self, split: &str, index: usize) -> Result<Value, TaskError> {
         if index >= self.num_tasks(split)? {
@@ -94,7 +103,11 @@ impl Environment for Counter {
         }]
     }
 
-    async fn call_tool(&mut self, name: &str, _arguments: Map<String, Value>) -> Result<Value, ToolCallError> {
+    async fn call_tool(
+        &mut self,
+        name: &str,
+        _arguments: Map<String, Value>,
+    ) -> Result<Value, ToolCallError> {
         match name {
             "peek" => Ok(json!(self.total)),
             other => Err(ToolCallError::NotFound(other.to_owned())),
@@ -118,16 +131,24 @@ impl Drop for Running {
 }
 
 async fn start(config: ServerConfig) -> Running {
-    let server = Server::bind(config, vec![EnvSpec::new(Counter::default)]).await.unwrap();
+    let server = Server::bind(config, vec![EnvSpec::new(Counter::default)])
+        .await
+        .unwrap();
     let url = server.url();
     let handle = server.handle();
     tokio::spawn(server.serve());
     Running { url, handle }
 }
 
-async fn raw(url: &str, query: &str) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>> {
+async fn raw(
+    url: &str,
+    query: &str,
+) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>> {
     let ws = url.replace("http://", "ws://");
-    tokio_tungstenite::connect_async(format!("{ws}/ws{query}")).await.unwrap().0
+    tokio_tungstenite::connect_async(format!("{ws}/ws{query}"))
+        .await
+        .unwrap()
+        .0
 }
 
 async fn reply<S>(socket: &mut S) -> Value
@@ -135,7 +156,9 @@ where
     S: StreamExt<Item = Result<Message, tokio_tungstenite::tungstenite::Error>> + Unpin,
 {
     loop {
-        let msg = tokio::time::timeout(Duration::from_secs(10), socket.next()).await.expect("reply in time");
+        let msg = tokio::time::timeout(Duration::from_secs(10), socket.next())
+            .await
+            .expect("reply in time");
         match msg {
             Some(Ok(Message::Text(t))) => return serde_json::from_str(t.as_str()).unwrap(),
             Some(Ok(Message::Close(frame))) => {
@@ -150,17 +173,33 @@ where
 #[tokio::test]
 async fn episode_over_websocket() {
     let server = start(ServerConfig::default()).await;
-    let mut client = EnvClient::connect(&server.url, ClientConfig::default()).await.unwrap();
+    let mut client = EnvClient::connect(&server.url, ClientConfig::default())
+        .await
+        .unwrap();
     let r = client
-        .reset(ResetRequest { seed: Some(3), episode_id: Some("ep-1".into()), options: Map::new() })
+        .reset(ResetRequest {
+            seed: Some(3),
+            episode_id: Some("ep-1".into()),
+            options: Map::new(),
+        })
         .await
         .unwrap();
     assert_eq!(r.observation["total"], 3);
-    assert_eq!(r.observation["metadata"], json!({}), "metadata nested as the reference does");
+    assert_eq!(
+        r.observation["metadata"],
+        json!({}),
+        "metadata nested as the reference does"
+    );
     assert_eq!(r.reward, None);
     let r = client.step(&json!({"amount": 4})).await.unwrap();
-    assert_eq!((r.observation["total"].clone(), r.reward, r.done), (json!(7), Some(0.7), false));
-    let r = client.step(&json!({"amount": 4, "metadata": {}})).await.unwrap();
+    assert_eq!(
+        (r.observation["total"].clone(), r.reward, r.done),
+        (json!(7), Some(0.7), false)
+    );
+    let r = client
+        .step(&json!({"amount": 4, "metadata": {}}))
+        .await
+        .unwrap();
     assert!(r.done, "the Action base's metadata key is accepted");
     let state = client.state().await.unwrap();
     assert_eq!(state["episode_id"], "ep-1");
@@ -179,28 +218,53 @@ async fn bad_frames_get_reference_codes_and_the_session_survives() {
         ("{oops", "INVALID_JSON"),
         (r#"{"type":"teleport"}"#, "UNKNOWN_TYPE"),
         (r#"{"type":"state","extra":true}"#, "VALIDATION_ERROR"),
-        (r#"{"type":"step","data":{"amount":"many"}}"#, "VALIDATION_ERROR"),
-        (r#"{"type":"step","data":{"amount":1,"bogus":2}}"#, "VALIDATION_ERROR"),
+        (
+            r#"{"type":"step","data":{"amount":"many"}}"#,
+            "VALIDATION_ERROR",
+        ),
+        (
+            r#"{"type":"step","data":{"amount":1,"bogus":2}}"#,
+            "VALIDATION_ERROR",
+        ),
         (r#"{"type":"step","data":{}}"#, "VALIDATION_ERROR"),
         (r#"{"type":"reset","data":{"seed":-1}}"#, "VALIDATION_ERROR"),
-        (r#"{"type":"reset","data":{"explode":true}}"#, "EXECUTION_ERROR"),
+        (
+            r#"{"type":"reset","data":{"explode":true}}"#,
+            "EXECUTION_ERROR",
+        ),
     ];
     for (frame, code) in cases {
         ws.send(Message::Text(frame.into())).await.unwrap();
         let r = reply(&mut ws).await;
         assert_eq!(r["type"], "error", "{frame}: {r}");
         assert_eq!(r["data"]["code"], code, "{frame}: {r}");
-        assert!(r["data"]["message"].as_str().unwrap().len() > 5, "says what was wrong: {r}");
+        assert!(
+            r["data"]["message"].as_str().unwrap().len() > 5,
+            "says what was wrong: {r}"
+        );
     }
     // The wrong field is named.
-    ws.send(Message::Text(r#"{"type":"step","data":{"amount":1,"bogus":2}}"#.into())).await.unwrap();
+    ws.send(Message::Text(
+        r#"{"type":"step","data":{"amount":1,"bogus":2}}"#.into(),
+    ))
+    .await
+    .unwrap();
     let r = reply(&mut ws).await;
-    assert!(r["data"]["message"].as_str().unwrap().contains("bogus"), "{r}");
+    assert!(
+        r["data"]["message"].as_str().unwrap().contains("bogus"),
+        "{r}"
+    );
     // Step before reset is allowed, as in the reference.
-    ws.send(Message::Text(r#"{"type":"step","data":{"amount":2}}"#.into())).await.unwrap();
+    ws.send(Message::Text(
+        r#"{"type":"step","data":{"amount":2}}"#.into(),
+    ))
+    .await
+    .unwrap();
     assert_eq!(reply(&mut ws).await["type"], "observation");
     // A binary frame is fatal: SESSION_ERROR then close 1000.
-    ws.send(Message::Binary(vec![1, 2, 3].into())).await.unwrap();
+    ws.send(Message::Binary(vec![1, 2, 3].into()))
+        .await
+        .unwrap();
     let r = reply(&mut ws).await;
     assert_eq!(r["data"]["code"], "SESSION_ERROR");
     assert_eq!(reply(&mut ws).await, json!({"closed": 1000}));
@@ -210,29 +274,49 @@ async fn bad_frames_get_reference_codes_and_the_session_survives() {
 
 #[tokio::test]
 async fn oversized_frame_is_refused_with_a_message() {
-    let server = start(ServerConfig { max_frame_bytes: 64 * 1024, ..ServerConfig::default() }).await;
+    let server = start(ServerConfig {
+        max_frame_bytes: 64 * 1024,
+        ..ServerConfig::default()
+    })
+    .await;
     let mut ws = raw(&server.url, "").await;
-    let big = format!(r#"{{"type":"step","data":{{"amount":1,"pad":"{}"}}}}"#, "x".repeat(100 * 1024));
+    let big = format!(
+        r#"{{"type":"step","data":{{"amount":1,"pad":"{}"}}}}"#,
+        "x".repeat(100 * 1024)
+    );
     let _ = ws.send(Message::Text(big.into())).await;
     let r = reply(&mut ws).await;
     assert_eq!(r["data"]["code"], "SESSION_ERROR", "{r}");
-    assert!(r["data"]["message"].as_str().unwrap().contains("65536"), "{r}");
+    assert!(
+        r["data"]["message"].as_str().unwrap().contains("65536"),
+        "{r}"
+    );
     // The server is still up.
-    let mut client = EnvClient::connect(&server.url, ClientConfig::default()).await.unwrap();
+    let mut client = EnvClient::connect(&server.url, ClientConfig::default())
+        .await
+        .unwrap();
     client.reset(ResetRequest::default()).await.unwrap();
 }
 
 #[tokio::test]
 async fn unknown_session_and_capacity_are_fatal() {
-    let server = start(ServerConfig { max_sessions: 2, ..ServerConfig::default() }).await;
+    let server = start(ServerConfig {
+        max_sessions: 2,
+        ..ServerConfig::default()
+    })
+    .await;
     let mut ws = raw(&server.url, "?session_id=nope").await;
     let r = reply(&mut ws).await;
     assert_eq!(r["data"]["code"], "SESSION_ERROR");
     assert_eq!(r["data"]["message"], "Unknown session_id: nope");
     assert_eq!(reply(&mut ws).await, json!({"closed": 1000}));
 
-    let a = EnvClient::connect(&server.url, ClientConfig::default()).await.unwrap();
-    let b = EnvClient::connect(&server.url, ClientConfig::default()).await.unwrap();
+    let a = EnvClient::connect(&server.url, ClientConfig::default())
+        .await
+        .unwrap();
+    let b = EnvClient::connect(&server.url, ClientConfig::default())
+        .await
+        .unwrap();
     let mut c = raw(&server.url, "").await;
     let r = reply(&mut c).await;
     assert_eq!(r["data"]["code"], "CAPACITY_REACHED", "{r}");
@@ -249,7 +333,9 @@ async fn ten_thousand_abandoned_sessions_are_all_released() {
     for _batch in 0..50 {
         let sockets = futures_util::future::join_all((0..200).map(|_| async {
             let mut ws = raw(&server.url, "").await;
-            ws.send(Message::Text(r#"{"type":"reset"}"#.into())).await.unwrap();
+            ws.send(Message::Text(r#"{"type":"reset"}"#.into()))
+                .await
+                .unwrap();
             assert_eq!(reply(&mut ws).await["type"], "observation");
             ws
         }))
@@ -258,14 +344,22 @@ async fn ten_thousand_abandoned_sessions_are_all_released() {
     }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while server.handle.active_sessions() > baseline {
-        assert!(tokio::time::Instant::now() < deadline, "{} sessions leaked", server.handle.active_sessions());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} sessions leaked",
+            server.handle.active_sessions()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
 #[tokio::test]
 async fn abandoned_mcp_sessions_are_reaped_when_idle() {
-    let server = start(ServerConfig { idle_timeout: Duration::from_millis(300), ..ServerConfig::default() }).await;
+    let server = start(ServerConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..ServerConfig::default()
+    })
+    .await;
     let http = HttpClient::new(&server.url, Duration::from_secs(10)).unwrap();
     for _ in 0..200 {
         let r = http.mcp(method::SESSION_CREATE, Map::new()).await.unwrap();
@@ -278,7 +372,11 @@ async fn abandoned_mcp_sessions_are_reaped_when_idle() {
 
 #[tokio::test]
 async fn idle_websocket_is_closed_with_a_reason() {
-    let server = start(ServerConfig { idle_timeout: Duration::from_millis(200), ..ServerConfig::default() }).await;
+    let server = start(ServerConfig {
+        idle_timeout: Duration::from_millis(200),
+        ..ServerConfig::default()
+    })
+    .await;
     let mut ws = raw(&server.url, "").await;
     let r = reply(&mut ws).await;
     assert_eq!(r["data"]["code"], "SESSION_ERROR");
@@ -288,8 +386,14 @@ async fn idle_websocket_is_closed_with_a_reason() {
 
 #[tokio::test]
 async fn slow_step_times_out_and_server_stays_up() {
-    let server = start(ServerConfig { step_timeout: Duration::from_millis(200), ..ServerConfig::default() }).await;
-    let mut client = EnvClient::connect(&server.url, ClientConfig::default()).await.unwrap();
+    let server = start(ServerConfig {
+        step_timeout: Duration::from_millis(200),
+        ..ServerConfig::default()
+    })
+    .await;
+    let mut client = EnvClient::connect(&server.url, ClientConfig::default())
+        .await
+        .unwrap();
     client.reset(ResetRequest::default()).await.unwrap();
     match client.step(&json!({"amount": 999})).await {
         Err(ClientError::Server(e)) => {
@@ -305,7 +409,9 @@ async fn slow_step_times_out_and_server_stays_up() {
 async fn shutdown_closes_sessions_with_1000() {
     let server = start(ServerConfig::default()).await;
     let mut ws = raw(&server.url, "").await;
-    ws.send(Message::Text(r#"{"type":"reset"}"#.into())).await.unwrap();
+    ws.send(Message::Text(r#"{"type":"reset"}"#.into()))
+        .await
+        .unwrap();
     reply(&mut ws).await;
     server.handle.shutdown();
     assert_eq!(reply(&mut ws).await, json!({"closed": 1000}));
@@ -315,36 +421,77 @@ async fn shutdown_closes_sessions_with_1000() {
 async fn mcp_sessions_bind_to_websockets() {
     let server = start(ServerConfig::default()).await;
     let http = HttpClient::new(&server.url, Duration::from_secs(10)).unwrap();
-    let created = http.mcp(method::SESSION_CREATE, Map::new()).await.unwrap().outcome.unwrap();
+    let created = http
+        .mcp(method::SESSION_CREATE, Map::new())
+        .await
+        .unwrap()
+        .outcome
+        .unwrap();
     let sid = created["session_id"].as_str().unwrap().to_owned();
-    let mut client = EnvClient::attach(&server.url, &sid, ClientConfig::default()).await.unwrap();
-    client.reset(ResetRequest { seed: Some(5), ..Default::default() }).await.unwrap();
+    let mut client = EnvClient::attach(&server.url, &sid, ClientConfig::default())
+        .await
+        .unwrap();
+    client
+        .reset(ResetRequest {
+            seed: Some(5),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     let mut params = Map::new();
     params.insert("session_id".into(), json!(sid));
     params.insert("name".into(), json!("peek"));
-    let peek = http.mcp(method::TOOLS_CALL, params.clone()).await.unwrap().outcome.unwrap();
-    assert_eq!(peek["data"], 5, "tools/call sees the WebSocket's episode: {peek}");
+    let peek = http
+        .mcp(method::TOOLS_CALL, params.clone())
+        .await
+        .unwrap()
+        .outcome
+        .unwrap();
+    assert_eq!(
+        peek["data"], 5,
+        "tools/call sees the WebSocket's episode: {peek}"
+    );
     // A second socket cannot attach.
     let mut second = raw(&server.url, &format!("?session_id={sid}")).await;
     assert_eq!(reply(&mut second).await["data"]["code"], "SESSION_ERROR");
     // Closing while attached defers.
     let mut close = Map::new();
     close.insert("session_id".into(), json!(sid));
-    let closing = http.mcp(method::SESSION_CLOSE, close.clone()).await.unwrap().outcome.unwrap();
+    let closing = http
+        .mcp(method::SESSION_CLOSE, close.clone())
+        .await
+        .unwrap()
+        .outcome
+        .unwrap();
     assert_eq!(closing["closing"], true);
     client.close().await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(server.handle.active_sessions(), 0);
-    let gone = http.mcp(method::SESSION_CLOSE, close).await.unwrap().outcome.unwrap_err();
+    let gone = http
+        .mcp(method::SESSION_CLOSE, close)
+        .await
+        .unwrap()
+        .outcome
+        .unwrap_err();
     assert_eq!(gone.code, code::INVALID_PARAMS);
     // Through the WebSocket's own mcp envelope.
-    let mut client = EnvClient::connect(&server.url, ClientConfig::default()).await.unwrap();
-    let tools = client.mcp(method::TOOLS_LIST, Map::new()).await.unwrap().outcome.unwrap();
+    let mut client = EnvClient::connect(&server.url, ClientConfig::default())
+        .await
+        .unwrap();
+    let tools = client
+        .mcp(method::TOOLS_LIST, Map::new())
+        .await
+        .unwrap()
+        .outcome
+        .unwrap();
     assert_eq!(tools["tools"][0]["inputSchema"]["type"], "object");
     // And the step-path actions of 0.3.0 clients.
     let r = client.step(&json!({"type":"list_tools"})).await.unwrap();
     assert_eq!(r.observation["tools"][0]["input_schema"]["type"], "object");
-    let r = client.step(&json!({"type":"call_tool","tool_name":"nope","arguments":{}})).await.unwrap();
+    let r = client
+        .step(&json!({"type":"call_tool","tool_name":"nope","arguments":{}}))
+        .await
+        .unwrap();
     assert_eq!(r.observation["error"]["error_type"], "tool_not_found");
 }
 
@@ -355,10 +502,22 @@ async fn mcp_http_errors_have_reference_codes() {
     let cases = [
         ("{", code::PARSE_ERROR),
         ("{}", code::INVALID_REQUEST),
-        (r#"{"jsonrpc":"2.0","method":"nope","id":1}"#, code::METHOD_NOT_FOUND),
-        (r#"{"jsonrpc":"2.0","method":"tools/call","params":{},"id":2}"#, code::INVALID_PARAMS),
-        (r#"{"jsonrpc":"2.0","method":"tools/list","params":{"session_id":"x"},"id":3}"#, code::INVALID_PARAMS),
-        (r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"nope"},"id":4}"#, code::INTERNAL_ERROR),
+        (
+            r#"{"jsonrpc":"2.0","method":"nope","id":1}"#,
+            code::METHOD_NOT_FOUND,
+        ),
+        (
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{},"id":2}"#,
+            code::INVALID_PARAMS,
+        ),
+        (
+            r#"{"jsonrpc":"2.0","method":"tools/list","params":{"session_id":"x"},"id":3}"#,
+            code::INVALID_PARAMS,
+        ),
+        (
+            r#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"nope"},"id":4}"#,
+            code::INTERNAL_ERROR,
+        ),
     ];
     for (body, want) in cases {
         let (status, v) = http.post_json("/mcp", body.into()).await.unwrap();
@@ -372,7 +531,10 @@ async fn mcp_http_errors_have_reference_codes() {
 async fn http_routes_match_the_reference() {
     let server = start(ServerConfig::default()).await;
     let http = HttpClient::new(&server.url, Duration::from_secs(10)).unwrap();
-    assert_eq!(http.get_json("/health").await.unwrap().1, json!({"status":"healthy"}));
+    assert_eq!(
+        http.get_json("/health").await.unwrap().1,
+        json!({"status":"healthy"})
+    );
     let meta = http.metadata().await.unwrap();
     assert_eq!(meta.name, "counter");
     let schema = http.schema().await.unwrap();
@@ -381,17 +543,35 @@ async fn http_routes_match_the_reference() {
     assert!(schema.state["properties"]["step_count"].is_object());
     let (_, doc) = http.get_json("/openapi.json").await.unwrap();
     assert_eq!(doc["info"]["version"], "1.0.0");
-    let (s, r) = http.post_json("/reset", r#"{"seed":4}"#.into()).await.unwrap();
+    let (s, r) = http
+        .post_json("/reset", r#"{"seed":4}"#.into())
+        .await
+        .unwrap();
     assert_eq!((s, r["observation"]["total"].clone()), (200, json!(4)));
     let (s, r) = http.post_json("/reset", "".into()).await.unwrap();
     assert_eq!(s, 200, "empty body is allowed: {r}");
-    let (s, r) = http.post_json("/reset", r#"{"seed":-3}"#.into()).await.unwrap();
-    assert_eq!((s, r["detail"][0]["loc"].clone()), (422, json!(["body", "seed"])));
-    let (s, r) = http.post_json("/step", r#"{"action":{"amount":3}}"#.into()).await.unwrap();
+    let (s, r) = http
+        .post_json("/reset", r#"{"seed":-3}"#.into())
+        .await
+        .unwrap();
+    assert_eq!(
+        (s, r["detail"][0]["loc"].clone()),
+        (422, json!(["body", "seed"]))
+    );
+    let (s, r) = http
+        .post_json("/step", r#"{"action":{"amount":3}}"#.into())
+        .await
+        .unwrap();
     assert_eq!((s, r["reward"].clone()), (200, json!(0.3)));
     let (s, r) = http.post_json("/step", "{}".into()).await.unwrap();
-    assert_eq!((s, r["detail"][0]["loc"].clone()), (422, json!(["body", "action"])));
-    let (s, r) = http.post_json("/step", r#"{"action":{"amount":"x"}}"#.into()).await.unwrap();
+    assert_eq!(
+        (s, r["detail"][0]["loc"].clone()),
+        (422, json!(["body", "action"]))
+    );
+    let (s, r) = http
+        .post_json("/step", r#"{"action":{"amount":"x"}}"#.into())
+        .await
+        .unwrap();
     assert_eq!((s, r["detail"][0]["loc"].clone()), (422, json!(["amount"])));
     let (s, r) = http.get_json("/state").await.unwrap();
     assert_eq!((s, r["step_count"].clone()), (200, json!(0)));
@@ -401,30 +581,63 @@ async fn http_routes_match_the_reference() {
     let (s, _) = http.get_json("/nothing-here").await.unwrap();
     assert_eq!(s, 404);
     // Task API.
-    assert_eq!(http.get_json("/list_environments").await.unwrap().1, json!(["counter"]));
+    assert_eq!(
+        http.get_json("/list_environments").await.unwrap().1,
+        json!(["counter"])
+    );
     let (s, r) = http.get_json("/counter/splits").await.unwrap();
     assert_eq!((s, r), (200, json!([{"name":"train","type":"train"}])));
-    let (s, r) = http.post_json("/counter/num_tasks", r#"{"split":"train"}"#.into()).await.unwrap();
+    let (s, r) = http
+        .post_json("/counter/num_tasks", r#"{"split":"train"}"#.into())
+        .await
+        .unwrap();
     assert_eq!((s, r), (200, json!({"num_tasks":5})));
-    let (_, r) = http.post_json("/counter/task", r#"{"split":"train","index":-1}"#.into()).await.unwrap();
+    let (_, r) = http
+        .post_json("/counter/task", r#"{"split":"train","index":-1}"#.into())
+        .await
+        .unwrap();
     assert_eq!(r, json!({"task":{"start":4}}));
-    let (s, r) = http.post_json("/counter/task", r#"{"split":"train","index":9}"#.into()).await.unwrap();
+    let (s, r) = http
+        .post_json("/counter/task", r#"{"split":"train","index":9}"#.into())
+        .await
+        .unwrap();
     assert_eq!((s, r), (400, json!({"detail":"Invalid task index"})));
-    let (_, r) = http.post_json("/counter/task_range", r#"{"split":"train","start":1,"stop":3}"#.into()).await.unwrap();
+    let (_, r) = http
+        .post_json(
+            "/counter/task_range",
+            r#"{"split":"train","start":1,"stop":3}"#.into(),
+        )
+        .await
+        .unwrap();
     assert_eq!(r["tasks"].as_array().unwrap().len(), 2);
-    let (s, r) = http.post_json("/counter/tasks", r#"{"split":"train"}"#.into()).await.unwrap();
+    let (s, r) = http
+        .post_json("/counter/tasks", r#"{"split":"train"}"#.into())
+        .await
+        .unwrap();
     assert_eq!((s, r["env_name"].clone()), (200, json!("counter")));
     let (s, r) = http.get_json("/other/splits").await.unwrap();
-    assert_eq!((s, r), (404, json!({"detail":"unknown environment 'other'"})));
-    let (s, _) = http.post_json("/counter/tasks", r#"{"split":"train","x":1}"#.into()).await.unwrap();
+    assert_eq!(
+        (s, r),
+        (404, json!({"detail":"unknown environment 'other'"}))
+    );
+    let (s, _) = http
+        .post_json("/counter/tasks", r#"{"split":"train","x":1}"#.into())
+        .await
+        .unwrap();
     assert_eq!(s, 422);
 }
 
 #[tokio::test]
 async fn conformance_suite_passes_on_our_server() {
     let server = start(ServerConfig::default()).await;
-    let report = agentstack_env::conformance::validate(&server.url, &Default::default()).await.unwrap();
-    let failed: Vec<_> = report.checks.iter().filter(|c| c.status == agentstack_env::conformance::Status::Fail).collect();
+    let report = agentstack_env::conformance::validate(&server.url, &Default::default())
+        .await
+        .unwrap();
+    let failed: Vec<_> = report
+        .checks
+        .iter()
+        .filter(|c| c.status == agentstack_env::conformance::Status::Fail)
+        .collect();
     assert!(report.passed, "{failed:#?}");
     assert!(report.checks.len() >= 15);
 }
@@ -432,8 +645,14 @@ async fn conformance_suite_passes_on_our_server() {
 #[tokio::test]
 async fn server_messages_parse_with_protocol_types() {
     let server = start(ServerConfig::default()).await;
-    let mut client = EnvClient::connect(&server.url, ClientConfig::default()).await.unwrap();
-    match client.request_raw(r#"{"type":"state"}"#.into()).await.unwrap() {
+    let mut client = EnvClient::connect(&server.url, ClientConfig::default())
+        .await
+        .unwrap();
+    match client
+        .request_raw(r#"{"type":"state"}"#.into())
+        .await
+        .unwrap()
+    {
         ServerMessage::State(s) => assert_eq!(s["step_count"], 0),
         other => panic!("{other:?}"),
     }

@@ -1,0 +1,148 @@
+//! `agentstack env serve`: built-in environments in one process, or one foreign
+//! environment (an OpenEnv package or a command line) behind our address.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use agentstack_env::EnvSpec;
+use agentstack_env::foreign::{ForeignCommand, ForeignEnv};
+use agentstack_env::server::Server;
+use anyhow::{Context, anyhow, bail};
+
+use crate::Exit;
+use crate::args::ServeArgs;
+use crate::settings;
+
+/// What one target names.
+pub(crate) enum Target {
+    /// A built-in environment.
+    Builtin(EnvSpec),
+    /// A server to start and proxy.
+    Foreign(ForeignCommand),
+}
+
+/// Resolves a target string: a built-in name, a package directory, or a command line.
+pub(crate) fn resolve(target: &str, python: &str) -> anyhow::Result<Target> {
+    if let Some(spec) = agentstack_envs::find(target) {
+        return Ok(Target::Builtin(spec));
+    }
+    let path = Path::new(target);
+    if path.is_dir() {
+        if !path.join("openenv.yaml").is_file() {
+            bail!(
+                "{} is a directory without an openenv.yaml\nhint: serve an OpenEnv package directory, a built-in name ({}), or a quoted command line",
+                path.display(),
+                builtin_names()
+            );
+        }
+        return Ok(Target::Foreign(ForeignCommand::python_package(
+            path, python,
+        )?));
+    }
+    if target.contains(char::is_whitespace) {
+        return Ok(Target::Foreign(ForeignCommand::command_line(target)?));
+    }
+    Err(anyhow!(
+        "'{target}' is not a built-in environment, a directory or a command line\nhint: built-in environments are: {}",
+        builtin_names()
+    ))
+}
+
+pub(crate) fn builtin_names() -> String {
+    agentstack_envs::builtin()
+        .iter()
+        .map(|s| s.name().to_owned())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+/// Serves until Ctrl-C or SIGTERM.
+pub async fn run(args: ServeArgs) -> Result<(), Exit> {
+    let python = settings::python(args.python.as_deref());
+    let config = settings::server_config(&args);
+    let targets = args
+        .targets
+        .iter()
+        .map(|t| resolve(t, &python))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut specs = Vec::new();
+    let mut foreign = Vec::new();
+    for target in targets {
+        match target {
+            Target::Builtin(spec) => specs.push(spec),
+            Target::Foreign(command) => foreign.push(command),
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    match (specs.is_empty(), foreign.len()) {
+        (false, 0) => {
+            let server = Server::bind(config, specs.clone())
+                .await
+                .context("starting the server")?;
+            let url = server.url();
+            writeln!(out, "listening on {url}").context("stdout")?;
+            for spec in &specs {
+                writeln!(out, "  {}  {url}/{}", spec.name(), spec.name()).context("stdout")?;
+            }
+            out.flush().context("stdout")?;
+            drop(out);
+            server
+                .serve_with_shutdown(shutdown_signal())
+                .await
+                .context("serving")?;
+        }
+        (true, 1) => {
+            let command = foreign.pop().expect("one foreign target");
+            let name = command.name.clone();
+            let child = ForeignEnv::start(command, Duration::from_secs_f64(args.ready_timeout))
+                .await
+                .context("starting the foreign environment")?;
+            let server = Server::bind_proxy(config, child.url())
+                .await
+                .context("starting the proxy")?;
+            let url = server.url();
+            writeln!(out, "listening on {url}").context("stdout")?;
+            writeln!(
+                out,
+                "  {name}  {url}  (foreign, pid {})",
+                child.pid().unwrap_or(0)
+            )
+            .context("stdout")?;
+            out.flush().context("stdout")?;
+            drop(out);
+            server
+                .serve_with_shutdown(shutdown_signal())
+                .await
+                .context("serving")?;
+            child.stop(Duration::from_secs(5)).await;
+        }
+        _ => {
+            return Err(Exit::user(anyhow!(
+                "a foreign environment (package directory or command line) is served on its own\nhint: run one `agentstack env serve` per foreign environment"
+            )));
+        }
+    }
+    Ok(())
+}

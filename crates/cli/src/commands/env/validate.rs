@@ -1,0 +1,109 @@
+//! `agentstack env validate`: OpenEnv's URL checks plus real protocol conformance.
+//! Exit 0 pass, 1 fail, 2 could not run.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use agentstack_env::conformance::{self, Options, Status};
+use agentstack_env::foreign::{ForeignCommand, ForeignEnv};
+use agentstack_env::server::{Server, ServerConfig};
+use anyhow::{Context, anyhow};
+
+use crate::Exit;
+use crate::args::ValidateArgs;
+use crate::settings;
+
+fn could_not_run(e: anyhow::Error) -> Exit {
+    Exit {
+        code: 2,
+        error: Some(e),
+    }
+}
+
+/// The declared reward range from an `openenv.yaml` `validation.reward.range`.
+fn manifest_reward_range(dir: &Path) -> Option<(f64, f64)> {
+    let text = std::fs::read_to_string(dir.join("openenv.yaml")).ok()?;
+    let yaml: serde_json::Value = serde_norway::from_str(&text).ok()?;
+    let range = yaml.pointer("/validation/reward/range")?.as_array()?;
+    Some((range.first()?.as_f64()?, range.get(1)?.as_f64()?))
+}
+
+/// Validates and prints the report.
+pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
+    let mut options = Options::default();
+    let mut _server = None;
+    let mut _child = None;
+    let url = if args.target.starts_with("http://") || args.target.starts_with("https://") {
+        args.target.clone()
+    } else if let Some(spec) = agentstack_envs::find(&args.target) {
+        options.reward_range = Some(spec.info().reward_range);
+        let server = Server::bind(ServerConfig::default(), vec![spec])
+            .await
+            .context("starting an in-process server")
+            .map_err(could_not_run)?;
+        let url = server.url();
+        _server = Some(server.handle());
+        tokio::spawn(server.serve());
+        url
+    } else if Path::new(&args.target).is_dir() {
+        let dir = Path::new(&args.target);
+        options.reward_range = manifest_reward_range(dir);
+        let python = settings::python(args.python.as_deref());
+        let command =
+            ForeignCommand::python_package(dir, &python).map_err(|e| Exit::user(e.into()))?;
+        let child = ForeignEnv::start(command, Duration::from_secs(60))
+            .await
+            .context("starting the package's server")
+            .map_err(could_not_run)?;
+        let url = child.url().to_owned();
+        _child = Some(child);
+        url
+    } else {
+        return Err(Exit::user(anyhow!(
+            "'{}' is not a URL, a built-in environment, or a directory\nhint: built-in environments are: {}",
+            args.target,
+            super::serve::builtin_names()
+        )));
+    };
+    let report = conformance::validate(&url, &options)
+        .await
+        .map_err(|e| could_not_run(e.into()))?;
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&report).context("JSON")?
+        )
+        .context("stdout")?;
+    } else {
+        for check in &report.checks {
+            let mark = match check.status {
+                Status::Pass => "PASS",
+                Status::Fail => "FAIL",
+                Status::Warn => "WARN",
+                Status::Skip => "SKIP",
+            };
+            writeln!(out, "{mark}  {:<28} {}", check.id, check.detail).context("stdout")?;
+        }
+        let passed = report
+            .checks
+            .iter()
+            .filter(|c| c.status == Status::Pass)
+            .count();
+        writeln!(
+            out,
+            "{}: {passed}/{} checks passed at {}",
+            if report.passed { "PASS" } else { "FAIL" },
+            report.checks.len(),
+            report.url
+        )
+        .context("stdout")?;
+    }
+    if report.passed {
+        Ok(())
+    } else {
+        Err(Exit::quiet(1))
+    }
+}
