@@ -467,10 +467,10 @@ impl<E: Environment> DynEnvironment for Hosted<E> {
 
     fn step<'a>(&'a mut self, action: &'a RawValue) -> BoxFuture<'a, Result<StepJson, StepError>> {
         Box::pin(async move {
-            if self.has_tools {
-                if let Ok(mcp) = serde_json::from_str::<McpStepAction>(action.get()) {
-                    return self.mcp_step(mcp).await;
-                }
+            if self.has_tools
+                && let Ok(mcp) = serde_json::from_str::<McpStepAction>(action.get())
+            {
+                return self.mcp_step(mcp).await;
             }
             let typed = self.parse_action(action).map_err(StepError::Invalid)?;
             let step = self.env.step(typed).await?;

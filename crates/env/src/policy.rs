@@ -35,15 +35,14 @@ pub fn choose(
     for (hint, field) in [("legal_columns", "column"), ("legal_actions", "action")] {
         if let (Some(Value::Array(options)), Some(obj)) =
             (observation.get(hint), action.as_object_mut())
+            && obj.contains_key(field)
         {
-            if obj.contains_key(field) && !options.is_empty() {
-                let pick = match policy {
-                    Policy::Random => options.choose(rng).cloned(),
-                    Policy::Scripted => options.first().cloned(),
-                };
-                if let Some(pick) = pick {
-                    obj.insert(field.to_owned(), pick);
-                }
+            let pick = match policy {
+                Policy::Random => options.choose(rng).cloned(),
+                Policy::Scripted => options.first().cloned(),
+            };
+            if let Some(pick) = pick {
+                obj.insert(field.to_owned(), pick);
             }
         }
     }

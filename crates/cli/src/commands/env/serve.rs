@@ -17,7 +17,7 @@ use crate::settings;
 /// What one target names.
 pub(crate) enum Target {
     /// A built-in environment.
-    Builtin(EnvSpec),
+    Builtin(Box<EnvSpec>),
     /// A server to start and proxy.
     Foreign(ForeignCommand),
 }
@@ -25,7 +25,7 @@ pub(crate) enum Target {
 /// Resolves a target string: a built-in name, a package directory, or a command line.
 pub(crate) fn resolve(target: &str, python: &str) -> anyhow::Result<Target> {
     if let Some(spec) = agentstack_envs::find(target) {
-        return Ok(Target::Builtin(spec));
+        return Ok(Target::Builtin(Box::new(spec)));
     }
     let path = Path::new(target);
     if path.is_dir() {
@@ -91,7 +91,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
     let mut foreign = Vec::new();
     for target in targets {
         match target {
-            Target::Builtin(spec) => specs.push(spec),
+            Target::Builtin(spec) => specs.push(*spec),
             Target::Foreign(command) => foreign.push(command),
         }
     }
