@@ -1,0 +1,221 @@
+//! Child processes with every wait bounded: commands that must finish within a
+//! time limit, and servers that are stopped (SIGTERM, then SIGKILL) when their
+//! guard drops, even when a test panics.
+
+use std::fmt;
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// How often a bounded wait looks at the child.
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+/// How long a server gets to stop after SIGTERM before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// What a finished (or timed-out) command left behind.
+pub struct Finished {
+    /// The command line, for messages.
+    pub command: String,
+    /// Its exit status; `None` when it ran out of time and was killed.
+    pub status: Option<ExitStatus>,
+    /// Everything it printed on stdout.
+    pub stdout: String,
+    /// Everything it printed on stderr.
+    pub stderr: String,
+    /// How long it ran.
+    pub elapsed: Duration,
+}
+
+impl Finished {
+    /// Whether it exited with status 0.
+    pub fn success(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+}
+
+impl fmt::Display for Finished {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = match self.status {
+            Some(status) => status.to_string(),
+            None => "killed: ran out of time".to_owned(),
+        };
+        writeln!(f, "$ {}", self.command)?;
+        writeln!(f, "{status} after {:.1?}", self.elapsed)?;
+        writeln!(f, "--- stdout ---\n{}", self.stdout.trim_end())?;
+        write!(f, "--- stderr ---\n{}", self.stderr.trim_end())
+    }
+}
+
+fn describe(command: &Command) -> String {
+    let mut words = vec![command.get_program().to_string_lossy().into_owned()];
+    words.extend(command.get_args().map(|a| a.to_string_lossy().into_owned()));
+    words.join(" ")
+}
+
+fn read_all(mut from: impl Read + Send + 'static) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = from.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
+}
+
+/// Runs `command` to completion, killing it after `limit`.
+pub fn run_bounded(mut command: Command, limit: Duration) -> Finished {
+    let shown = describe(&command);
+    let started = Instant::now();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not start `{shown}`: {e}"));
+    let stdout = read_all(child.stdout.take().expect("stdout is piped"));
+    let stderr = read_all(child.stderr.take().expect("stderr is piped"));
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Some(status),
+            Ok(None) if started.elapsed() >= limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            Ok(None) => thread::sleep(POLL_INTERVAL),
+            Err(e) => panic!("waiting for `{shown}`: {e}"),
+        }
+    };
+    Finished {
+        command: shown,
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+        elapsed: started.elapsed(),
+    }
+}
+
+/// A server started as a child that prints `listening on <url>` as its first
+/// stdout line. Stopped when dropped.
+pub struct Server {
+    child: Child,
+    command: String,
+    /// The URL from the first line.
+    pub url: String,
+    /// What it printed after the first line, and all of its stderr.
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `command` and waits up to `ready_within` for its first stdout line.
+    pub fn start(mut command: Command, ready_within: Duration) -> Self {
+        let shown = describe(&command);
+        let mut child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("could not start `{shown}`: {e}"));
+        let log = Arc::new(Mutex::new(String::new()));
+
+        let (first_line, first_line_rx) = mpsc::channel();
+        let stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
+        let stdout_log = Arc::clone(&log);
+        thread::spawn(move || {
+            let mut lines = stdout.lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = first_line.send(line);
+            }
+            for line in lines.map_while(Result::ok) {
+                append(&stdout_log, &line);
+            }
+        });
+        let stderr = BufReader::new(child.stderr.take().expect("stderr is piped"));
+        let stderr_log = Arc::clone(&log);
+        thread::spawn(move || {
+            for line in stderr.lines().map_while(Result::ok) {
+                append(&stderr_log, &line);
+            }
+        });
+
+        let mut server = Self {
+            child,
+            command: shown,
+            url: String::new(),
+            log,
+        };
+        let line = match first_line_rx.recv_timeout(ready_within) {
+            Ok(line) => line,
+            Err(RecvTimeoutError::Timeout) => {
+                panic!(
+                    "no `listening on` line within {ready_within:?}\n{}",
+                    server.report()
+                )
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                // Exited before printing anything; give stderr a moment to drain.
+                thread::sleep(Duration::from_millis(200));
+                panic!("the server exited before listening\n{}", server.report())
+            }
+        };
+        server.url = match line.strip_prefix("listening on ") {
+            Some(url) => url.trim().trim_end_matches('/').to_owned(),
+            None => panic!(
+                "first stdout line is not `listening on <url>`: {line:?}\n{}",
+                server.report()
+            ),
+        };
+        server
+    }
+
+    /// The command and everything the server printed so far, for failure messages.
+    pub fn report(&mut self) -> String {
+        let state = match self.child.try_wait() {
+            Ok(Some(status)) => format!("exited: {status}"),
+            _ => "running".to_owned(),
+        };
+        let log = self.log.lock().map(|l| l.clone()).unwrap_or_default();
+        format!(
+            "--- server `{}` ({state}) ---\n{}",
+            self.command,
+            log.trim_end()
+        )
+    }
+
+    fn stop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        // SIGTERM lets `agentstack env serve` stop the Python server it started.
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            thread::sleep(POLL_INTERVAL);
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn append(log: &Mutex<String>, line: &str) {
+    if let Ok(mut log) = log.lock() {
+        log.push_str(line);
+        log.push('\n');
+    }
+}
