@@ -31,7 +31,10 @@ fn agentstack(args: &[&str]) -> Output {
 }
 
 fn snapshot(out: &Output) -> String {
-    format!("exit: {}\n--- stdout\n{}--- stderr\n{}", out.code, out.stdout, out.stderr)
+    format!(
+        "exit: {}\n--- stdout\n{}--- stderr\n{}",
+        out.code, out.stdout, out.stderr
+    )
 }
 
 #[test]
@@ -41,19 +44,31 @@ fn env_list() {
 
 #[test]
 fn serve_unknown_target_says_what_exists() {
-    insta::assert_snapshot!(snapshot(&agentstack(&["env", "serve", "nope", "--port", "0"])));
+    insta::assert_snapshot!(snapshot(&agentstack(&[
+        "env", "serve", "nope", "--port", "0"
+    ])));
 }
 
 #[test]
 fn run_rejects_options_that_are_not_an_object() {
-    insta::assert_snapshot!(snapshot(&agentstack(&["env", "run", "echo", "--options", "[1]"])));
+    insta::assert_snapshot!(snapshot(&agentstack(&[
+        "env",
+        "run",
+        "echo",
+        "--options",
+        "[1]"
+    ])));
 }
 
 #[test]
 fn validate_unreachable_url_exits_2() {
     let out = agentstack(&["env", "validate", "http://127.0.0.1:9"]);
     assert_eq!(out.code, 2, "{}", snapshot(&out));
-    assert!(out.stderr.contains("could not reach http://127.0.0.1:9"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("could not reach http://127.0.0.1:9"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[test]
@@ -66,9 +81,22 @@ fn validate_builtin_passes_and_reports_json() {
 
 #[test]
 fn run_builtin_json_lines() {
-    let out = agentstack(&["env", "run", "word_guess", "-n", "3", "--json", "--seed", "5"]);
+    let out = agentstack(&[
+        "env",
+        "run",
+        "word_guess",
+        "-n",
+        "3",
+        "--json",
+        "--seed",
+        "5",
+    ]);
     assert_eq!(out.code, 0, "{}", snapshot(&out));
-    let lines: Vec<serde_json::Value> = out.stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 3);
     for (i, line) in lines.iter().enumerate() {
         assert_eq!(line["episode"], i);
@@ -76,12 +104,25 @@ fn run_builtin_json_lines() {
         assert!(line["total_reward"].is_number());
     }
     // Same seeds, same episodes.
-    let again = agentstack(&["env", "run", "word_guess", "-n", "3", "--json", "--seed", "5"]);
-    let strip = |s: &str| s.lines().map(|l| {
-        let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
-        v.as_object_mut().unwrap().remove("seconds");
-        v
-    }).collect::<Vec<_>>();
+    let again = agentstack(&[
+        "env",
+        "run",
+        "word_guess",
+        "-n",
+        "3",
+        "--json",
+        "--seed",
+        "5",
+    ]);
+    let strip = |s: &str| {
+        s.lines()
+            .map(|l| {
+                let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+                v.as_object_mut().unwrap().remove("seconds");
+                v
+            })
+            .collect::<Vec<_>>()
+    };
     assert_eq!(strip(&out.stdout), strip(&again.stdout));
 }
 
@@ -98,7 +139,11 @@ fn init_python_then_refuses_to_overwrite() {
     assert!(again.stderr.contains("already exists"), "{}", again.stderr);
     let bad = agentstack(&["env", "init", "Bad-Name", "-o", parent]);
     assert_eq!(bad.code, 1);
-    assert!(bad.stderr.contains("not a valid environment name"), "{}", bad.stderr);
+    assert!(
+        bad.stderr.contains("not a valid environment name"),
+        "{}",
+        bad.stderr
+    );
 }
 
 #[test]
@@ -112,20 +157,113 @@ fn serve_prints_urls_and_stops_cleanly_on_sigterm() {
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
-    assert!(first.starts_with("listening on http://127.0.0.1:"), "{first}");
+    assert!(
+        first.starts_with("listening on http://127.0.0.1:"),
+        "{first}"
+    );
     let url = first.trim_start_matches("listening on ").to_owned();
     let echo = lines.next().unwrap().unwrap();
-    assert_eq!(echo.split_whitespace().collect::<Vec<_>>(), ["echo", &format!("{url}/echo")]);
+    assert_eq!(
+        echo.split_whitespace().collect::<Vec<_>>(),
+        ["echo", &format!("{url}/echo")]
+    );
     let out = agentstack(&["env", "run", &format!("{url}/arithmetic"), "-n", "2"]);
     assert_eq!(out.code, 0, "{}", snapshot(&out));
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         if let Some(status) = child.try_wait().unwrap() {
             assert!(status.success(), "{status}");
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "server did not stop on SIGTERM");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "server did not stop on SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+/// Ten thousand sessions opened, reset and abandoned without a close: every one is
+/// released and the server's memory comes back to where it was.
+#[test]
+fn abandoned_sessions_release_their_memory() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+
+    let mut child = Command::cargo_bin("agentstack")
+        .unwrap()
+        .args(["env", "serve", "echo", "--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let first = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    let ws = first
+        .trim_start_matches("listening on ")
+        .replace("http://", "ws://")
+        + "/ws";
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let open_and_abandon = |count: usize| {
+        rt.block_on(async {
+            for _ in 0..count / 250 {
+                let sockets = futures_util::future::join_all((0..250).map(|_| async {
+                    let (mut s, _) = tokio_tungstenite::connect_async(&ws).await.unwrap();
+                    s.send(Message::Text(
+                        r#"{"type":"reset","data":{"seed":1}}"#.into(),
+                    ))
+                    .await
+                    .unwrap();
+                    s.send(Message::Text(
+                        r#"{"type":"step","data":{"message":"hi"}}"#.into(),
+                    ))
+                    .await
+                    .unwrap();
+                    let _ = tokio::time::timeout(Duration::from_secs(10), s.next())
+                        .await
+                        .unwrap();
+                    let _ = tokio::time::timeout(Duration::from_secs(10), s.next())
+                        .await
+                        .unwrap();
+                    s
+                }))
+                .await;
+                drop(sockets);
+            }
+        });
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    // Warm up allocator pools and runtime threads, then take the baseline.
+    open_and_abandon(1_000);
+    let baseline = rss_kib(pid);
+    open_and_abandon(10_000);
+    let after = rss_kib(pid);
+    let _ = child.kill();
+    let _ = child.wait();
+    eprintln!("RSS baseline {baseline} KiB, after 10,000 abandoned sessions {after} KiB");
+    /// Allocator slack we accept after 10,000 sessions come and go.
+    const RSS_SLACK_KIB: u64 = 4 * 1024;
+    assert!(
+        after <= baseline + RSS_SLACK_KIB,
+        "RSS grew from {baseline} KiB to {after} KiB"
+    );
 }
