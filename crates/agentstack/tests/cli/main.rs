@@ -227,7 +227,9 @@ fn abandoned_sessions_release_their_memory() {
         rt.block_on(async {
             for _ in 0..count / 250 {
                 let sockets = futures_util::future::join_all((0..250).map(|_| async {
-                    let (mut s, _) = tokio_tungstenite::connect_async(&ws).await.unwrap();
+                    let (mut s, _) = tokio_tungstenite::connect_async(&ws)
+                        .await
+                        .unwrap_or_else(|e| panic!("connecting to {ws}: {e}"));
                     s.send(Message::Text(
                         r#"{"type":"reset","data":{"seed":1}}"#.into(),
                     ))
@@ -266,4 +268,37 @@ fn abandoned_sessions_release_their_memory() {
         after <= baseline + RSS_SLACK_KIB,
         "RSS grew from {baseline} KiB to {after} KiB"
     );
+}
+
+/// Regression: a reader that took the first line and closed the pipe made the server
+/// exit on its next stdout write.
+#[test]
+fn serve_survives_its_stdout_closing() {
+    let mut child = Command::cargo_bin("agentstack")
+        .unwrap()
+        .args([
+            "env",
+            "serve",
+            "echo",
+            "arithmetic",
+            "word_guess",
+            "--port",
+            "0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    let url = first.trim_start_matches("listening on ").to_owned();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(child.try_wait().unwrap().is_none(), "the server exited");
+    let out = agentstack(&["env", "run", &format!("{url}/echo"), "-n", "1"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    let _ = child.kill();
+    let _ = child.wait();
 }

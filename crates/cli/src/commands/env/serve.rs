@@ -78,6 +78,14 @@ async fn shutdown_signal() {
     let _ = ctrl_c.await;
 }
 
+/// Prints the URLs in one write. Best effort: a server keeps serving when whoever
+/// started it has stopped reading its output (a reader that takes the first line and
+/// closes the pipe must not kill it).
+fn announce(banner: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(banner.as_bytes()).and_then(|()| out.flush());
+}
+
 /// Serves until Ctrl-C or SIGTERM.
 pub async fn run(args: ServeArgs) -> Result<(), Exit> {
     let python = settings::python(args.python.as_deref());
@@ -95,19 +103,17 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
             Target::Foreign(command) => foreign.push(command),
         }
     }
-    let mut out = std::io::stdout().lock();
     match (specs.is_empty(), foreign.len()) {
         (false, 0) => {
             let server = Server::bind(config, specs.clone())
                 .await
                 .context("starting the server")?;
             let url = server.url();
-            writeln!(out, "listening on {url}").context("stdout")?;
+            let mut banner = format!("listening on {url}\n");
             for spec in &specs {
-                writeln!(out, "  {}  {url}/{}", spec.name(), spec.name()).context("stdout")?;
+                banner.push_str(&format!("  {}  {url}/{}\n", spec.name(), spec.name()));
             }
-            out.flush().context("stdout")?;
-            drop(out);
+            announce(&banner);
             server
                 .serve_with_shutdown(shutdown_signal())
                 .await
@@ -123,15 +129,10 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
                 .await
                 .context("starting the proxy")?;
             let url = server.url();
-            writeln!(out, "listening on {url}").context("stdout")?;
-            writeln!(
-                out,
-                "  {name}  {url}  (foreign, pid {})",
+            announce(&format!(
+                "listening on {url}\n  {name}  {url}  (foreign, pid {})\n",
                 child.pid().unwrap_or(0)
-            )
-            .context("stdout")?;
-            out.flush().context("stdout")?;
-            drop(out);
+            ));
             server
                 .serve_with_shutdown(shutdown_signal())
                 .await
