@@ -17,6 +17,7 @@ from expect import (
     CheckFailed,
     check,
     check_eq,
+    check_peer,
     check_reward,
     check_server_error,
     check_server_error_async,
@@ -36,12 +37,6 @@ TOOLS = {"echo_message", "echo_with_length"}
 
 # echo's reward: 0.1 per character, capped at 1.
 REWARD_PER_CHAR = 0.1
-
-
-def check_version() -> None:
-    from importlib.metadata import version
-
-    check_eq(version("openenv-core"), "0.3.0", "the peer is openenv-core")
 
 
 async def generic_async(base: str) -> None:
@@ -102,11 +97,15 @@ async def mcp_tools(base: str) -> None:
         check(TOOLS <= names, f"list_tools: lists {sorted(TOOLS)}", sorted(names))
         for tool in tools:
             check(
-                isinstance(tool.input_schema, dict) and "message" in tool.input_schema.get("properties", {}),
+                "message" in ((tool.input_schema or {}).get("properties") or {}),
                 f"list_tools: {tool.name} input_schema has a `message` property",
                 tool.input_schema,
             )
-        check_eq(await env.call_tool("echo_message", message="hi"), "hi", 'call_tool("echo_message", message="hi")')
+        check_eq(
+            await env.call_tool("echo_message", message="hi"),
+            "hi",
+            'call_tool("echo_message", message="hi")',
+        )
         check_eq(
             await env.call_tool("echo_with_length", message="hello"),
             {"message": "hello", "length": 5},
@@ -115,9 +114,15 @@ async def mcp_tools(base: str) -> None:
         try:
             result = await env.call_tool("shout", message="x")
         except RuntimeError as e:
-            check("tool_not_found" in str(e), "call_tool('shout') raises RuntimeError (type: tool_not_found)", str(e))
+            check(
+                "tool_not_found" in str(e),
+                "call_tool('shout') raises RuntimeError (type: tool_not_found)",
+                str(e),
+            )
         else:
-            raise CheckFailed(f"call_tool('shout') should raise RuntimeError\n        got: {result!r}")
+            raise CheckFailed(
+                f"call_tool('shout') should raise RuntimeError\n        got: {result!r}"
+            )
 
         listed = await env.step(ListToolsAction())
         check(
@@ -136,7 +141,7 @@ async def mcp_tools(base: str) -> None:
 
 
 def run(base: str) -> None:
-    check_version()
+    check_peer("openenv-core", "0.3.0")
     asyncio.run(generic_async(base))
     generic_sync(base)
     asyncio.run(mcp_tools(base))

@@ -14,6 +14,7 @@ from expect import (
     MESSAGE_TIMEOUT_S,
     check,
     check_eq,
+    check_peer,
     check_reward,
     check_server_error,
     check_server_error_async,
@@ -67,11 +68,10 @@ def echo_sync(base: str) -> None:
         step = env.step({"message": "hello"})
         check_echo_step(step, "hello", 1, "step hello")
         state = env.state()
-        check_eq(state.get("episode_id"), "interop-sync", "state.episode_id (the one reset asked for)")
+        check_eq(state.get("episode_id"), "interop-sync", "state.episode_id (as reset asked)")
         check_eq(state.get("step_count"), 1, "state.step_count")
 
-        text = check_server_error("VALIDATION_ERROR", "step {'bogus': 1}", lambda: env.step({"bogus": 1}))
-        check("bogus" in text or "message" in text or "Invalid" in text, "the error names what was wrong", text)
+        check_server_error("VALIDATION_ERROR", "step {'bogus': 1}", lambda: env.step({"bogus": 1}))
         check_server_error("VALIDATION_ERROR", "step {'message': 3}", lambda: env.step({"message": 3}))
         again = env.step({"message": "again"})
         check_echo_step(again, "again", 2, "the session is still usable: step again")
@@ -122,7 +122,11 @@ def arithmetic(base: str) -> None:
         first = env.reset(seed=11)
         check_observation_shape(first, "reset seed=11")
         check_eq(first.done, False, "reset: done")
-        check(isinstance(first.observation.get("problem"), str), "reset: observation.problem is text", first.observation)
+        check(
+            isinstance(first.observation.get("problem"), str),
+            "reset: observation.problem is text",
+            first.observation,
+        )
         again = env.reset(seed=11)
         check_eq(again.observation, first.observation, "reset seed=11 twice: the same problem")
         step = env.step({"answer": "0"})
@@ -135,10 +139,12 @@ def arithmetic(base: str) -> None:
         check_eq(step.done, True, "step answer=0: done (one attempt by default)")
         check_eq(env.state().get("step_count"), 1, "state.step_count")
         # An environment that raises is an EXECUTION_ERROR frame; the session lives on.
-        check_server_error("EXECUTION_ERROR", "step after the episode ended", lambda: env.step({"answer": "1"}))
+        check_server_error(
+            "EXECUTION_ERROR", "step after the episode ended", lambda: env.step({"answer": "1"})
+        )
         check_server_error("VALIDATION_ERROR", "step {'bogus': 1}", lambda: env.step({"bogus": 1}))
         env.reset(seed=12)
-        check_eq(env.state().get("step_count"), 0, "a new episode after the errors: state.step_count")
+        check_eq(env.state().get("step_count"), 0, "a new episode after the errors: step_count")
 
 
 def connect_four(base: str) -> None:
@@ -162,14 +168,21 @@ def connect_four(base: str) -> None:
             illegal.reward,
         )
         message = illegal.observation.get("message")
-        check(isinstance(message, str) and "99" in message, "step column=99: observation.message says why", illegal.observation)
+        check(
+            isinstance(message, str) and "99" in message,
+            "step column=99: observation.message says why",
+            illegal.observation,
+        )
         print(f"        message: {message!r}")
-        check_eq(illegal.done, True, "step column=99: done (an illegal move ends the game by default)")
-        check_server_error("EXECUTION_ERROR", "step after the game ended", lambda: env.step({"column": 0}))
+        check_eq(illegal.done, True, "step column=99: done (illegal moves end the game by default)")
+        check_server_error(
+            "EXECUTION_ERROR", "step after the game ended", lambda: env.step({"column": 0})
+        )
         check_eq(env.reset(seed=6).done, False, "the session is still usable: reset")
 
 
 def run(base: str) -> None:
+    check_peer("openenv", "0.10.0")
     echo_sync(base)
     asyncio.run(echo_async(base))
     arithmetic(base)

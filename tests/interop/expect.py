@@ -42,24 +42,38 @@ def check_eq(got: Any, want: Any, what: str) -> None:
 
 def check_reward(got: Any, want: float, what: str) -> None:
     """A numeric reward within REWARD_TOLERANCE of `want`."""
-    ok = isinstance(got, (int, float)) and math.isfinite(got) and abs(got - want) <= REWARD_TOLERANCE
+    ok = (
+        isinstance(got, (int, float))
+        and math.isfinite(got)
+        and abs(got - want) <= REWARD_TOLERANCE
+    )
     check(ok, f"{what} == {want}", got)
+
+
+def _check_raised(code: str, what: str, error: RuntimeError) -> str:
+    text = str(error)
+    check(
+        text.startswith("Server error:") and f"(code: {code})" in text,
+        f"{what} raises RuntimeError with code {code}",
+        text,
+    )
+    return text
+
+
+def _not_raised(code: str, what: str, result: Any) -> CheckFailed:
+    return CheckFailed(
+        f"{what} should raise RuntimeError (code: {code})\n        got a result: {result!r}"
+    )
 
 
 def check_server_error(code: str, what: str, call: Callable[[], Any]) -> str:
     """`call` raises the RuntimeError the Python client makes of an error frame,
-    `Server error: <message> (code: <code>)`; returns the message."""
+    `Server error: <message> (code: <code>)`; returns its text."""
     try:
         result = call()
     except RuntimeError as e:
-        text = str(e)
-        check(
-            text.startswith("Server error:") and f"(code: {code})" in text,
-            f"{what} raises RuntimeError with code {code}",
-            text,
-        )
-        return text
-    raise CheckFailed(f"{what} should raise RuntimeError (code: {code})\n        got a result: {result!r}")
+        return _check_raised(code, what, e)
+    raise _not_raised(code, what, result)
 
 
 async def check_server_error_async(code: str, what: str, call: Callable[[], Any]) -> str:
@@ -67,14 +81,23 @@ async def check_server_error_async(code: str, what: str, call: Callable[[], Any]
     try:
         result = await call()
     except RuntimeError as e:
-        text = str(e)
-        check(
-            text.startswith("Server error:") and f"(code: {code})" in text,
-            f"{what} raises RuntimeError with code {code}",
-            text,
-        )
-        return text
-    raise CheckFailed(f"{what} should raise RuntimeError (code: {code})\n        got a result: {result!r}")
+        return _check_raised(code, what, e)
+    raise _not_raised(code, what, result)
+
+
+def check_peer(distribution: str, version: str) -> None:
+    """The python running this script has the peer it is meant to test."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        got = installed(distribution)
+    except PackageNotFoundError:
+        raise CheckFailed(
+            f"{distribution} is not installed in {sys.executable}\n"
+            "        hint: run scripts/install-peers, or point the test's variable at its venv"
+        ) from None
+    check_eq(got, version, f"the peer: {distribution} in {sys.executable}")
 
 
 def section(title: str) -> None:
@@ -82,19 +105,22 @@ def section(title: str) -> None:
     print(f"{title}:", flush=True)
 
 
-def main(run: Callable[[str], Any]) -> None:
-    """Runs `run(base_url)` (a function or a coroutine function) with the URL from
-    argv; exits 1 with a message on the first failure."""
-    if len(sys.argv) != 2:
-        print(f"usage: {sys.argv[0]} BASE_URL", file=sys.stderr)
+def main(run: Callable[..., Any], optional: tuple[str, ...] = ()) -> None:
+    """Runs `run(base_url, *optional_args)` (a function or a coroutine function) with
+    the arguments from argv; exits 1 with a message on the first failure.
+    `optional` names positional arguments that may follow BASE_URL."""
+    args = sys.argv[1:]
+    if not 1 <= len(args) <= 1 + len(optional):
+        names = "".join(f" [{name}]" for name in optional)
+        print(f"usage: {sys.argv[0]} BASE_URL{names}", file=sys.stderr)
         sys.exit(2)
-    base_url = sys.argv[1].rstrip("/")
+    base_url = args[0].rstrip("/")
     script = sys.argv[0].rsplit("/", 1)[-1]
     try:
         if inspect.iscoroutinefunction(run):
-            asyncio.run(run(base_url))
+            asyncio.run(run(base_url, *args[1:]))
         else:
-            run(base_url)
+            run(base_url, *args[1:])
     except CheckFailed as e:
         print(f"FAIL  {e}", flush=True)
         print(f"{script}: FAILED against {base_url}", file=sys.stderr)

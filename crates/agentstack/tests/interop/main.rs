@@ -7,7 +7,8 @@
 //! - our client against their servers: the package `openenv init` generates and an
 //!   MCP echo package (`tests/interop/fixtures/mcp_echo_env`), served by
 //!   `agentstack env serve <dir> --python <venv python>` and driven by
-//!   `agentstack env run` and `agentstack env validate`.
+//!   `agentstack env run` and `agentstack env validate`;
+//! - their client through our reverse proxy to their server.
 //!
 //! The peers live in virtual environments made by `scripts/install-peers`; every test
 //! is `#[ignore]`d because it needs them, and CI runs ignored tests:
@@ -146,13 +147,15 @@ fn assert_success(finished: &Finished, server: &mut Server, what: &str) {
     );
 }
 
-/// Runs one of the Python client scripts against `server` and expects exit 0.
-fn run_client_script(python: &Path, script: &str, server: &mut Server) {
+/// Runs one of the Python client scripts against `server` (with `extra` arguments
+/// after its URL) and expects exit 0.
+fn run_client_script(python: &Path, script: &str, server: &mut Server, extra: &[&str]) {
     let mut command = python_command(python);
     command
         .current_dir(interop_dir())
         .arg(interop_dir().join(script))
-        .arg(&server.url);
+        .arg(&server.url)
+        .args(extra);
     let finished = run_bounded(command, PEER_COMMAND_LIMIT);
     assert_success(&finished, server, script);
     // Shown with --nocapture / on nextest failure: what was checked.
@@ -164,7 +167,7 @@ fn run_client_script(python: &Path, script: &str, server: &mut Server) {
 fn generic_client_0_10_sync_and_async() {
     let python = openenv_python();
     let mut server = serve_builtins();
-    run_client_script(&python, "client_generic.py", &mut server);
+    run_client_script(&python, "client_generic.py", &mut server, &[]);
 }
 
 #[test]
@@ -172,7 +175,7 @@ fn generic_client_0_10_sync_and_async() {
 fn mcp_tool_client_0_10() {
     let python = openenv_python();
     let mut server = serve_builtins();
-    run_client_script(&python, "client_mcp.py", &mut server);
+    run_client_script(&python, "client_mcp.py", &mut server, &[]);
 }
 
 #[test]
@@ -180,7 +183,7 @@ fn mcp_tool_client_0_10() {
 fn core_0_3_generic_and_mcp_clients() {
     let python = openenv030_python();
     let mut server = serve_builtins();
-    run_client_script(&python, "client_core030.py", &mut server);
+    run_client_script(&python, "client_core030.py", &mut server, &[]);
 }
 
 #[test]
@@ -285,4 +288,15 @@ fn our_client_drives_openenv_init_package() {
 fn our_client_drives_mcp_echo_package() {
     let mut server = serve_peer_package(&interop_dir().join("fixtures/mcp_echo_env"));
     drive_peer_with_our_client(&mut server);
+}
+
+/// The proxy in front of a Python package is transparent to the real clients:
+/// `MCPToolClient` (HTTP `/mcp` plus `/ws?session_id`) and tool steps over `/ws`.
+#[test]
+#[ignore = "needs the OpenEnv venvs from scripts/install-peers"]
+fn python_mcp_client_through_our_proxy() {
+    let python = openenv_python();
+    let mut server = serve_peer_package(&interop_dir().join("fixtures/mcp_echo_env"));
+    // The package is served at the root of the proxy, not under /echo.
+    run_client_script(&python, "client_mcp.py", &mut server, &["/"]);
 }
