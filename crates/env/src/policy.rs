@@ -197,3 +197,47 @@ mod tests {
         assert_eq!(s, json!({"column":0,"mode":"a"}));
     }
 }
+
+/// Whether an action schema is OpenEnv's MCP `CallToolAction` (a `tool_name` field):
+/// such environments are driven by calling their tools.
+pub fn is_tool_call_schema(schema: &Value) -> bool {
+    schema.pointer("/properties/tool_name").is_some()
+}
+
+/// A `call_tool` step action: one of `tools`, with arguments that fit its schema.
+pub fn choose_tool_call(
+    policy: Policy,
+    tools: &[agentstack_protocol::mcp::StepTool],
+    rng: &mut impl Rng,
+) -> Option<Value> {
+    let tool = match policy {
+        Policy::Random => tools.choose(rng)?,
+        Policy::Scripted => tools.first()?,
+    };
+    let arguments = value_for(policy, &tool.input_schema, &tool.input_schema, rng, 0);
+    Some(json!({"type": "call_tool", "tool_name": tool.name, "arguments": arguments}))
+}
+
+#[cfg(test)]
+mod tool_tests {
+    use super::*;
+    use agentstack_protocol::mcp::StepTool;
+    use rand::SeedableRng;
+
+    #[test]
+    fn tool_calls_fit_the_tool_schema() {
+        let tools = vec![StepTool {
+            name: "echo_message".into(),
+            description: String::new(),
+            input_schema: json!({"type":"object","required":["message"],"properties":{"message":{"type":"string"}}}),
+        }];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let call = choose_tool_call(Policy::Random, &tools, &mut rng).unwrap();
+        assert_eq!(call["tool_name"], "echo_message");
+        assert!(call["arguments"]["message"].is_string());
+        assert!(is_tool_call_schema(
+            &json!({"properties":{"tool_name":{"type":"string"}}})
+        ));
+        assert!(choose_tool_call(Policy::Random, &[], &mut rng).is_none());
+    }
+}

@@ -8,6 +8,7 @@ use agentstack_env::client::{ClientConfig, EnvClient, HttpClient};
 use agentstack_env::policy::{self, Policy};
 use agentstack_env::server::{Server, ServerConfig};
 use agentstack_protocol::http::ResetRequest;
+use agentstack_protocol::mcp::{ListToolsObservation, StepTool};
 use anyhow::{Context, anyhow};
 use futures_util::StreamExt;
 use rand::SeedableRng;
@@ -36,6 +37,7 @@ pub struct EpisodeReport {
 async fn episode(
     url: &str,
     schema: &Value,
+    tools: Option<&[StepTool]>,
     policy: Policy,
     index: usize,
     seed: u64,
@@ -56,7 +58,11 @@ async fn episode(
     let mut steps = 0;
     let mut total = 0.0;
     while !result.done && steps < max_steps {
-        let action = policy::choose(policy, schema, &result.observation, &mut rng);
+        let action = match tools {
+            Some(tools) => policy::choose_tool_call(policy, tools, &mut rng)
+                .ok_or_else(|| anyhow!("the environment takes tool calls but lists no tools"))?,
+            None => policy::choose(policy, schema, &result.observation, &mut rng),
+        };
         result = client
             .step(&action)
             .await
@@ -73,6 +79,19 @@ async fn episode(
         done: result.done,
         seconds: started.elapsed().as_secs_f64(),
     })
+}
+
+/// Lists an MCP environment's tools with a `list_tools` step on a session of its own.
+async fn list_tools(url: &str) -> anyhow::Result<Vec<StepTool>> {
+    let mut client = EnvClient::connect(url, ClientConfig::default()).await?;
+    let reply = client
+        .step(&serde_json::json!({"type": "list_tools"}))
+        .await
+        .context("listing the environment's tools")?;
+    client.close().await?;
+    let listed: ListToolsObservation = serde_json::from_value(Value::Object(reply.observation))
+        .context("the list_tools observation has no tools list")?;
+    Ok(listed.tools)
 }
 
 /// Runs the episodes and prints one line each and a summary.
@@ -126,6 +145,13 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let url_ref = url.as_str();
+    // MCP environments (OpenEnv's CallToolAction) are driven through their tools.
+    let tools = if policy::is_tool_call_schema(&schema.action) {
+        Some(list_tools(&url).await?)
+    } else {
+        None
+    };
+    let tools_ref = tools.as_deref();
     let schema_ref = &schema.action;
     let options_ref = &options;
     let bar_ref = &bar;
@@ -134,6 +160,7 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
             let r = episode(
                 url_ref,
                 schema_ref,
+                tools_ref,
                 policy,
                 i,
                 args.seed + i as u64,
