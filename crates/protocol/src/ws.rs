@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use serde::de::{IgnoredAny, MapAccess, Visitor};
+use serde::de::{MapAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -72,10 +72,10 @@ impl<'a> ClientMessage<'a> {
                 ));
             }
         };
-        for key in &envelope.extra {
+        for (key, value) in envelope.extra {
             issues.push(ValidationIssue::extra_forbidden(
-                vec![LocPart::Key(key.clone())],
-                Value::Null,
+                vec![LocPart::Key(key)],
+                value,
             ));
         }
         let data = match envelope.data {
@@ -144,7 +144,7 @@ impl PartialEq for ClientMessage<'_> {
 struct RawEnvelope<'a> {
     ty: Option<Cow<'a, str>>,
     data: Option<&'a RawValue>,
-    extra: Vec<String>,
+    extra: Vec<(String, Value)>,
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for RawEnvelope<'a> {
@@ -173,8 +173,8 @@ impl<'de: 'a, 'a> Deserialize<'de> for RawEnvelope<'a> {
                         }
                         "data" => envelope.data = Some(map.next_value()?),
                         _ => {
-                            map.next_value::<IgnoredAny>()?;
-                            envelope.extra.push(key.into_owned());
+                            let value: Value = map.next_value()?;
+                            envelope.extra.push((key.into_owned(), value));
                         }
                     }
                 }
@@ -451,6 +451,12 @@ mod tests {
             assert!(err.message.contains(needle), "{text}: {err}");
             assert!(!err.code.is_fatal());
         }
+        let err = ClientMessage::parse(r#"{"type":"state","extra":[1]}"#).unwrap_err();
+        assert_eq!(
+            err.errors[0].input,
+            Some(serde_json::json!([1])),
+            "the offending input is reported"
+        );
     }
 
     #[test]
