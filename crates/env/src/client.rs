@@ -545,10 +545,25 @@ mod tests {
 
     #[test]
     fn route_urls() {
-        assert_eq!(route_url("http://h:1/echo/", "/ws", true).unwrap(), "ws://h:1/echo/ws");
-        assert_eq!(route_url("https://o-n.hf.space", "/ws", true).unwrap(), "wss://o-n.hf.space/ws");
-        assert_eq!(route_url("ws://h:1", "/health", false).unwrap(), "http://h:1/health");
-        assert!(matches!(route_url("h:1", "/ws", true), Err(ClientError::InvalidUrl(_))));
-        assert!(matches!(route_url("ftp://h", "/ws", true), Err(ClientError::InvalidUrl(_))));
+        assert_eq!(
+            route_url("http://h:1/echo/", "/ws", true).unwrap(),
+            "ws://h:1/echo/ws"
+        );
+        assert_eq!(
+            route_url("https://o-n.hf.space", "/ws", true).unwrap(),
+            "wss://o-n.hf.space/ws"
+        );
+        assert_eq!(
+            route_url("ws://h:1", "/health", false).unwrap(),
+            "http://h:1/health"
+        );
+        assert!(matches!(
+            route_url("h:1", "/ws", true),
+            Err(ClientError::InvalidUrl(_))
+        ));
+        assert!(matches!(
+            route_url("ftp://h", "/ws", true),
+            Err(ClientError::InvalidUrl(_))
+        ));
     }
 }

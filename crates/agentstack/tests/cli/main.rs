@@ -302,3 +302,43 @@ fn serve_survives_its_stdout_closing() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// `env init --lang rust` makes a crate that builds, serves and passes `validate`.
+#[test]
+#[ignore = "builds a new crate and its dependencies (minutes); CI runs it"]
+fn init_rust_builds_serves_and_validates() {
+    let dir = tempfile::tempdir().unwrap();
+    let parent = dir.path().to_str().unwrap();
+    let out = agentstack(&["env", "init", "my_env", "-o", parent]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    let krate = dir.path().join("my_env");
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // Same versions as the workspace, and a target directory kept between runs.
+    std::fs::copy(workspace.join("Cargo.lock"), krate.join("Cargo.lock")).unwrap();
+    let target = workspace.join("target/init-rust");
+    let status = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "--quiet",
+            "--config",
+            "profile.dev.package.\"*\".opt-level=3",
+        ])
+        .current_dir(&krate)
+        .env("CARGO_TARGET_DIR", &target)
+        .status()
+        .unwrap();
+    assert!(status.success(), "the generated crate does not build");
+    let mut child = Command::new(target.join("debug/my_env"))
+        .args(["--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let url = first.trim_start_matches("listening on ").to_owned();
+    let out = agentstack(&["env", "validate", &url]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+}

@@ -34,16 +34,26 @@ pub struct EpisodeReport {
     pub seconds: f64,
 }
 
-async fn episode(
-    url: &str,
-    schema: &Value,
-    tools: Option<&[StepTool]>,
+/// What every episode of a run shares.
+struct Plan<'a> {
+    url: &'a str,
+    action_schema: &'a Value,
+    /// The tools, for environments driven by tool calls.
+    tools: Option<&'a [StepTool]>,
     policy: Policy,
-    index: usize,
-    seed: u64,
-    options: &Map<String, Value>,
+    options: &'a Map<String, Value>,
     max_steps: usize,
-) -> anyhow::Result<EpisodeReport> {
+}
+
+async fn episode(plan: &Plan<'_>, index: usize, seed: u64) -> anyhow::Result<EpisodeReport> {
+    let Plan {
+        url,
+        action_schema: schema,
+        tools,
+        policy,
+        options,
+        max_steps,
+    } = *plan;
     let started = Instant::now();
     let mut client = EnvClient::connect(url, ClientConfig::default()).await?;
     let mut result = client
@@ -144,30 +154,25 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
     if args.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let url_ref = url.as_str();
     // MCP environments (OpenEnv's CallToolAction) are driven through their tools.
     let tools = if policy::is_tool_call_schema(&schema.action) {
         Some(list_tools(&url).await?)
     } else {
         None
     };
-    let tools_ref = tools.as_deref();
-    let schema_ref = &schema.action;
-    let options_ref = &options;
+    let plan = Plan {
+        url: &url,
+        action_schema: &schema.action,
+        tools: tools.as_deref(),
+        policy,
+        options: &options,
+        max_steps: args.max_steps,
+    };
+    let plan_ref = &plan;
     let bar_ref = &bar;
     let mut results = futures_util::stream::iter(0..args.episodes)
         .map(|i| async move {
-            let r = episode(
-                url_ref,
-                schema_ref,
-                tools_ref,
-                policy,
-                i,
-                args.seed + i as u64,
-                options_ref,
-                args.max_steps,
-            )
-            .await;
+            let r = episode(plan_ref, i, args.seed + i as u64).await;
             bar_ref.inc(1);
             r
         })
