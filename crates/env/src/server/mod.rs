@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -265,8 +266,13 @@ impl Server {
         let reaper = tokio::spawn(reap_loop(handle.state.clone()));
         let stop = handle.clone();
         let mut rx = handle.shutdown.subscribe();
+        // Replies are single small frames: send each at once rather than waiting on
+        // Nagle's algorithm for an ACK.
+        let listener = self.listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let result = axum::serve(
-            self.listener,
+            listener,
             self.app.into_make_service_with_connect_info::<SocketAddr>(),
         )
         .with_graceful_shutdown(async move {
