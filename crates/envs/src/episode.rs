@@ -58,6 +58,19 @@ pub(crate) fn bool_option(
     }
 }
 
+/// Reset arguments for tests: a seed and an options object.
+#[cfg(test)]
+pub(crate) fn test_reset_args(seed: u64, options: Value) -> agentstack_env::ResetArgs {
+    let Value::Object(options) = options else {
+        unreachable!("tests pass objects")
+    };
+    agentstack_env::ResetArgs {
+        seed: Some(seed),
+        episode_id: "test".into(),
+        options,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use rand::Rng;

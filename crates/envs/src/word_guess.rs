@@ -373,16 +373,7 @@ mod tests {
 
     use super::*;
 
-    fn reset_args(seed: u64, options: Value) -> ResetArgs {
-        let Value::Object(options) = options else {
-            unreachable!("tests pass objects")
-        };
-        ResetArgs {
-            seed: Some(seed),
-            episode_id: "test".into(),
-            options,
-        }
-    }
+    use crate::episode::test_reset_args as reset_args;
 
     fn guess(word: &str) -> WordGuessAction {
         WordGuessAction { guess: word.into() }
