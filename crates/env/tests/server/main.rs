@@ -657,3 +657,62 @@ async fn server_messages_parse_with_protocol_types() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test]
+async fn pool_drives_parallel_sessions_and_typed_client_decodes() {
+    use agentstack_env::client::{EnvPool, TypedEnvClient};
+
+    let server = start(ServerConfig::default()).await;
+    let mut pool = EnvPool::connect(&server.url, 16, 4, ClientConfig::default())
+        .await
+        .unwrap();
+    assert_eq!(server.handle.active_sessions(), 16);
+    let results = futures_util::future::join_all(pool.clients().iter_mut().enumerate().map(
+        |(i, c)| async move {
+            c.reset(ResetRequest {
+                seed: Some(i as u64),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            c.step(&json!({"amount": 1})).await.unwrap().observation["total"]
+                .as_i64()
+                .unwrap()
+        },
+    ))
+    .await;
+    assert_eq!(
+        results,
+        (1..=16).collect::<Vec<i64>>(),
+        "each session keeps its own state"
+    );
+    pool.close().await.unwrap();
+
+    #[derive(Serialize)]
+    struct AddAction {
+        amount: i64,
+    }
+    #[derive(Deserialize, Debug)]
+    struct TotalObservation {
+        total: i64,
+    }
+    let mut typed = TypedEnvClient::<AddAction, TotalObservation>::connect(
+        &server.url,
+        ClientConfig::default(),
+    )
+    .await
+    .unwrap();
+    typed
+        .reset(ResetRequest {
+            seed: Some(2),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let r = typed.step(&AddAction { amount: 3 }).await.unwrap();
+    assert_eq!(r.observation.total, 5);
+    assert_eq!(r.reward, Some(0.5));
+    typed.close().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(server.handle.active_sessions(), 0);
+}
