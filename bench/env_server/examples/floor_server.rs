@@ -12,11 +12,7 @@ const REPLY: &str = r#"{"type":"observation","data":{"observation":{"echoed_mess
 async fn session(mut socket: WebSocket) {
     while let Some(Ok(message)) = socket.recv().await {
         match message {
-            Message::Text(_) => {
-                if socket.send(Message::Text(REPLY.into())).await.is_err() {
-                    break;
-                }
-            }
+            Message::Text(_) if socket.send(Message::Text(REPLY.into())).await.is_err() => break,
             Message::Close(_) => break,
             _ => {}
         }
