@@ -389,41 +389,33 @@ impl HttpClient {
     /// GETs `route` and returns the status and JSON body (`Null` if not JSON).
     pub async fn get_json(&self, route: &str) -> Result<(u16, Value), ClientError> {
         let url = format!("{}{route}", self.base);
-        let response = self
-            .http
-            .get(&url)
-            .send()
-            .await
-            .map_err(|e| ClientError::Http {
-                url: url.clone(),
-                source: e,
-            })?;
-        Self::read(url, response).await
+        let request = self.http.get(&url);
+        Self::send(url, request).await
     }
 
     /// POSTs `body` (raw text) to `route` and returns the status and JSON body.
     pub async fn post_json(&self, route: &str, body: String) -> Result<(u16, Value), ClientError> {
         let url = format!("{}{route}", self.base);
-        let response = self
+        let request = self
             .http
             .post(&url)
             .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| ClientError::Http {
-                url: url.clone(),
-                source: e,
-            })?;
-        Self::read(url, response).await
+            .body(body);
+        Self::send(url, request).await
     }
 
-    async fn read(url: String, response: reqwest::Response) -> Result<(u16, Value), ClientError> {
-        let status = response.status().as_u16();
-        let text = response.text().await.map_err(|e| ClientError::Http {
+    /// Sends `request` and returns the status and JSON body (`Null` if not JSON).
+    async fn send(
+        url: String,
+        request: reqwest::RequestBuilder,
+    ) -> Result<(u16, Value), ClientError> {
+        let http_error = |source| ClientError::Http {
             url: url.clone(),
-            source: e,
-        })?;
+            source,
+        };
+        let response = request.send().await.map_err(http_error)?;
+        let status = response.status().as_u16();
+        let text = response.text().await.map_err(http_error)?;
         Ok((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
     }
 
