@@ -46,7 +46,19 @@ impl From<anyhow::Error> for Exit {
 
 /// Runs the CLI with the process arguments and returns the exit code.
 pub fn main() -> ExitCode {
-    let cli = args::Cli::parse();
+    let cli = match args::Cli::try_parse() {
+        Ok(cli) => cli,
+        // Usage errors are user errors (exit 1, not clap's 2); --help and --version
+        // succeed.
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     init_tracing(cli.global.verbose, cli.global.quiet);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

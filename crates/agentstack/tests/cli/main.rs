@@ -342,3 +342,20 @@ fn init_rust_builds_serves_and_validates() {
     let _ = child.wait();
     assert_eq!(out.code, 0, "{}", snapshot(&out));
 }
+
+#[test]
+fn usage_errors_exit_1_and_help_exits_0() {
+    let out = agentstack(&["env", "serve"]);
+    assert_eq!(out.code, 1, "{}", snapshot(&out));
+    assert!(out.stderr.contains("required"), "{}", out.stderr);
+    let out = agentstack(&["env", "run", "echo", "--episodes", "many"]);
+    assert_eq!(out.code, 1, "{}", snapshot(&out));
+    assert!(
+        out.stderr.contains("invalid value 'many'"),
+        "{}",
+        out.stderr
+    );
+    let out = agentstack(&["env", "--help"]);
+    assert_eq!(out.code, 0);
+    assert!(out.stdout.contains("validate"));
+}
