@@ -73,6 +73,16 @@ impl Default for Options {
     }
 }
 
+impl Options {
+    /// The client limits for the checks' sessions.
+    fn client_config(&self) -> ClientConfig {
+        ClientConfig {
+            message_timeout: self.timeout,
+            ..ClientConfig::default()
+        }
+    }
+}
+
 /// The server could not be reached at all.
 #[derive(Debug, thiserror::Error)]
 #[error("could not reach {url}")]
@@ -207,11 +217,8 @@ fn reward_check(reward: Option<f64>, range: Option<(f64, f64)>) -> Result<(), St
 }
 
 async fn session_checks(url: &str, action_schema: &Value, options: &Options, checks: &mut Checks) {
-    let config = ClientConfig {
-        message_timeout: options.timeout,
-        ..ClientConfig::default()
-    };
-    let mut client = match EnvClient::connect(url, config.clone()).await {
+    let config = options.client_config();
+    let mut client = match EnvClient::connect(url, config).await {
         Ok(c) => c,
         Err(e) => {
             checks.add("ws.connect", Status::Fail, format!("WS /ws: {e}"));
@@ -332,10 +339,7 @@ async fn session_checks(url: &str, action_schema: &Value, options: &Options, che
 }
 
 async fn error_checks(url: &str, options: &Options, checks: &mut Checks) {
-    let config = ClientConfig {
-        message_timeout: options.timeout,
-        ..ClientConfig::default()
-    };
+    let config = options.client_config();
     let mut client = match EnvClient::connect(url, config.clone()).await {
         Ok(c) => c,
         Err(e) => {
