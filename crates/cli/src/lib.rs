@@ -60,6 +60,9 @@ pub fn main() -> ExitCode {
         }
     };
     init_tracing(cli.global.verbose, cli.global.quiet);
+    if let Some(threads) = cli.compute_threads() {
+        set_compute_threads(threads);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -107,4 +110,17 @@ fn init_tracing(verbose: u8, quiet: bool) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// Tells the compute libraries how many threads to use. Candle reads its thread count
+/// from the environment, so it is set there.
+fn set_compute_threads(threads: usize) {
+    let value = threads.max(1).to_string();
+    #[expect(unsafe_code, reason = "setting the environment for candle's thread pool")]
+    // SAFETY: called from `main` before the async runtime or any other thread starts,
+    // so nothing reads the environment concurrently.
+    unsafe {
+        std::env::set_var("RAYON_NUM_THREADS", &value);
+        std::env::set_var("CANDLE_NUM_THREADS", &value);
+    }
 }

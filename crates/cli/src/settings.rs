@@ -37,3 +37,22 @@ pub fn server_config(args: &ServeArgs) -> ServerConfig {
         simulation: !args.production,
     }
 }
+
+/// The data directory: `AGENTSTACK_HOME`, else `$XDG_DATA_HOME/agentstack`, else
+/// `~/.local/share/agentstack`.
+pub fn data_dir() -> std::path::PathBuf {
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(home) = var(env_vars::AGENTSTACK_HOME) {
+        return home.into();
+    }
+    if let Some(xdg) = var("XDG_DATA_HOME") {
+        return std::path::PathBuf::from(xdg).join("agentstack");
+    }
+    let home = var("HOME").unwrap_or_else(|| ".".into());
+    std::path::PathBuf::from(home).join(".local/share/agentstack")
+}
+
+/// Where fetched models are cached.
+pub fn models_dir() -> std::path::PathBuf {
+    data_dir().join("models")
+}

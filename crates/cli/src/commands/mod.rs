@@ -1,9 +1,10 @@
 //! One module per command group, one file per verb.
 
 pub mod env;
+pub mod model;
 
 use crate::Exit;
-use crate::args::{Cli, Command, EnvCommand};
+use crate::args::{Cli, Command, EnvCommand, ModelCommand};
 
 /// Runs the parsed command.
 pub async fn run(cli: Cli) -> Result<(), Exit> {
@@ -14,6 +15,12 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
             EnvCommand::Run(args) => env::run::run(args).await,
             EnvCommand::Validate(args) => env::validate::run(args).await,
             EnvCommand::Init(args) => env::init::run(args),
+        },
+        Command::Model(command) => match command {
+            ModelCommand::Pull(args) => model::pull::run(args).await,
+            ModelCommand::Info(args) => model::info::run(args).await,
+            ModelCommand::Generate(args) => model::generate::run(args).await,
+            ModelCommand::Serve(args) => model::serve::run(args).await,
         },
     }
 }

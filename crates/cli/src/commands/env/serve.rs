@@ -57,7 +57,7 @@ pub(crate) fn builtin_names() -> String {
         .join(", ")
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

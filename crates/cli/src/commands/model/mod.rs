@@ -1,0 +1,52 @@
+//! `agentstack model ...`
+
+pub mod generate;
+pub mod info;
+pub mod pull;
+pub mod serve;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use agentstack_model::pull::{ModelRef, pull};
+use agentstack_model::{LanguageModel, WeightForm};
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::settings;
+
+/// Resolves a model reference to a local file, downloading it (with a progress bar) if
+/// needed.
+pub(crate) async fn resolve(reference: &str) -> anyhow::Result<PathBuf> {
+    let model = ModelRef::parse(reference)?;
+    let models = settings::models_dir();
+    let dest = model.cache_path(&models);
+    if dest.is_file() {
+        return Ok(dest);
+    }
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(format!("pulling {reference}"));
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let progress = |done: u64, total: Option<u64>| {
+        if let Some(total) = total {
+            bar.set_length(total);
+        }
+        bar.set_position(done);
+    };
+    let result = pull(&model, &models, &progress).await;
+    bar.finish_and_clear();
+    result.with_context(|| format!("could not fetch {reference}"))
+}
+
+/// Resolves and loads a model for inference. (`--threads` was applied by `main`,
+/// before any thread started: see `set_compute_threads`.)
+pub(crate) async fn load(reference: &str, threads: Option<usize>) -> anyhow::Result<LanguageModel> {
+    anyhow::ensure!(threads != Some(0), "--threads must be at least 1");
+    let path = resolve(reference).await?;
+    tokio::task::spawn_blocking(move || LanguageModel::load(&path, WeightForm::Quantized))
+        .await?
+        .context("could not load the model")
+}

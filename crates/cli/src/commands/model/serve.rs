@@ -1,0 +1,59 @@
+//! `agentstack model serve`: the OpenAI-compatible server.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use agentstack_model::constraint::ConstraintCompiler;
+use agentstack_model::engine::{Engine, EngineConfig};
+use agentstack_model::server::{AppState, ServerConfig, serve};
+use anyhow::Context;
+
+use crate::Exit;
+use crate::args::ModelServeArgs;
+
+/// Runs the command.
+pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
+    let lm = Arc::new(super::load(&args.run.model, args.run.threads).await?);
+    let constraints = if args.no_constraints {
+        None
+    } else {
+        let lm = lm.clone();
+        Some(
+            tokio::task::spawn_blocking(move || ConstraintCompiler::new(lm.tokenizer()))
+                .await
+                .context("indexing the vocabulary")?
+                .map_err(anyhow::Error::from)?,
+        )
+    };
+    let name = args.name.clone().unwrap_or_else(|| lm.info().name.clone());
+    let engine = Engine::start(
+        lm,
+        EngineConfig {
+            max_running: args.max_running.max(1),
+            max_waiting: args.max_waiting.max(1),
+            max_batch_tokens: args.max_batch_tokens.max(1),
+        },
+    );
+    let state = AppState::new(
+        engine,
+        constraints,
+        ServerConfig {
+            model_name: name.clone(),
+            ..ServerConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
+        .await
+        .with_context(|| format!("could not listen on {}:{}", args.host, args.port))?;
+    let address = listener.local_addr().context("reading the bound address")?;
+    {
+        let mut stdout = std::io::stdout().lock();
+        let _ = writeln!(stdout, "listening on http://{address}\n  model {name}\n  OpenAI base URL http://{address}/v1");
+        let _ = stdout.flush();
+    }
+    serve(state, listener, super::super::env::serve::shutdown_signal())
+        .await
+        .context("serving")?;
+    Ok(())
+}

@@ -1,0 +1,303 @@
+//! Continuous batching: one thread owns the model and runs a loop in which every
+//! running sequence advances together. Each pass takes one token from every decoding
+//! sequence and fills the rest of a token budget with prompt chunks of new ones, so
+//! long prompts do not stall other requests' decoding. Requests join and leave between
+//! passes; a request whose receiver is dropped (client gone) is cancelled at the next
+//! pass; a full waiting queue refuses new work (back-pressure) instead of growing.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use crate::LanguageModel;
+use crate::error::{ModelError, Result};
+use crate::generate::{GenerateOutput, GenerateRequest, Sequence, TokenEvent};
+
+/// Limits of the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Sequences decoded together at most.
+    pub max_running: usize,
+    /// Requests waiting for a slot at most; more are refused.
+    pub max_waiting: usize,
+    /// Tokens per forward pass at most (decode tokens plus prompt chunks).
+    pub max_batch_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_running: 16,
+            max_waiting: 256,
+            max_batch_tokens: 512,
+        }
+    }
+}
+
+/// What a request's receiver gets.
+#[derive(Debug)]
+pub enum Event {
+    /// A generated token.
+    Token(TokenEvent),
+    /// The generation ended; the whole result.
+    Done(GenerateOutput),
+    /// The generation failed.
+    Error(ModelError),
+}
+
+struct Job {
+    request: GenerateRequest,
+    events: UnboundedSender<Event>,
+}
+
+/// A handle to a running engine; cheap to clone. The engine stops when the last handle
+/// is dropped.
+#[derive(Clone)]
+pub struct Engine {
+    queue: SyncSender<Job>,
+    lm: Arc<LanguageModel>,
+    waiting: Arc<AtomicUsize>,
+    running: Arc<AtomicUsize>,
+    config: EngineConfig,
+    _thread: Arc<ThreadGuard>,
+}
+
+struct ThreadGuard(Option<JoinHandle<()>>);
+
+impl Drop for ThreadGuard {
+    fn drop(&mut self) {
+        // The loop ends once every sender is gone; it is not joined here because the
+        // last handle may be dropped on the engine thread's behalf.
+        drop(self.0.take());
+    }
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("config", &self.config)
+            .field("waiting", &self.waiting.load(Ordering::Relaxed))
+            .field("running", &self.running.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Starts the engine thread.
+    pub fn start(lm: Arc<LanguageModel>, config: EngineConfig) -> Self {
+        let (queue, jobs) = sync_channel(config.max_waiting.max(1));
+        let waiting = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(0));
+        let thread = {
+            let lm = lm.clone();
+            let waiting = waiting.clone();
+            let running = running.clone();
+            std::thread::Builder::new()
+                .name("agentstack-engine".into())
+                .spawn(move || run(&lm, config, &jobs, &waiting, &running))
+                .expect("spawning the engine thread")
+        };
+        Self {
+            queue,
+            lm,
+            waiting,
+            running,
+            config,
+            _thread: Arc::new(ThreadGuard(Some(thread))),
+        }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &LanguageModel {
+        &self.lm
+    }
+
+    /// The limits.
+    pub fn config(&self) -> EngineConfig {
+        self.config
+    }
+
+    /// Requests waiting and running now.
+    pub fn load(&self) -> (usize, usize) {
+        (
+            self.waiting.load(Ordering::Relaxed),
+            self.running.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Queues a request. The request is checked first (bad input is an error here, not
+    /// an event). Fails with [`ModelError::Overloaded`]-style `InvalidRequest` when the
+    /// waiting queue is full. Dropping the receiver cancels the request.
+    pub fn submit(&self, request: GenerateRequest) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        // Validate eagerly so the caller can answer 400 rather than stream an error.
+        Sequence::new(&self.lm, request.clone()).map_err(SubmitError::Invalid)?;
+        let (events, receiver) = unbounded_channel();
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        match self.queue.try_send(Job { request, events }) {
+            Ok(()) => Ok(receiver),
+            Err(TrySendError::Full(_)) => {
+                self.waiting.fetch_sub(1, Ordering::Relaxed);
+                Err(SubmitError::Overloaded {
+                    waiting: self.config.max_waiting,
+                })
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.waiting.fetch_sub(1, Ordering::Relaxed);
+                Err(SubmitError::Stopped)
+            }
+        }
+    }
+
+    /// Runs a request to completion.
+    pub async fn generate(&self, request: GenerateRequest) -> Result<GenerateOutput, SubmitError> {
+        let mut events = self.submit(request)?;
+        while let Some(event) = events.recv().await {
+            match event {
+                Event::Token(_) => {}
+                Event::Done(out) => return Ok(out),
+                Event::Error(e) => return Err(SubmitError::Failed(e)),
+            }
+        }
+        Err(SubmitError::Stopped)
+    }
+}
+
+/// Why a request was not accepted or did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The request is invalid.
+    #[error(transparent)]
+    Invalid(ModelError),
+    /// Too many requests are waiting.
+    #[error("the server is overloaded: {waiting} requests are already waiting; retry later")]
+    Overloaded {
+        /// The queue's limit.
+        waiting: usize,
+    },
+    /// The engine has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+    /// Generation failed.
+    #[error(transparent)]
+    Failed(ModelError),
+}
+
+struct Running {
+    seq: Sequence,
+    events: UnboundedSender<Event>,
+}
+
+fn run(
+    lm: &LanguageModel,
+    config: EngineConfig,
+    jobs: &Receiver<Job>,
+    waiting: &AtomicUsize,
+    running_count: &AtomicUsize,
+) {
+    let mut running: Vec<Running> = Vec::new();
+    loop {
+        // Admit new work: block when idle, otherwise take what is there.
+        while running.len() < config.max_running.max(1) {
+            let job = if running.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => job,
+                    Err(_) => return,
+                }
+            } else {
+                match jobs.try_recv() {
+                    Ok(job) => job,
+                    Err(_) => break,
+                }
+            };
+            waiting.fetch_sub(1, Ordering::Relaxed);
+            match Sequence::new(lm, job.request) {
+                Ok(seq) if seq.is_finished() => {
+                    let _ = job.events.send(Event::Done(seq.output()));
+                }
+                Ok(seq) => running.push(Running {
+                    seq,
+                    events: job.events,
+                }),
+                Err(e) => {
+                    let _ = job.events.send(Event::Error(e));
+                }
+            }
+        }
+        // Cancel those whose client went away.
+        running.retain(|r| !r.events.is_closed());
+        running_count.store(running.len(), Ordering::Relaxed);
+        if running.is_empty() {
+            continue;
+        }
+        if let Err(error) = step(lm, config, &mut running) {
+            tracing::error!(%error, "forward pass failed; failing its requests");
+            for r in running.drain(..) {
+                let _ = r.events.send(Event::Error(ModelError::InvalidRequest(format!(
+                    "generation failed: {error}"
+                ))));
+            }
+        }
+        running.retain(|r| !r.seq.is_finished());
+        running_count.store(running.len(), Ordering::Relaxed);
+    }
+}
+
+/// One forward pass over the running sequences.
+fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Result<()> {
+    let mut budget = config.max_batch_tokens.max(1);
+    // Decoding sequences first (one token each), then prompt chunks.
+    let mut order: Vec<usize> = (0..running.len()).collect();
+    order.sort_by_key(|&i| !running[i].seq.is_decoding());
+    let mut chosen = Vec::new();
+    for i in order {
+        if budget == 0 {
+            break;
+        }
+        let take = running[i].seq.pending().min(budget);
+        budget -= take;
+        chosen.push((i, take));
+    }
+    chosen.sort_unstable();
+    let mut inputs = Vec::with_capacity(chosen.len());
+    let mut taken = Vec::with_capacity(chosen.len());
+    let mut next = chosen.iter().peekable();
+    for (i, r) in running.iter_mut().enumerate() {
+        if let Some(&&(j, take)) = next.peek()
+            && i == j
+        {
+            next.next();
+            let (input, n) = r.seq.input(take);
+            inputs.push(input);
+            taken.push((i, n));
+        }
+    }
+    let logits = lm.model().forward(&mut inputs)?;
+    drop(inputs);
+    for ((i, n), row) in taken.into_iter().zip(logits) {
+        let r = &mut running[i];
+        if !r.seq.consumed(n) {
+            continue;
+        }
+        let row: Vec<f32> = row.squeeze(0)?.to_vec1()?;
+        match r.seq.sample(lm, &row) {
+            Ok(event) => {
+                let done = event.finish.is_some();
+                if r.events.send(Event::Token(event)).is_err() {
+                    r.seq.cancel();
+                    continue;
+                }
+                if done {
+                    let _ = r.events.send(Event::Done(r.seq.output()));
+                }
+            }
+            Err(error) => {
+                r.seq.cancel();
+                let _ = r.events.send(Event::Error(error));
+            }
+        }
+    }
+    Ok(())
+}

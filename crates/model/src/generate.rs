@@ -1,0 +1,398 @@
+//! Generation of one sequence as a small state machine the engine drives: feed the
+//! prompt (in chunks), then sample a token from each row of logits until a stop.
+
+use serde::{Deserialize, Serialize};
+
+use crate::LanguageModel;
+use crate::constraint::Constraint;
+use crate::error::{ModelError, Result};
+use crate::model::{Logits, SeqCache, SeqInput};
+use crate::sampling::{self, Sampler, SamplingParams, TokenLogprob};
+use crate::tokenizer::TextStream;
+
+/// Loop detection defaults: a block of up to 32 tokens repeated back to back 4 or more
+/// times, covering at least 64 tokens, ends the generation with [`FinishReason::Loop`].
+pub const LOOP_MAX_PERIOD: usize = 32;
+/// See [`LOOP_MAX_PERIOD`].
+pub const LOOP_MIN_REPEATS: usize = 4;
+/// See [`LOOP_MAX_PERIOD`].
+pub const LOOP_MIN_SPAN: usize = 64;
+
+/// What to generate.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// How to sample.
+    pub sampling: SamplingParams,
+    /// Strings that end the generation (not included in the text).
+    pub stop: Vec<String>,
+    /// Token ids that end the generation (included in the token ids, not the text).
+    pub stop_tokens: Vec<u32>,
+    /// Keep going past the model's end tokens.
+    pub ignore_eos: bool,
+    /// Alternatives to report per position (0..=20).
+    pub top_logprobs: usize,
+    /// End the generation when it starts repeating itself.
+    pub detect_loops: bool,
+    /// Restrict tokens to a grammar.
+    pub constraint: Option<Constraint>,
+}
+
+impl GenerateRequest {
+    /// Greedy decoding of `max_tokens` tokens, stopping at the model's end tokens.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop: Vec::new(),
+            stop_tokens: Vec::new(),
+            ignore_eos: false,
+            top_logprobs: 0,
+            detect_loops: false,
+            constraint: None,
+        }
+    }
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end token or stop string.
+    Stop,
+    /// `max_tokens` reached, or the context window is full.
+    Length,
+    /// A repeated block of tokens was detected.
+    Loop,
+    /// The grammar is complete.
+    Grammar,
+    /// The client went away or cancelled.
+    Cancelled,
+}
+
+/// One generated token, as streamed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    /// The token and its log-probability.
+    pub token: TokenLogprob,
+    /// Alternatives, best first.
+    pub top: Vec<TokenLogprob>,
+    /// Text that became final with this token (may be empty; stop strings and
+    /// incomplete characters are held back).
+    pub text: String,
+    /// Set on the last token.
+    pub finish: Option<FinishReason>,
+}
+
+/// The result of a whole generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOutput {
+    /// Generated token ids (including a final end token, if one was produced).
+    pub tokens: Vec<u32>,
+    /// Log-probability of each generated token.
+    pub logprobs: Vec<f32>,
+    /// Alternatives per position.
+    pub top_logprobs: Vec<Vec<TokenLogprob>>,
+    /// The generated text, without end tokens and cut before a stop string.
+    pub text: String,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+}
+
+/// A sequence being generated.
+#[derive(Debug)]
+pub struct Sequence {
+    cache: SeqCache,
+    /// Prompt tokens (or the last sampled token) not yet run through the model.
+    pending: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    context: usize,
+    sampler: Sampler,
+    stop: Vec<String>,
+    stop_tokens: Vec<u32>,
+    top_n: usize,
+    detect_loops: bool,
+    constraint: Option<Constraint>,
+    stream: TextStream,
+    /// Final text so far (stop strings cut off).
+    text: String,
+    /// Bytes of `text` already handed out.
+    released: usize,
+    out: GenerateOutput,
+    all_tokens: Vec<u32>,
+    finished: bool,
+}
+
+impl Sequence {
+    /// Checks a request against the model and prepares its state.
+    pub fn new(lm: &LanguageModel, request: GenerateRequest) -> Result<Self> {
+        request.sampling.validate()?;
+        let vocab = lm.tokenizer().vocab_size().max(lm.model().config().vocab_size);
+        if request.prompt.is_empty() {
+            return Err(ModelError::InvalidRequest(
+                "the prompt is empty; give at least one token".into(),
+            ));
+        }
+        if let Some(bad) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::InvalidRequest(format!(
+                "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
+            )));
+        }
+        if request.top_logprobs > sampling::MAX_TOP_LOGPROBS {
+            return Err(ModelError::InvalidRequest(format!(
+                "top_logprobs must be at most {}, got {}",
+                sampling::MAX_TOP_LOGPROBS,
+                request.top_logprobs
+            )));
+        }
+        let context = lm.model().max_positions();
+        if request.prompt.len() >= context {
+            return Err(ModelError::ContextOverflow {
+                tokens: request.prompt.len() + 1,
+                context,
+            });
+        }
+        let mut stop_tokens = request.stop_tokens.clone();
+        if !request.ignore_eos {
+            stop_tokens.extend(lm.tokenizer().end_tokens());
+        }
+        Ok(Self {
+            cache: lm.model().new_cache(),
+            pending: request.prompt.clone(),
+            prompt_len: request.prompt.len(),
+            max_tokens: request.max_tokens,
+            context,
+            sampler: Sampler::new(request.sampling, &request.prompt),
+            stop: request.stop.into_iter().filter(|s| !s.is_empty()).collect(),
+            stop_tokens,
+            top_n: request.top_logprobs,
+            detect_loops: request.detect_loops,
+            constraint: request.constraint,
+            stream: TextStream::default(),
+            text: String::new(),
+            released: 0,
+            out: GenerateOutput {
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                top_logprobs: Vec::new(),
+                text: String::new(),
+                finish: FinishReason::Length,
+                prompt_tokens: request.prompt.len(),
+            },
+            all_tokens: request.prompt,
+            finished: request.max_tokens == 0,
+        })
+    }
+
+    /// Whether generation has ended.
+    pub fn is_finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Tokens waiting to go through the model (the prompt, then one per step).
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Whether the prompt has been fully read.
+    pub fn is_decoding(&self) -> bool {
+        self.cache.len() >= self.prompt_len
+    }
+
+    /// The cache, for forking.
+    pub fn cache(&self) -> &SeqCache {
+        &self.cache
+    }
+
+    /// Takes up to `budget` pending tokens as this sequence's part of a forward pass.
+    /// The returned input wants logits only when the last pending token is included.
+    pub fn input(&mut self, budget: usize) -> (SeqInput<'_>, usize) {
+        let n = budget.min(self.pending.len()).max(1);
+        let logits = Logits::Last;
+        (
+            SeqInput {
+                cache: &mut self.cache,
+                tokens: &self.pending[..n],
+                logits,
+            },
+            n,
+        )
+    }
+
+    /// Records that the first `n` pending tokens went through the model; returns
+    /// whether the logits of that pass should be sampled from (the prompt is done).
+    pub fn consumed(&mut self, n: usize) -> bool {
+        self.pending.drain(..n);
+        self.pending.is_empty()
+    }
+
+    /// Ends the sequence early.
+    pub fn cancel(&mut self) -> TokenEvent {
+        self.finished = true;
+        self.out.finish = FinishReason::Cancelled;
+        TokenEvent {
+            token: TokenLogprob { id: 0, logprob: 0.0 },
+            top: Vec::new(),
+            text: String::new(),
+            finish: Some(FinishReason::Cancelled),
+        }
+    }
+
+    /// Samples the next token from the last row of logits and checks the stops.
+    pub fn sample(&mut self, lm: &LanguageModel, logits: &[f32]) -> Result<TokenEvent> {
+        let sampled = match &mut self.constraint {
+            Some(constraint) => {
+                let mask = constraint.mask()?;
+                self.sampler.sample(logits, Some(&|t| mask.allows(t)), self.top_n)?
+            }
+            None => self.sampler.sample(logits, None, self.top_n)?,
+        };
+        let id = sampled.token.id;
+        self.sampler.accept(id);
+        self.all_tokens.push(id);
+        self.out.tokens.push(id);
+        self.out.logprobs.push(sampled.token.logprob);
+        if self.top_n > 0 {
+            self.out.top_logprobs.push(sampled.top.clone());
+        }
+        let mut finish = None;
+        if let Some(constraint) = &mut self.constraint {
+            constraint.commit(id)?;
+        }
+        if self.stop_tokens.contains(&id) {
+            finish = Some(FinishReason::Stop);
+        } else {
+            let bytes = lm.tokenizer().token_bytes(id).unwrap_or_default();
+            let before = self.text.len();
+            self.text.push_str(&self.stream.push(bytes));
+            if let Some(cut) = self.find_stop(before) {
+                self.text.truncate(cut);
+                finish = Some(FinishReason::Stop);
+            }
+        }
+        if finish.is_none() && self.constraint.as_ref().is_some_and(Constraint::is_finished) {
+            finish = Some(FinishReason::Grammar);
+        }
+        if finish.is_none()
+            && self.detect_loops
+            && sampling::detect_loop(&self.out.tokens, LOOP_MAX_PERIOD, LOOP_MIN_REPEATS, LOOP_MIN_SPAN)
+                .is_some()
+        {
+            finish = Some(FinishReason::Loop);
+        }
+        if finish.is_none()
+            && (self.out.tokens.len() >= self.max_tokens || self.all_tokens.len() >= self.context)
+        {
+            finish = Some(FinishReason::Length);
+        }
+        if let Some(reason) = finish {
+            self.finished = true;
+            self.out.finish = reason;
+            if reason != FinishReason::Stop {
+                self.text.push_str(&self.stream.finish());
+            }
+        } else {
+            self.pending.push(id);
+        }
+        Ok(TokenEvent {
+            token: sampled.token,
+            top: sampled.top,
+            text: self.release(),
+            finish,
+        })
+    }
+
+    /// Position of the first stop string in the text, looking only where the newest
+    /// bytes could complete one.
+    fn find_stop(&self, new_from: usize) -> Option<usize> {
+        self.stop
+            .iter()
+            .filter_map(|s| {
+                let from = floor_char_boundary(&self.text, new_from.saturating_sub(s.len()));
+                self.text[from..].find(s.as_str()).map(|i| from + i)
+            })
+            .min()
+    }
+
+    /// Text that can be handed out: everything except a tail that might still become a
+    /// stop string.
+    fn release(&mut self) -> String {
+        let mut end = self.text.len();
+        if !self.finished {
+            for stop in &self.stop {
+                for k in (1..stop.len()).rev() {
+                    if self.text.len() >= k
+                        && self.text.is_char_boundary(self.text.len() - k)
+                        && stop.as_bytes().starts_with(&self.text.as_bytes()[self.text.len() - k..])
+                    {
+                        end = end.min(self.text.len() - k);
+                        break;
+                    }
+                }
+            }
+        }
+        let end = end.max(self.released);
+        let out = self.text[self.released..end].to_owned();
+        self.released = end;
+        out
+    }
+
+    /// The whole result (call once finished).
+    pub fn output(&self) -> GenerateOutput {
+        let mut out = self.out.clone();
+        out.text = self.text.clone();
+        out
+    }
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    while i > 0 && !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// Generates for one request alone (no engine).
+pub fn generate(lm: &LanguageModel, request: &GenerateRequest) -> Result<GenerateOutput> {
+    Ok(generate_batch(lm, std::slice::from_ref(request))?.remove(0))
+}
+
+/// Generates for several requests in lockstep, one batched forward pass per step.
+pub fn generate_batch(
+    lm: &LanguageModel,
+    requests: &[GenerateRequest],
+) -> Result<Vec<GenerateOutput>> {
+    let mut seqs = requests
+        .iter()
+        .map(|r| Sequence::new(lm, r.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    loop {
+        let active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].is_finished()).collect();
+        if active.is_empty() {
+            break;
+        }
+        let mut inputs = Vec::with_capacity(active.len());
+        let mut taken = Vec::with_capacity(active.len());
+        for seq in seqs.iter_mut().filter(|s| !s.is_finished()) {
+            let (input, n) = seq.input(usize::MAX);
+            inputs.push(input);
+            taken.push(n);
+        }
+        let logits = lm.model().forward(&mut inputs)?;
+        drop(inputs);
+        for ((&i, n), row) in active.iter().zip(taken).zip(logits) {
+            if seqs[i].consumed(n) {
+                let row: Vec<f32> = row.squeeze(0)?.to_vec1()?;
+                seqs[i].sample(lm, &row)?;
+            }
+        }
+    }
+    Ok(seqs.iter().map(Sequence::output).collect())
+}

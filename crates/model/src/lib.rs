@@ -1,0 +1,182 @@
+//! Open models on local hardware.
+//!
+//! `agentstack-model` loads llama-family GGUF files (Llama, SmolLM, Mistral; Qwen2 and
+//! Qwen3 through the same forward pass), tokenizes exactly as llama.cpp does, renders the
+//! model's chat template, runs a batched forward pass with per-sequence KV caches, and
+//! samples with the usual controls and log-probabilities. The [`engine`] batches
+//! concurrent requests continuously; the [`server`] speaks the OpenAI API plus a
+//! token-in-token-out `/generate`.
+//!
+//! ```no_run
+//! use agentstack_model::{LanguageModel, WeightForm, generate::{GenerateRequest, generate}};
+//!
+//! let lm = LanguageModel::load("SmolLM2-135M-Instruct.Q4_1.gguf", WeightForm::Quantized)?;
+//! let prompt = lm.tokenizer().encode("The capital of France is", false)?;
+//! let out = generate(&lm, &GenerateRequest::greedy(prompt, 16))?;
+//! println!("{}", lm.tokenizer().decode(&out.tokens, true));
+//! # Ok::<(), agentstack_model::ModelError>(())
+//! ```
+
+pub mod chat;
+pub mod config;
+pub mod constraint;
+pub mod engine;
+mod error;
+pub mod generate;
+pub mod gguf;
+pub mod kernels;
+pub mod model;
+pub mod pull;
+pub mod sampling;
+pub mod server;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+pub use crate::chat::{ChatTemplate, Message};
+pub use crate::config::{Architecture, ModelConfig};
+pub use crate::error::{ModelError, Result};
+pub use crate::gguf::GgufFile;
+pub use crate::model::{Logits, Model, SeqCache, SeqInput, WeightForm};
+pub use crate::sampling::{SamplingParams, TokenLogprob};
+pub use crate::tokenizer::Tokenizer;
+
+/// A model ready to use: weights, tokenizer and chat template.
+#[derive(Debug, Clone)]
+pub struct LanguageModel {
+    model: Model,
+    tokenizer: Tokenizer,
+    template: std::sync::Arc<ChatTemplate>,
+    info: ModelInfo,
+}
+
+/// What a model file holds, for `model info` and `/v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelInfo {
+    /// The file.
+    pub path: PathBuf,
+    /// `general.name`, or the file name.
+    pub name: String,
+    /// File size in bytes.
+    pub file_bytes: u64,
+    /// Hyperparameters.
+    pub config: ModelConfig,
+    /// Parameters.
+    pub parameters: u64,
+    /// Tensor count per GGML type.
+    pub tensor_types: std::collections::BTreeMap<String, usize>,
+    /// Parameters per GGML type.
+    pub parameters_by_type: std::collections::BTreeMap<String, u64>,
+    /// Whether the output layer reuses the embedding table.
+    pub tied_embeddings: bool,
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Whether the chat template is the model's own (false: ChatML fallback).
+    pub has_chat_template: bool,
+}
+
+impl ModelInfo {
+    /// Reads the description of a GGUF file without loading its weights.
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let config = ModelConfig::from_gguf(file)?;
+        let mut tensor_types = std::collections::BTreeMap::new();
+        let mut parameters_by_type = std::collections::BTreeMap::new();
+        let mut parameters = 0u64;
+        for (dtype, shape) in file.tensors().values() {
+            let n: u64 = shape.iter().map(|&d| d as u64).product();
+            let key = format!("{dtype:?}").to_uppercase();
+            *tensor_types.entry(key.clone()).or_default() += 1;
+            *parameters_by_type.entry(key).or_default() += n;
+            parameters += n;
+        }
+        let name = file
+            .string_opt("general.name")?
+            .map(str::to_owned)
+            .unwrap_or_else(|| {
+                file.path()
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            });
+        Ok(Self {
+            path: file.path().to_path_buf(),
+            name,
+            file_bytes: file.size(),
+            vocab_size: config.vocab_size,
+            config,
+            parameters,
+            tensor_types,
+            parameters_by_type,
+            tied_embeddings: !file.has_tensor("output.weight"),
+            has_chat_template: file.get("tokenizer.chat_template").is_some(),
+        })
+    }
+}
+
+impl LanguageModel {
+    /// Loads a GGUF file.
+    pub fn load(path: impl AsRef<Path>, form: WeightForm) -> Result<Self> {
+        let mut file = GgufFile::open(path)?;
+        let info = ModelInfo::from_gguf(&file)?;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let model = Model::from_gguf(&mut file, form)?;
+        let piece = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.piece(id))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let template = ChatTemplate::new(
+            file.string_opt("tokenizer.chat_template")?,
+            &piece(tokenizer.bos()),
+            &piece(tokenizer.eos()),
+        )?;
+        Ok(Self {
+            model,
+            tokenizer,
+            template: std::sync::Arc::new(template),
+            info,
+        })
+    }
+
+    /// The network.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The chat template.
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    /// The file's description.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Scores a whole sequence in one pass: the log-probability of each token given the
+    /// ones before it (the first token has none and is left out).
+    pub fn score(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.len() < 2 {
+            return Ok(Vec::new());
+        }
+        let mut cache = self.model.new_cache();
+        let logits = self.model.forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &tokens[..tokens.len() - 1],
+            logits: Logits::All,
+        }])?;
+        let rows: Vec<Vec<f32>> = logits[0].to_vec2()?;
+        Ok(rows
+            .iter()
+            .zip(&tokens[1..])
+            .map(|(row, &next)| sampling::log_softmax(row)[next as usize])
+            .collect())
+    }
+}

@@ -1,0 +1,562 @@
+//! The llama-family transformer: one architecture definition, two weight forms.
+//!
+//! [`WeightForm::Quantized`] keeps the GGUF blocks and multiplies with quantized dot
+//! products (inference); [`WeightForm::Dense`] dequantizes to a float type and uses only
+//! operations candle can differentiate (training, scoring with gradients). The forward
+//! pass is the same code for both; only the linear layers and the fused-versus-slow
+//! choice of norm, rotary and softmax kernels differ.
+//!
+//! [`Model::forward`] runs a *batch of sequences*, each with its own KV cache and its own
+//! number of new tokens: all new tokens of all sequences go through the linear layers as
+//! one matrix, attention runs per sequence. A prefill, a decode step of many sequences,
+//! or a mix of both is one call.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{D, DType, Device, Module, Tensor};
+use candle_nn::kv_cache::KvCache;
+
+use crate::config::{Architecture, ModelConfig, RopeLayout};
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::kernels::FastLinear;
+
+/// How the weights are held in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightForm {
+    /// GGUF blocks as stored (Q4_1 goes through this crate's SIMD kernel; other types
+    /// through candle's); fused kernels without gradients.
+    Quantized,
+    /// Dequantized to this float type; differentiable operations only.
+    Dense(DType),
+}
+
+/// A linear layer `y = x Wᵀ (+ b)`.
+#[derive(Debug, Clone)]
+pub enum Linear {
+    /// Candle's quantized matmul.
+    Quantized {
+        /// The weight, `[out, in]`.
+        weight: QMatMul,
+        /// Optional bias, `[out]`.
+        bias: Option<Tensor>,
+    },
+    /// This crate's kernel for types candle only has scalar code for.
+    Fast {
+        /// The weight.
+        weight: Arc<FastLinear>,
+        /// Optional bias, `[out]`.
+        bias: Option<Tensor>,
+    },
+    /// A float weight, differentiable.
+    Dense {
+        /// The weight, `[out, in]`.
+        weight: Tensor,
+        /// Optional bias, `[out]`.
+        bias: Option<Tensor>,
+    },
+}
+
+impl Linear {
+    /// Applies the layer to `x`, `[n, in]` → `[n, out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (y, bias) = match self {
+            Self::Quantized { weight, bias } => (weight.forward(x)?, bias),
+            Self::Fast { weight, bias } => (weight.forward(x)?, bias),
+            Self::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
+        };
+        Ok(match bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+
+    /// The weight as a dense float tensor `[out, in]`.
+    pub fn dense_weight(&self) -> Result<Tensor> {
+        Ok(match self {
+            Self::Quantized { weight, .. } => weight.dequantize_f16()?.to_dtype(DType::F32)?,
+            Self::Fast { weight, .. } => weight.dequantize()?,
+            Self::Dense { weight, .. } => weight.clone(),
+        })
+    }
+}
+
+/// The weights of one transformer block.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// RMS norm before attention.
+    pub attn_norm: Tensor,
+    /// Query projection.
+    pub q: Linear,
+    /// Key projection.
+    pub k: Linear,
+    /// Value projection.
+    pub v: Linear,
+    /// Attention output projection.
+    pub o: Linear,
+    /// Per-head RMS norm of queries (Qwen3).
+    pub q_norm: Option<Tensor>,
+    /// Per-head RMS norm of keys (Qwen3).
+    pub k_norm: Option<Tensor>,
+    /// RMS norm before the feed-forward layer.
+    pub ffn_norm: Tensor,
+    /// SwiGLU gate.
+    pub gate: Linear,
+    /// SwiGLU up projection.
+    pub up: Linear,
+    /// SwiGLU down projection.
+    pub down: Linear,
+}
+
+/// Token embeddings, quantized or dense.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    /// Rows dequantized on lookup.
+    Quantized(Arc<QTensor>),
+    /// A float table `[vocab, hidden]`.
+    Dense(Tensor),
+}
+
+/// A loaded model.
+#[derive(Debug, Clone)]
+pub struct Model {
+    config: ModelConfig,
+    form: WeightForm,
+    embedding: Embedding,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    output: Linear,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+}
+
+/// The KV cache of one sequence.
+#[derive(Debug, Clone)]
+pub struct SeqCache {
+    layers: Vec<KvCache>,
+    len: usize,
+}
+
+impl SeqCache {
+    /// Tokens already in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the cache is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A deep copy, to continue one prefix in several ways (`n` > 1).
+    pub fn fork(&self) -> Result<Self> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut copy = KvCache::new(1, self.len.max(64));
+            if let (Some(k), Some(v)) = (layer.k()?, layer.v()?) {
+                copy.append(&k.copy()?, &v.copy()?)?;
+            }
+            layers.push(copy);
+        }
+        Ok(Self {
+            layers,
+            len: self.len,
+        })
+    }
+
+    /// Bytes held by the cache.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .filter_map(|l| l.k_cache().all_data().as_ref())
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes() * 2)
+            .sum()
+    }
+}
+
+/// Which logits a sequence wants back from [`Model::forward`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last new position (generation).
+    Last,
+    /// Every new position (scoring a whole sequence in one pass).
+    All,
+}
+
+/// One sequence in a batched forward pass.
+#[derive(Debug)]
+pub struct SeqInput<'a> {
+    /// Its cache; the new tokens are appended.
+    pub cache: &'a mut SeqCache,
+    /// The new tokens.
+    pub tokens: &'a [u32],
+    /// Which logits to return.
+    pub logits: Logits,
+}
+
+fn linear_from(
+    file: &mut GgufFile,
+    name: &str,
+    form: WeightForm,
+    shape: (usize, usize),
+    bias: bool,
+) -> Result<Linear> {
+    let q = file.tensor(&format!("{name}.weight"))?;
+    check_shape(name, q.shape().dims(), &[shape.0, shape.1])?;
+    let bias = if bias {
+        let b = file.tensor(&format!("{name}.bias"))?.dequantize(&Device::Cpu)?;
+        Some(match form {
+            WeightForm::Dense(dtype) => b.to_dtype(dtype)?,
+            WeightForm::Quantized => b,
+        })
+    } else {
+        None
+    };
+    Ok(match form {
+        WeightForm::Dense(dtype) => Linear::Dense {
+            weight: q.dequantize(&Device::Cpu)?.to_dtype(dtype)?,
+            bias,
+        },
+        WeightForm::Quantized if q.dtype() == GgmlDType::Q4_1 => Linear::Fast {
+            weight: Arc::new(FastLinear::from_qtensor(&q)?),
+            bias,
+        },
+        WeightForm::Quantized => Linear::Quantized {
+            weight: QMatMul::from_qtensor(q)?,
+            bias,
+        },
+    })
+}
+
+fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
+    if got != want {
+        return Err(ModelError::BadTensor {
+            name: name.to_owned(),
+            reason: format!("shape {got:?}, expected {want:?}"),
+        });
+    }
+    Ok(())
+}
+
+fn norm_from(file: &mut GgufFile, name: &str, size: usize, dtype: DType) -> Result<Tensor> {
+    let t = file.tensor(name)?.dequantize(&Device::Cpu)?;
+    check_shape(name, t.dims(), &[size])?;
+    Ok(t.to_dtype(dtype)?)
+}
+
+impl Model {
+    /// Loads the weights of a GGUF file in the given form.
+    pub fn from_gguf(file: &mut GgufFile, form: WeightForm) -> Result<Self> {
+        let config = ModelConfig::from_gguf(file)?;
+        let dtype = match form {
+            WeightForm::Quantized => DType::F32,
+            WeightForm::Dense(dtype) => dtype,
+        };
+        let (h, hd) = (config.hidden_size, config.head_dim);
+        let q_dim = config.heads * hd;
+        let kv_dim = config.kv_heads * hd;
+        let bias = config.architecture == Architecture::Qwen2;
+        let qk_norm = config.architecture == Architecture::Qwen3;
+        let mut blocks = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let p = format!("blk.{i}");
+            blocks.push(Block {
+                attn_norm: norm_from(file, &format!("{p}.attn_norm.weight"), h, dtype)?,
+                q: linear_from(file, &format!("{p}.attn_q"), form, (q_dim, h), bias)?,
+                k: linear_from(file, &format!("{p}.attn_k"), form, (kv_dim, h), bias)?,
+                v: linear_from(file, &format!("{p}.attn_v"), form, (kv_dim, h), bias)?,
+                o: linear_from(file, &format!("{p}.attn_output"), form, (h, q_dim), false)?,
+                q_norm: if qk_norm {
+                    Some(norm_from(file, &format!("{p}.attn_q_norm.weight"), hd, dtype)?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norm {
+                    Some(norm_from(file, &format!("{p}.attn_k_norm.weight"), hd, dtype)?)
+                } else {
+                    None
+                },
+                ffn_norm: norm_from(file, &format!("{p}.ffn_norm.weight"), h, dtype)?,
+                gate: linear_from(file, &format!("{p}.ffn_gate"), form, (config.ffn_size, h), false)?,
+                up: linear_from(file, &format!("{p}.ffn_up"), form, (config.ffn_size, h), false)?,
+                down: linear_from(file, &format!("{p}.ffn_down"), form, (h, config.ffn_size), false)?,
+            });
+        }
+        let norm = norm_from(file, "output_norm.weight", h, dtype)?;
+        let embd = file.tensor("token_embd.weight")?;
+        check_shape("token_embd", embd.shape().dims(), &[config.vocab_size, h])?;
+        let output = if file.has_tensor("output.weight") {
+            linear_from(file, "output", form, (config.vocab_size, h), false)?
+        } else {
+            // Tied embeddings: the output projection is the embedding table.
+            match form {
+                WeightForm::Dense(dtype) => Linear::Dense {
+                    weight: embd.dequantize(&Device::Cpu)?.to_dtype(dtype)?,
+                    bias: None,
+                },
+                WeightForm::Quantized => Linear::Quantized {
+                    weight: QMatMul::from_qtensor(file.tensor("token_embd.weight")?)?,
+                    bias: None,
+                },
+            }
+        };
+        let embedding = match form {
+            WeightForm::Dense(dtype) => {
+                Embedding::Dense(embd.dequantize(&Device::Cpu)?.to_dtype(dtype)?)
+            }
+            WeightForm::Quantized => Embedding::Quantized(Arc::new(embd)),
+        };
+        Self::assemble(config, form, embedding, blocks, norm, output)
+    }
+
+    /// Puts loaded parts together and precomputes the rotary tables.
+    pub fn assemble(
+        config: ModelConfig,
+        form: WeightForm,
+        embedding: Embedding,
+        blocks: Vec<Block>,
+        norm: Tensor,
+        output: Linear,
+    ) -> Result<Self> {
+        let device = Device::Cpu;
+        let positions = config.context_length.clamp(1, 1 << 17);
+        let half = config.head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / config.rope_theta.powf(2.0 * i as f64 / config.head_dim as f64) as f32)
+            .collect();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, half), &device)?;
+        let t = Tensor::arange(0u32, positions as u32, &device)?
+            .to_dtype(DType::F32)?
+            .reshape((positions, 1))?;
+        let freqs = t.broadcast_mul(&inv_freq)?;
+        let dtype = match form {
+            WeightForm::Quantized => DType::F32,
+            WeightForm::Dense(dtype) => dtype,
+        };
+        Ok(Self {
+            cos: freqs.cos()?.to_dtype(dtype)?,
+            sin: freqs.sin()?.to_dtype(dtype)?,
+            config,
+            form,
+            embedding,
+            blocks,
+            norm,
+            output,
+            device,
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The weight form.
+    pub fn form(&self) -> WeightForm {
+        self.form
+    }
+
+    /// The transformer blocks (for adapters and inspection).
+    pub fn blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+
+    /// Mutable access to the blocks (adapters replace linear layers).
+    pub fn blocks_mut(&mut self) -> &mut [Block] {
+        &mut self.blocks
+    }
+
+    /// The longest sequence the rotary tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.cos.dim(0).unwrap_or(0)
+    }
+
+    /// An empty cache for a new sequence.
+    pub fn new_cache(&self) -> SeqCache {
+        SeqCache {
+            layers: (0..self.config.layers).map(|_| KvCache::new(1, 256)).collect(),
+            len: 0,
+        }
+    }
+
+    fn differentiable(&self) -> bool {
+        matches!(self.form, WeightForm::Dense(_))
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        let eps = self.config.rms_eps as f32;
+        Ok(if self.differentiable() {
+            candle_nn::ops::rms_norm_slow(x, weight, eps)?
+        } else {
+            candle_nn::ops::rms_norm(x, weight, eps)?
+        })
+    }
+
+    fn rope(&self, x: &Tensor, start: usize) -> Result<Tensor> {
+        let n = x.dim(2)?;
+        let cos = self.cos.narrow(0, start, n)?;
+        let sin = self.sin.narrow(0, start, n)?;
+        let slow = self.differentiable();
+        Ok(match (self.config.rope_layout, slow) {
+            (RopeLayout::Interleaved, false) => candle_nn::rotary_emb::rope_i(x, &cos, &sin)?,
+            (RopeLayout::Interleaved, true) => candle_nn::rotary_emb::rope_i_slow(x, &cos, &sin)?,
+            (RopeLayout::Halves, false) => candle_nn::rotary_emb::rope(x, &cos, &sin)?,
+            (RopeLayout::Halves, true) => candle_nn::rotary_emb::rope_slow(x, &cos, &sin)?,
+        })
+    }
+
+    fn softmax(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(if self.differentiable() {
+            candle_nn::ops::softmax(x, D::Minus1)?
+        } else {
+            candle_nn::ops::softmax_last_dim(x)?
+        })
+    }
+
+    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(match &self.embedding {
+            Embedding::Quantized(q) => q.embedding(ids)?,
+            Embedding::Dense(t) => t.embedding(ids)?,
+        })
+    }
+
+    /// Runs new tokens of several sequences through the model, appending to their
+    /// caches. Returns, per sequence, logits `[rows, vocab]` (one row for
+    /// [`Logits::Last`], one per new token for [`Logits::All`]).
+    pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Tensor>> {
+        let cfg = &self.config;
+        let vocab = cfg.vocab_size as u32;
+        let limit = self.max_positions();
+        let mut ids = Vec::new();
+        for item in batch.iter() {
+            if item.tokens.is_empty() {
+                return Err(ModelError::InvalidRequest(
+                    "a sequence in the batch has no new tokens".into(),
+                ));
+            }
+            if let Some(bad) = item.tokens.iter().find(|&&t| t >= vocab) {
+                return Err(ModelError::InvalidRequest(format!(
+                    "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
+                )));
+            }
+            let total = item.cache.len + item.tokens.len();
+            if total > limit {
+                return Err(ModelError::ContextOverflow {
+                    tokens: total,
+                    context: limit,
+                });
+            }
+            ids.extend_from_slice(item.tokens);
+        }
+        let n_total = ids.len();
+        let ids = Tensor::from_vec(ids, n_total, &self.device)?;
+        let mut x = self.embed(&ids)?;
+        let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let groups = heads / kv_heads;
+        let scale = 1.0 / (hd as f64).sqrt();
+
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = self.rms_norm(&x, &block.attn_norm)?;
+            let q = block.q.forward(&h)?;
+            let k = block.k.forward(&h)?;
+            let v = block.v.forward(&h)?;
+            let mut outputs = Vec::with_capacity(batch.len());
+            let mut offset = 0;
+            for item in batch.iter_mut() {
+                let n = item.tokens.len();
+                let start = item.cache.len;
+                let q = q.narrow(0, offset, n)?;
+                let k = k.narrow(0, offset, n)?;
+                let v = v.narrow(0, offset, n)?;
+                offset += n;
+                // [n, heads·hd] → [1, heads, n, hd]
+                let mut q = q.reshape((n, heads, hd))?.transpose(0, 1)?.contiguous()?;
+                let mut k = k.reshape((n, kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
+                let v = v.reshape((n, kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
+                if let Some(w) = &block.q_norm {
+                    q = self.rms_norm(&q, w)?;
+                }
+                if let Some(w) = &block.k_norm {
+                    k = self.rms_norm(&k, w)?;
+                }
+                let q = self.rope(&q.unsqueeze(0)?, start)?.squeeze(0)?;
+                let k = self.rope(&k.unsqueeze(0)?, start)?.squeeze(0)?;
+                let (k, v) = item.cache.layers[layer].append(&k, &v)?;
+                let s = k.dim(1)?;
+                // Grouped-query attention without copying K/V: the query heads that
+                // share a KV head are stacked as extra rows.
+                let q = q.reshape((kv_heads, groups * n, hd))?;
+                let scores = (q.matmul(&k.t()?)? * scale)?;
+                let scores = if n > 1 {
+                    let mask = causal_mask(n, start, s, &self.device, scores.dtype())?;
+                    scores
+                        .reshape((kv_heads, groups, n, s))?
+                        .broadcast_add(&mask)?
+                        .reshape((kv_heads, groups * n, s))?
+                } else {
+                    scores
+                };
+                let probs = self.softmax(&scores)?;
+                let out = probs.matmul(&v.contiguous()?)?; // [kv, groups·n, hd]
+                let out = out
+                    .reshape((heads, n, hd))?
+                    .transpose(0, 1)?
+                    .reshape((n, heads * hd))?;
+                outputs.push(out);
+            }
+            let attn = Tensor::cat(&outputs, 0)?;
+            x = (x + block.o.forward(&attn)?)?;
+            let h = self.rms_norm(&x, &block.ffn_norm)?;
+            let gate = candle_nn::ops::silu(&block.gate.forward(&h)?)?;
+            let up = block.up.forward(&h)?;
+            x = (x + block.down.forward(&(gate * up)?)?)?;
+        }
+        for item in batch.iter_mut() {
+            item.cache.len += item.tokens.len();
+        }
+
+        // Only the rows whose logits are wanted go through the (large) output layer.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(batch.len());
+        let mut offset = 0u32;
+        for item in batch.iter() {
+            let n = item.tokens.len() as u32;
+            match item.logits {
+                Logits::Last => {
+                    rows.push(offset + n - 1);
+                    counts.push(1);
+                }
+                Logits::All => {
+                    rows.extend(offset..offset + n);
+                    counts.push(n as usize);
+                }
+            }
+            offset += n;
+        }
+        let x = if rows.len() == n_total {
+            x
+        } else {
+            let len = rows.len();
+            x.index_select(&Tensor::from_vec(rows, len, &self.device)?, 0)?
+        };
+        let x = self.rms_norm(&x, &self.norm)?;
+        let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
+        let mut out = Vec::with_capacity(counts.len());
+        let mut at = 0;
+        for count in counts {
+            out.push(logits.narrow(0, at, count)?);
+            at += count;
+        }
+        Ok(out)
+    }
+}
+
+/// `[n, s]` additive mask: query `i` (at position `start + i`) sees keys `0..=start + i`.
+fn causal_mask(n: usize, start: usize, s: usize, device: &Device, dtype: DType) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..n)
+        .flat_map(|i| (0..s).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Ok(Tensor::from_vec(mask, (n, s), device)?.to_dtype(dtype)?)
+}

@@ -1,0 +1,244 @@
+//! The OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`, `/health`, and token-in-token-out `/generate`, `/tokenize`,
+//! `/detokenize`.
+//!
+//! Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), with
+//! one table from error kind to HTTP status ([`ApiError::status`]).
+
+mod openai;
+mod tokens;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, FromRequest, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use crate::constraint::ConstraintCompiler;
+use crate::engine::{Engine, SubmitError};
+use crate::error::ModelError;
+
+/// Server limits.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The model name reported by `/v1/models` and in responses.
+    pub model_name: String,
+    /// Largest request body.
+    pub max_body_bytes: usize,
+    /// Largest `n` (choices per request).
+    pub max_n: usize,
+    /// How long a request may wait and run in total.
+    pub request_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            model_name: "model".into(),
+            max_body_bytes: 4 << 20,
+            max_n: 16,
+            request_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Shared state of the handlers.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    engine: Engine,
+    constraints: Option<ConstraintCompiler>,
+    config: Arc<ServerConfig>,
+}
+
+impl AppState {
+    /// State for serving `engine`. `constraints` enables `response_format` and
+    /// constrained tool calls (build it once per model; it indexes the vocabulary).
+    pub fn new(engine: Engine, constraints: Option<ConstraintCompiler>, config: ServerConfig) -> Self {
+        Self {
+            engine,
+            constraints,
+            config: Arc::new(config),
+        }
+    }
+}
+
+/// The whole service.
+pub fn app(state: AppState) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/generate", post(tokens::generate))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// Binds and serves until `shutdown` resolves.
+pub async fn serve(
+    state: AppState,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app(state).into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn health(axum::extract::State(state): axum::extract::State<AppState>) -> Json<serde_json::Value> {
+    let (waiting, running) = state.engine.load();
+    Json(json!({"status": "ok", "waiting": waiting, "running": running}))
+}
+
+async fn models(axum::extract::State(state): axum::extract::State<AppState>) -> Json<serde_json::Value> {
+    let info = state.engine.model().info();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "agentstack",
+            "max_model_len": state.engine.model().model().max_positions(),
+            "architecture": info.config.architecture,
+            "parameters": info.parameters,
+        }],
+    }))
+}
+
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        format!("no route {}; see /v1/chat/completions, /v1/completions, /v1/models, /generate, /tokenize, /detokenize, /health", uri.path()),
+    )
+}
+
+/// An error response in OpenAI's shape.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    param: Option<String>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            kind,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// A 400 about one request field.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param.to_owned()),
+            ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+        }
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+}
+
+impl From<ModelError> for ApiError {
+    fn from(error: ModelError) -> Self {
+        match &error {
+            ModelError::InvalidRequest(_)
+            | ModelError::ContextOverflow { .. }
+            | ModelError::Template(_)
+            | ModelError::Tokenizer(_) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", error.to_string())
+            }
+            _ => {
+                tracing::error!(error = %error, "internal error");
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal error; see the server log")
+            }
+        }
+    }
+}
+
+impl From<SubmitError> for ApiError {
+    fn from(error: SubmitError) -> Self {
+        match error {
+            SubmitError::Invalid(e) | SubmitError::Failed(e) => e.into(),
+            SubmitError::Overloaded { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_overloaded",
+                error.to_string(),
+            ),
+            SubmitError::Stopped => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "the engine has stopped",
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": null,
+            }
+        });
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// A JSON body whose errors are OpenAI-shaped and name the field that was wrong.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = match axum::body::Bytes::from_request(req, state).await {
+            Ok(bytes) => bytes,
+            Err(rejection) => {
+                return Err(ApiError::new(
+                    rejection.status(),
+                    "invalid_request_error",
+                    rejection.body_text(),
+                ));
+            }
+        };
+        let deserializer = &mut serde_json::Deserializer::from_slice(&bytes);
+        match serde_path_to_error::deserialize(deserializer) {
+            Ok(value) => Ok(Self(value)),
+            Err(error) => {
+                let path = error.path().to_string();
+                let inner = error.into_inner();
+                let message = if path == "." {
+                    format!("invalid JSON body: {inner}")
+                } else {
+                    format!("invalid `{path}`: {inner}")
+                };
+                Err(ApiError {
+                    param: (path != ".").then_some(path),
+                    ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+                })
+            }
+        }
+    }
+}

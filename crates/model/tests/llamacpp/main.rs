@@ -1,0 +1,319 @@
+//! agentstack-model against llama.cpp on the real test model (SmolLM2-135M-Instruct,
+//! Q4_1): the same token ids, the same greedy continuations, the same log-probabilities.
+//!
+//! Needs `scripts/install-llamacpp` and `scripts/fetch-model` (CI runs both; `scripts/test`
+//! too). llama.cpp is driven through one `llama-server` on a free loopback port.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use agentstack_model::generate::{GenerateRequest, generate};
+use agentstack_model::sampling::log_softmax;
+use agentstack_model::{LanguageModel, Logits, Message, SeqInput, WeightForm};
+use serde_json::{Value, json};
+
+/// How far our log-probabilities may be from llama.cpp's, relative to how far llama.cpp's
+/// own two attention paths are from each other on the same tokens.
+///
+/// Exact agreement is not a meaningful target on this model: Q4_1 weights multiply
+/// activations quantized to 8 bits per block, a step function, so a 1e-7 difference in
+/// summation order flips some roundings, and the 135M model amplifies them. Measured
+/// here on a 37-token chat prompt (top-5 tokens at every position): llama.cpp default
+/// (flash attention, f16 KV cache) against llama.cpp `-fa off -ctk f32 -ctv f32` differ by
+/// mean 0.137 / max 0.717 nats; we differ from the default by mean 0.130 / max 0.853;
+/// our own f32-dequantized weights differ from our quantized ones by mean 0.111. So the
+/// test asks that we be no farther from llama.cpp than llama.cpp is from itself, with
+/// this factor of headroom.
+const SPREAD_FACTOR: f32 = 1.25;
+/// Looser factor for the single worst token (a max is noisier than a mean).
+const MAX_SPREAD_FACTOR: f32 = 1.5;
+/// Greedy continuations may part only where the two candidates are this close in
+/// log-probability under both engines: a near-tie decided by the rounding noise above,
+/// not a different model. For scale: llama.cpp's default and its `-fa off -ctk f32 -ctv
+/// f32` path part on 6 of 7 of these chat prompts within 32 tokens, once at token 0.
+const NEAR_TIE_NATS: f32 = 0.3;
+/// Tokens of each greedy continuation compared.
+const GREEDY_TOKENS: usize = 32;
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("AGENTSTACK_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/agentstack"))
+}
+
+fn model_path() -> PathBuf {
+    let path = std::env::var_os("AGENTSTACK_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(path.is_file(), "{} is missing; run scripts/fetch-model", path.display());
+    path
+}
+
+fn llama_bin(tool: &str) -> PathBuf {
+    let dir = std::env::var_os("AGENTSTACK_LLAMACPP_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("llama.cpp-0.3.36/bin"));
+    let path = dir.join(tool);
+    assert!(path.is_file(), "{} is missing; run scripts/install-llamacpp", path.display());
+    path
+}
+
+struct LlamaServer {
+    child: Child,
+    url: String,
+    http: reqwest::Client,
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl LlamaServer {
+    async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    async fn start_with(extra: &[&str]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let child = Command::new(llama_bin("llama-server"))
+            .arg("-m")
+            .arg(model_path())
+            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-t", "1", "-c", "2048", "-np", "1"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting llama-server");
+        let server = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            http: reqwest::Client::new(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(r) = server.http.get(format!("{}/health", server.url)).send().await
+                && r.status().is_success()
+            {
+                return server;
+            }
+            assert!(Instant::now() < deadline, "llama-server did not become healthy in 60 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Value {
+        let response = self.http.post(format!("{}{path}", self.url)).json(&body).send().await.unwrap();
+        assert!(response.status().is_success(), "{path}: {}", response.status());
+        response.json().await.unwrap()
+    }
+
+    async fn tokenize(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let v = self
+            .post("/tokenize", json!({"content": text, "add_special": false, "parse_special": parse_special}))
+            .await;
+        serde_json::from_value(v["tokens"].clone()).unwrap()
+    }
+
+    /// Greedy tokens with llama.cpp's top alternatives at each position.
+    async fn greedy(&self, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Value>) {
+        let v = self
+            .post(
+                "/completion",
+                json!({"prompt": prompt, "n_predict": n, "temperature": 0.0, "return_tokens": true, "n_probs": 5, "cache_prompt": false}),
+            )
+            .await;
+        (
+            serde_json::from_value(v["tokens"].clone()).unwrap(),
+            v["completion_probabilities"].as_array().cloned().unwrap_or_default(),
+        )
+    }
+
+    /// llama.cpp's log-probabilities of the next token after `prefix` (top 20).
+    async fn next_logprobs(&self, prefix: &[u32]) -> Vec<(u32, f32)> {
+        let v = self
+            .post(
+                "/completion",
+                json!({"prompt": prefix, "n_predict": 1, "temperature": 0.0, "n_probs": 20, "cache_prompt": true}),
+            )
+            .await;
+        v["completion_probabilities"][0]["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| (t["id"].as_u64().unwrap() as u32, t["logprob"].as_f64().unwrap() as f32))
+            .collect()
+    }
+}
+
+fn load() -> LanguageModel {
+    LanguageModel::load(model_path(), WeightForm::Quantized).expect("loading the test model")
+}
+
+fn corpus() -> Vec<String> {
+    serde_json::from_str(include_str!("../data/tokenizer_corpus.json")).unwrap()
+}
+
+fn chat(lm: &LanguageModel, user: &str) -> Vec<u32> {
+    let text = lm.template().render(&[Message::new("user", user)], None, true).unwrap();
+    lm.tokenizer().encode(&text, true).unwrap()
+}
+
+#[tokio::test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
+async fn token_ids_match_llama_cpp_on_the_corpus() {
+    let lm = load();
+    let server = LlamaServer::start().await;
+    let corpus = corpus();
+    assert!(corpus.len() >= 200, "the corpus has {} strings", corpus.len());
+    let mut mismatches = Vec::new();
+    for text in &corpus {
+        for parse_special in [true, false] {
+            let ours = lm.tokenizer().encode(text, parse_special).unwrap();
+            let theirs = server.tokenize(text, parse_special).await;
+            if ours != theirs {
+                mismatches.push(format!("{text:?} (parse_special {parse_special}): ours {ours:?}, llama.cpp {theirs:?}"));
+            }
+            // Decoding gives the text back.
+            assert_eq!(lm.tokenizer().decode(&ours, false), *text);
+        }
+    }
+    assert!(mismatches.is_empty(), "{} of {} differ:\n{}", mismatches.len(), corpus.len() * 2, mismatches.join("\n"));
+}
+
+fn prompts(lm: &LanguageModel) -> Vec<Vec<u32>> {
+    let mut out: Vec<Vec<u32>> = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain recursion to a child.",
+        "List three prime numbers.",
+        "How do I reverse a list in Python?",
+        "Translate 'good morning' into Spanish.",
+        "What is 12 times 12?",
+        "Give me a tip for better sleep.",
+    ]
+    .iter()
+    .map(|p| chat(lm, p))
+    .collect();
+    for raw in ["The history of the printing press", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"] {
+        out.push(lm.tokenizer().encode(raw, false).unwrap());
+    }
+    out
+}
+
+/// Our log-softmax at the position after `prefix`.
+fn our_logprobs(lm: &LanguageModel, prefix: &[u32]) -> Vec<f32> {
+    let mut cache = lm.model().new_cache();
+    let logits = lm
+        .model()
+        .forward(&mut [SeqInput { cache: &mut cache, tokens: prefix, logits: Logits::Last }])
+        .unwrap();
+    log_softmax(&logits[0].squeeze(0).unwrap().to_vec1::<f32>().unwrap())
+}
+
+#[tokio::test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
+async fn greedy_continuations_match_llama_cpp() {
+    let lm = load();
+    let server = LlamaServer::start().await;
+    let prompts = prompts(&lm);
+    assert!(prompts.len() >= 10);
+    let mut identical = 0;
+    for prompt in &prompts {
+        // Both stop at the model's end token (llama.cpp's ignore_eos bans the token
+        // rather than ignoring it, so it cannot be compared).
+        let ours = generate(&lm, &GenerateRequest::greedy(prompt.clone(), GREEDY_TOKENS)).unwrap().tokens;
+        let (theirs, probs) = server.greedy(prompt, GREEDY_TOKENS).await;
+        let parted = ours.iter().zip(&theirs).position(|(a, b)| a != b).or_else(|| {
+            // One stopped (end token) where the other went on: that is a difference too,
+            // at the shorter length (llama.cpp leaves its end token out).
+            (ours.len() != theirs.len() && ours.len().min(theirs.len()) < GREEDY_TOKENS)
+                .then(|| ours.len().min(theirs.len()))
+                .filter(|&i| i < ours.len() && i < theirs.len())
+        });
+        match parted {
+            None => identical += 1,
+            Some(i) => {
+                let mut prefix = prompt.clone();
+                prefix.extend_from_slice(&ours[..i]);
+                let lp = our_logprobs(&lm, &prefix);
+                let gap = (lp[ours[i] as usize] - lp[theirs[i] as usize]).abs();
+                // llama.cpp's own view of the same two tokens (from its top 5).
+                let alternatives = probs[i]["top_logprobs"].as_array().cloned().unwrap_or_default();
+                let their_lp = |id: u32| {
+                    alternatives
+                        .iter()
+                        .find(|t| t["id"].as_u64() == Some(u64::from(id)))
+                        .and_then(|t| t["logprob"].as_f64())
+                        .map(|v| v as f32)
+                };
+                let their_gap = match (their_lp(ours[i]), their_lp(theirs[i])) {
+                    (Some(a), Some(b)) => (a - b).abs(),
+                    _ => f32::INFINITY,
+                };
+                eprintln!(
+                    "prompt {:?}: parts at token {i} (ours {} vs llama.cpp {}), gap {gap:.4} nats under ours, {their_gap:.4} under llama.cpp",
+                    lm.tokenizer().decode(prompt, false),
+                    ours[i],
+                    theirs[i]
+                );
+                assert!(
+                    gap <= NEAR_TIE_NATS && their_gap <= NEAR_TIE_NATS,
+                    "greedy tokens part at {i} on a gap of {gap} / {their_gap} nats (> {NEAR_TIE_NATS}): ours {:?}, llama.cpp {:?}",
+                    lm.tokenizer().decode(&ours, false),
+                    lm.tokenizer().decode(&theirs, false)
+                );
+            }
+        }
+    }
+    eprintln!("{identical} of {} greedy continuations identical for {GREEDY_TOKENS} tokens", prompts.len());
+}
+
+#[tokio::test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
+async fn prompt_logprobs_match_llama_cpp() {
+    let lm = load();
+    let reference = LlamaServer::start().await;
+    let other_path = LlamaServer::start_with(&["-fa", "off", "-ctk", "f32", "-ctv", "f32"]).await;
+    let texts = [
+        chat(&lm, "Summarize the plot of Romeo and Juliet in two sentences."),
+        lm.tokenizer()
+            .encode("The quick brown fox jumps over the lazy dog. In 1492, Columbus sailed the ocean blue; 3.14159 is pi.", false)
+            .unwrap(),
+        lm.tokenizer().encode("fn main() {\n    let x = vec![1, 2, 3];\n    println!(\"{:?}\", x);\n}\n", false).unwrap(),
+    ];
+    let (mut ours_sum, mut self_sum, mut ours_max, mut self_max, mut compared) = (0f32, 0f32, 0f32, 0f32, 0usize);
+    for tokens in &texts {
+        let scored = lm.score(tokens).unwrap();
+        for i in 1..tokens.len() {
+            let theirs = reference.next_logprobs(&tokens[..i]).await;
+            let alternative: std::collections::HashMap<u32, f32> =
+                other_path.next_logprobs(&tokens[..i]).await.into_iter().collect();
+            let mine = our_logprobs(&lm, &tokens[..i]);
+            // The five most likely tokens at every position, not just the actual next one.
+            for &(id, lp) in theirs.iter().take(5) {
+                let Some(&other) = alternative.get(&id) else { continue };
+                let d_ours = (mine[id as usize] - lp).abs();
+                let d_self = (other - lp).abs();
+                ours_sum += d_ours;
+                self_sum += d_self;
+                ours_max = ours_max.max(d_ours);
+                self_max = self_max.max(d_self);
+                compared += 1;
+            }
+            // One pass over the whole sequence scores like the incremental forward pass.
+            assert!((scored[i - 1] - mine[tokens[i] as usize]).abs() < 1e-3, "position {i}");
+        }
+    }
+    let (ours_mean, self_mean) = (ours_sum / compared as f32, self_sum / compared as f32);
+    eprintln!(
+        "{compared} log-probabilities: ours vs llama.cpp mean {ours_mean:.4} max {ours_max:.4}; \
+         llama.cpp vs itself (-fa off, f32 cache) mean {self_mean:.4} max {self_max:.4}"
+    );
+    assert!(compared > 500, "only {compared} log-probabilities compared");
+    assert!(ours_mean <= SPREAD_FACTOR * self_mean, "mean |Δ| {ours_mean} > {SPREAD_FACTOR} × {self_mean}");
+    assert!(ours_max <= MAX_SPREAD_FACTOR * self_max, "max |Δ| {ours_max} > {MAX_SPREAD_FACTOR} × {self_max}");
+}
