@@ -1,11 +1,17 @@
-//! Quantized matrix multiplication kernels for the types candle only has scalar code for.
+//! Quantized matrix multiplication and attention kernels.
 //!
-//! [`FastLinear`] holds a Q4_1 weight (blocks of 32: `x = d·q + m`, 4-bit `q`) split into
-//! separate arrays of nibbles, scales and minimums, and multiplies it with activations
-//! quantized to Q8_1 exactly as ggml does (`quantize_row_q8_1`, `ggml_vec_dot_q4_1_q8_1`):
-//! per block `d_w·d_a·Σ q_w·q_a + m_w·s_a`, where `s_a = d_a·Σ q_a`. Same arithmetic as
-//! llama.cpp, so greedy tokens agree; AVX2 when the CPU has it, scalar otherwise. Rows of
-//! the weight are split across rayon's threads.
+//! [`FastLinear`] holds a Q4_1 weight (blocks of 32: `x = d·q + m`, 4-bit `q`) or a Q8_0
+//! weight (`x = d·q`, 8-bit `q`) split into separate arrays of quants, scales and
+//! minimums, and multiplies it with activations quantized the way ggml does
+//! (`quantize_row_q8_1` / `quantize_row_q8_0`, then `ggml_vec_dot_q4_1_q8_1` /
+//! `ggml_vec_dot_q8_0_q8_0`): per block `d_w·d_a·Σ q_w·q_a (+ m_w·s_a)`. AVX2 when the CPU
+//! has it, scalar otherwise. Rows of the weight are split across rayon's threads.
+//!
+//! Every output element is computed by one thread in one fixed order, whatever the
+//! number of rows in the batch: a sequence's logits do not depend on what it was
+//! batched with, and scoring a whole sequence in one pass gives bit-identical
+//! log-probabilities to generating it token by token. The [`attention`] kernel keeps
+//! the same property for attention.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -18,58 +24,100 @@ const QK: usize = 32;
 /// Activation rows handled together, so each unpacked weight block is used several times.
 const ROW_TILE: usize = 4;
 
-/// A Q4_1 weight `[out, in]` laid out for SIMD.
+/// The weight types with a kernel here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantKind {
+    /// 4-bit with scale and minimum per block of 32; activations as Q8_1.
+    Q4_1,
+    /// 8-bit with a scale per block of 32; activations as Q8_0.
+    Q8_0,
+}
+
+impl QuantKind {
+    /// The kernel for a GGML type, if there is one.
+    pub fn of(dtype: GgmlDType) -> Option<Self> {
+        match dtype {
+            GgmlDType::Q4_1 => Some(Self::Q4_1),
+            GgmlDType::Q8_0 => Some(Self::Q8_0),
+            _ => None,
+        }
+    }
+
+    fn quant_bytes(self) -> usize {
+        match self {
+            Self::Q4_1 => 16,
+            Self::Q8_0 => 32,
+        }
+    }
+}
+
+/// A quantized weight `[out, in]` laid out for SIMD.
 #[derive(Debug)]
 pub struct FastLinear {
+    kind: QuantKind,
     out_features: usize,
     in_features: usize,
-    /// `out · in/2` bytes: for each block, 16 bytes holding values j (low nibble) and
-    /// j + 16 (high nibble).
-    nibbles: Vec<u8>,
+    /// Q4_1: 16 bytes per block, values j (low nibble) and j + 16 (high nibble).
+    /// Q8_0: 32 signed bytes per block.
+    quants: Vec<u8>,
     scales: Vec<f32>,
+    /// Q4_1 only.
     mins: Vec<f32>,
 }
 
-/// Activations of one row quantized to Q8_1.
-struct Q8Row {
+/// Activations of one row quantized to 8 bits per value (Q8_1 or Q8_0).
+struct ActRow {
     qs: Vec<i8>,
     d: Vec<f32>,
+    /// `d · Σq` per block (Q8_1 only).
     s: Vec<f32>,
 }
 
 impl FastLinear {
-    /// Takes a Q4_1 tensor `[out, in]`.
+    /// Takes a Q4_1 or Q8_0 tensor `[out, in]`.
     pub fn from_qtensor(q: &QTensor) -> Result<Self> {
         let (out_features, in_features) = q.shape().dims2()?;
-        if q.dtype() != GgmlDType::Q4_1 || in_features % QK != 0 {
-            return Err(ModelError::BadTensor {
-                name: "Q4_1 weight".into(),
-                reason: format!("type {:?} with row length {in_features}", q.dtype()),
-            });
+        let bad = |reason: String| ModelError::BadTensor {
+            name: format!("{:?} weight", q.dtype()),
+            reason,
+        };
+        let kind = QuantKind::of(q.dtype()).ok_or_else(|| bad("no kernel for this type".into()))?;
+        if in_features % QK != 0 {
+            return Err(bad(format!("row length {in_features} is not a multiple of {QK}")));
         }
         let data = q.data()?;
         let blocks = out_features * in_features / QK;
-        if data.len() != blocks * 20 {
-            return Err(ModelError::BadTensor {
-                name: "Q4_1 weight".into(),
-                reason: format!("{} bytes for {blocks} blocks", data.len()),
-            });
+        let block_bytes = q.dtype().type_size();
+        if data.len() != blocks * block_bytes {
+            return Err(bad(format!("{} bytes for {blocks} blocks", data.len())));
         }
-        let mut nibbles = Vec::with_capacity(blocks * 16);
+        let qb = kind.quant_bytes();
+        let mut quants = Vec::with_capacity(blocks * qb);
         let mut scales = Vec::with_capacity(blocks);
-        let mut mins = Vec::with_capacity(blocks);
-        for block in data.chunks_exact(20) {
+        let mut mins = Vec::new();
+        for block in data.chunks_exact(block_bytes) {
             scales.push(f16::from_le_bytes([block[0], block[1]]).to_f32());
-            mins.push(f16::from_le_bytes([block[2], block[3]]).to_f32());
-            nibbles.extend_from_slice(&block[4..20]);
+            match kind {
+                QuantKind::Q4_1 => {
+                    mins.push(f16::from_le_bytes([block[2], block[3]]).to_f32());
+                    quants.extend_from_slice(&block[4..20]);
+                }
+                QuantKind::Q8_0 => quants.extend_from_slice(&block[2..34]),
+            }
         }
         Ok(Self {
+            kind,
             out_features,
             in_features,
-            nibbles,
+            quants,
             scales,
             mins,
         })
+    }
+
+    /// The weight type.
+    pub fn kind(&self) -> QuantKind {
+        self.kind
     }
 
     /// `[out, in]`.
@@ -77,17 +125,47 @@ impl FastLinear {
         (self.out_features, self.in_features)
     }
 
+    /// Rows `ids` of the weight as f32 (an embedding lookup).
+    pub fn rows(&self, ids: &[u32]) -> Vec<f32> {
+        let nb = self.in_features / QK;
+        let mut out = Vec::with_capacity(ids.len() * self.in_features);
+        for &id in ids {
+            let first = id as usize * nb;
+            for b in first..first + nb {
+                out.extend_from_slice(&self.dequantize_block(b));
+            }
+        }
+        out
+    }
+
+    fn dequantize_block(&self, b: usize) -> [f32; QK] {
+        let qb = self.kind.quant_bytes();
+        let q = &self.quants[b * qb..(b + 1) * qb];
+        let d = self.scales[b];
+        let mut out = [0f32; QK];
+        match self.kind {
+            QuantKind::Q4_1 => {
+                let m = self.mins[b];
+                for (j, &byte) in q.iter().enumerate() {
+                    out[j] = d * f32::from(byte & 0x0F) + m;
+                    out[j + 16] = d * f32::from(byte >> 4) + m;
+                }
+            }
+            QuantKind::Q8_0 => {
+                for (o, &byte) in out.iter_mut().zip(q) {
+                    *o = d * f32::from(byte as i8);
+                }
+            }
+        }
+        out
+    }
+
     /// The weight as f32 `[out, in]`.
     pub fn dequantize(&self) -> Result<Tensor> {
-        let mut values = Vec::with_capacity(self.out_features * self.in_features);
-        for (b, block) in self.nibbles.chunks_exact(16).enumerate() {
-            let (d, m) = (self.scales[b], self.mins[b]);
-            let mut out = [0f32; QK];
-            for (j, &byte) in block.iter().enumerate() {
-                out[j] = d * f32::from(byte & 0x0F) + m;
-                out[j + 16] = d * f32::from(byte >> 4) + m;
-            }
-            values.extend_from_slice(&out);
+        let blocks = self.scales.len();
+        let mut values = Vec::with_capacity(blocks * QK);
+        for b in 0..blocks {
+            values.extend_from_slice(&self.dequantize_block(b));
         }
         Ok(Tensor::from_vec(
             values,
@@ -96,18 +174,22 @@ impl FastLinear {
         )?)
     }
 
-    /// `x Wᵀ` for `x` `[n, in]` (f32).
+    /// `x Wᵀ` for `x` `[.., in]` (f32).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(x.apply_op1_no_bwd(&Op(self))?)
     }
 
     fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let k = self.in_features;
-        let rows: Vec<Q8Row> = x.chunks_exact(k).map(quantize_q8_1).collect();
+        let rows: Vec<ActRow> = match self.kind {
+            QuantKind::Q4_1 => x.chunks_exact(k).map(|r| quantize_row(r, true)).collect(),
+            QuantKind::Q8_0 => x.chunks_exact(k).map(|r| quantize_row(r, false)).collect(),
+        };
         let out = self.out_features;
         let mut y = vec![0f32; n * out];
-        // Work split: chunks of weight rows; each computes all activation rows, writing
-        // a [rows_in_chunk, n] tile that is scattered into y afterwards.
+        // Work split: chunks of weight rows; each computes all activation rows into a
+        // [rows_in_chunk, n] tile scattered into y afterwards. Which thread computes an
+        // element never changes how it is computed.
         let chunk = if n * out * k >= 1 << 18 { 16 } else { out };
         let tiles: Vec<(usize, Vec<f32>)> = (0..out)
             .step_by(chunk)
@@ -133,32 +215,38 @@ impl FastLinear {
     }
 
     /// Dot products of weight row `o` with every activation row.
-    fn dot_row(&self, o: usize, rows: &[Q8Row], out: &mut [f32]) {
+    fn dot_row(&self, o: usize, rows: &[ActRow], out: &mut [f32]) {
         let nb = self.in_features / QK;
+        let qb = self.kind.quant_bytes();
         let w = WeightRow {
-            nibbles: &self.nibbles[o * nb * 16..(o + 1) * nb * 16],
+            quants: &self.quants[o * nb * qb..(o + 1) * nb * qb],
             scales: &self.scales[o * nb..(o + 1) * nb],
-            mins: &self.mins[o * nb..(o + 1) * nb],
+            mins: if self.mins.is_empty() {
+                &[]
+            } else {
+                &self.mins[o * nb..(o + 1) * nb]
+            },
         };
         for (tile, dst) in rows.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
-            dot_tile(&w, tile, dst);
+            dot_tile(self.kind, &w, tile, dst);
         }
     }
 }
 
 struct WeightRow<'a> {
-    nibbles: &'a [u8],
+    quants: &'a [u8],
     scales: &'a [f32],
     mins: &'a [f32],
 }
 
-/// ggml's `quantize_row_q8_1` (AVX2 flavour: scale `127/amax`, round half to even; the
-/// block scale and sum are stored as f16, so they are rounded through f16 here too).
-fn quantize_q8_1(x: &[f32]) -> Q8Row {
+/// ggml's `quantize_row_q8_1` / `quantize_row_q8_0`, AVX2 flavour: scale `127/amax`,
+/// round half to even; the block scale (and sum) are stored as f16 by ggml, so they are
+/// rounded through f16 here too.
+fn quantize_row(x: &[f32], with_sums: bool) -> ActRow {
     let nb = x.len() / QK;
     let mut qs = Vec::with_capacity(x.len());
     let mut d = Vec::with_capacity(nb);
-    let mut s = Vec::with_capacity(nb);
+    let mut s = Vec::with_capacity(if with_sums { nb } else { 0 });
     for block in x.chunks_exact(QK) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = amax / 127.0;
@@ -170,47 +258,63 @@ fn quantize_q8_1(x: &[f32]) -> Q8Row {
             qs.push(q);
         }
         d.push(f16::from_f32(scale).to_f32());
-        s.push(f16::from_f32(scale * sum as f32).to_f32());
+        if with_sums {
+            s.push(f16::from_f32(scale * sum as f32).to_f32());
+        }
     }
-    Q8Row { qs, d, s }
+    ActRow { qs, d, s }
 }
 
-fn dot_tile(w: &WeightRow<'_>, rows: &[Q8Row], out: &mut [f32]) {
+fn dot_tile(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         #[expect(unsafe_code, reason = "the CPU was just checked for AVX2 and FMA")]
         // SAFETY: avx2 and fma are available (checked above).
         unsafe {
-            avx2::dot_tile(w, rows, out)
+            match kind {
+                QuantKind::Q4_1 => avx2::dot_tile_q4_1(w, rows, out),
+                QuantKind::Q8_0 => avx2::dot_tile_q8_0(w, rows, out),
+            }
         };
         return;
     }
-    dot_tile_scalar(w, rows, out);
+    dot_tile_scalar(kind, w, rows, out);
 }
 
-fn dot_tile_scalar(w: &WeightRow<'_>, rows: &[Q8Row], out: &mut [f32]) {
+fn dot_tile_scalar(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
     for (row, dst) in rows.iter().zip(out.iter_mut()) {
         let mut sum = 0f32;
         for b in 0..w.scales.len() {
-            let nib = &w.nibbles[b * 16..b * 16 + 16];
             let q = &row.qs[b * QK..b * QK + QK];
             let mut sumi = 0i32;
-            for j in 0..16 {
-                sumi += i32::from(nib[j] & 0x0F) * i32::from(q[j])
-                    + i32::from(nib[j] >> 4) * i32::from(q[j + 16]);
+            match kind {
+                QuantKind::Q4_1 => {
+                    let nib = &w.quants[b * 16..b * 16 + 16];
+                    for j in 0..16 {
+                        sumi += i32::from(nib[j] & 0x0F) * i32::from(q[j])
+                            + i32::from(nib[j] >> 4) * i32::from(q[j + 16]);
+                    }
+                    sum += sumi as f32 * w.scales[b] * row.d[b] + w.mins[b] * row.s[b];
+                }
+                QuantKind::Q8_0 => {
+                    let wq = &w.quants[b * 32..b * 32 + 32];
+                    for j in 0..32 {
+                        sumi += i32::from(wq[j] as i8) * i32::from(q[j]);
+                    }
+                    sum += sumi as f32 * (w.scales[b] * row.d[b]);
+                }
             }
-            sum += sumi as f32 * w.scales[b] * row.d[b] + w.mins[b] * row.s[b];
         }
         *dst = sum;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[expect(unsafe_code, reason = "SIMD intrinsics; every load is bounds-checked by slicing first")]
+#[expect(unsafe_code, reason = "SIMD intrinsics; every load reads a slice of checked length")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{QK, Q8Row, WeightRow};
+    use super::{ActRow, QK, ROW_TILE, WeightRow};
 
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
@@ -222,17 +326,30 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
+    #[target_feature(enable = "avx2,fma")]
+    fn load32(bytes: &[u8; 32]) -> __m256i {
+        // SAFETY: the reference covers exactly 32 readable bytes.
+        unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn act(row: &ActRow, b: usize) -> __m256i {
+        let q: &[i8; QK] = row.qs[b * QK..b * QK + QK].try_into().expect("32 bytes");
+        // SAFETY: `q` is exactly 32 readable bytes.
+        unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
+    }
+
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_tile(w: &WeightRow<'_>, rows: &[Q8Row], out: &mut [f32]) {
-        let n = rows.len().min(out.len()).min(super::ROW_TILE);
-        let mut acc = [_mm256_setzero_ps(); super::ROW_TILE];
-        let mut mins = [0f32; super::ROW_TILE];
+    pub(super) unsafe fn dot_tile_q4_1(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let n = rows.len().min(out.len()).min(ROW_TILE);
+        let mut acc = [_mm256_setzero_ps(); ROW_TILE];
+        let mut mins = [0f32; ROW_TILE];
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         for b in 0..w.scales.len() {
-            let nib: &[u8; 16] = w.nibbles[b * 16..b * 16 + 16].try_into().expect("16 bytes");
+            let nib: &[u8; 16] = w.quants[b * 16..b * 16 + 16].try_into().expect("16 bytes");
             // SAFETY: `nib` is exactly 16 readable bytes.
             let packed = unsafe { _mm_loadu_si128(nib.as_ptr().cast()) };
             let shifted = _mm_srli_epi16::<4>(packed);
@@ -240,10 +357,7 @@ mod avx2 {
             let (dw, mw) = (w.scales[b], w.mins[b]);
             for r in 0..n {
                 let row = &rows[r];
-                let q: &[i8; QK] = row.qs[b * QK..b * QK + QK].try_into().expect("32 bytes");
-                // SAFETY: `q` is exactly 32 readable bytes.
-                let aq = unsafe { _mm256_loadu_si256(q.as_ptr().cast()) };
-                let pairs = _mm256_maddubs_epi16(wq, aq);
+                let pairs = _mm256_maddubs_epi16(wq, act(row, b));
                 let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
                 acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * row.d[b]), sums, acc[r]);
                 mins[r] += mw * row.s[b];
@@ -253,30 +367,59 @@ mod avx2 {
             out[r] = hsum(acc[r]) + mins[r];
         }
     }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_tile_q8_0(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let n = rows.len().min(out.len()).min(ROW_TILE);
+        let mut acc = [_mm256_setzero_ps(); ROW_TILE];
+        let ones = _mm256_set1_epi16(1);
+        for b in 0..w.scales.len() {
+            let wq = load32(w.quants[b * 32..b * 32 + 32].try_into().expect("32 bytes"));
+            // |w| as unsigned times sign(w)·a as signed, as ggml's mul_sum_i8_pairs.
+            let wabs = _mm256_sign_epi8(wq, wq);
+            let dw = w.scales[b];
+            for r in 0..n {
+                let row = &rows[r];
+                let signed = _mm256_sign_epi8(act(row, b), wq);
+                let pairs = _mm256_maddubs_epi16(wabs, signed);
+                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * row.d[b]), sums, acc[r]);
+            }
+        }
+        for r in 0..n {
+            out[r] = hsum(acc[r]);
+        }
+    }
 }
 
 struct Op<'a>(&'a FastLinear);
 
 impl CustomOp1 for Op<'_> {
     fn name(&self) -> &'static str {
-        "q4_1-matmul"
+        "quantized-matmul"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let CpuStorage::F32(data) = storage else {
-            candle_core::bail!("q4_1-matmul expects f32 activations");
+            candle_core::bail!("quantized-matmul expects f32 activations");
         };
         let dims = layout.shape().dims();
         let k = *dims.last().unwrap_or(&0);
         if k != self.0.in_features {
             candle_core::bail!(
-                "q4_1-matmul: activations have width {k}, the weight expects {}",
+                "quantized-matmul: activations have width {k}, the weight expects {}",
                 self.0.in_features
             );
         }
         let x = match layout.contiguous_offsets() {
             Some((start, end)) => &data[start..end],
-            None => candle_core::bail!("q4_1-matmul expects contiguous activations"),
+            None => candle_core::bail!("quantized-matmul expects contiguous activations"),
         };
         let n = x.len() / k.max(1);
         let y = self.0.matmul(x, n);
@@ -284,6 +427,84 @@ impl CustomOp1 for Op<'_> {
         *out_dims.last_mut().expect("at least one dim") = self.0.out_features;
         Ok((CpuStorage::F32(y), Shape::from(out_dims)))
     }
+}
+
+/// Causal attention of `n` new queries against a sequence's keys and values.
+///
+/// `q` is `[n, heads·hd]` (rotary already applied), `k` and `v` are `[s, kv_heads·hd]`
+/// with the new positions last (`s ≥ n`): query `t` sees keys `0..=s−n+t`. Returns
+/// `[n, heads·hd]`. Each output row is computed in one fixed order whatever `n` is, so a
+/// position attends identically in a prefill, a decode step or a batch.
+#[expect(clippy::too_many_arguments, reason = "the shape of one attention call")]
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let q_dim = heads * hd;
+    let kv_dim = kv_heads * hd;
+    let s = k.len() / kv_dim.max(1);
+    let start = s - n;
+    let groups = heads / kv_heads;
+    let mut out = vec![0f32; n * q_dim];
+    let task = |(t, h): (usize, usize), dst: &mut [f32]| {
+        let qrow = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
+        let g = h / groups;
+        let visible = start + t + 1;
+        let mut scores = Vec::with_capacity(visible);
+        let mut max = f32::NEG_INFINITY;
+        for j in 0..visible {
+            let krow = &k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+            let score = dot(qrow, krow) * scale;
+            max = max.max(score);
+            scores.push(score);
+        }
+        let mut total = 0f32;
+        for score in &mut scores {
+            *score = (*score - max).exp();
+            total += *score;
+        }
+        let inv = 1.0 / total;
+        dst.fill(0.0);
+        for (j, &p) in scores.iter().enumerate() {
+            let vrow = &v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+            let p = p * inv;
+            for (o, &x) in dst.iter_mut().zip(vrow) {
+                *o += p * x;
+            }
+        }
+    };
+    if n * heads * s >= 1 << 14 {
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .for_each(|(i, dst)| task((i / heads, i % heads), dst));
+    } else {
+        for (i, dst) in out.chunks_mut(hd).enumerate() {
+            task((i / heads, i % heads), dst);
+        }
+    }
+    out
+}
+
+/// A dot product with eight independent lanes (vectorizable, same order every time).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            lanes[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for i in chunks * 8..a.len() {
+        sum += a[i] * b[i];
+    }
+    sum
 }
 
 #[cfg(test)]
@@ -328,17 +549,64 @@ mod tests {
     #[test]
     fn scalar_and_simd_agree() {
         let device = Device::Cpu;
-        let w = Tensor::randn(0f32, 1.0, (1, 256), &device).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
-        let fast = FastLinear::from_qtensor(&q).unwrap();
-        let x: Vec<f32> = (0..256 * 3).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
-        let rows: Vec<Q8Row> = x.chunks_exact(256).map(quantize_q8_1).collect();
-        let w = WeightRow { nibbles: &fast.nibbles, scales: &fast.scales, mins: &fast.mins };
-        let (mut a, mut b) = ([0f32; 3], [0f32; 3]);
-        dot_tile(&w, &rows, &mut a);
-        dot_tile_scalar(&w, &rows, &mut b);
-        for (x, y) in a.iter().zip(&b) {
-            assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{x} vs {y}");
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let w = Tensor::randn(0f32, 1.0, (1, 256), &device).unwrap();
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let fast = FastLinear::from_qtensor(&q).unwrap();
+            let x: Vec<f32> = (0..256 * 3).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
+            let rows: Vec<ActRow> = x.chunks_exact(256).map(|r| quantize_row(r, dtype == GgmlDType::Q4_1)).collect();
+            let w = WeightRow { quants: &fast.quants, scales: &fast.scales, mins: &fast.mins };
+            let (mut a, mut b) = ([0f32; 3], [0f32; 3]);
+            dot_tile(fast.kind, &w, &rows, &mut a);
+            dot_tile_scalar(fast.kind, &w, &rows, &mut b);
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{dtype:?}: {x} vs {y}");
+            }
         }
+    }
+
+    #[test]
+    fn q8_0_matches_candle() {
+        let device = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (24, 128), &device).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+        let fast = FastLinear::from_qtensor(&q).unwrap();
+        let reference = QMatMul::from_qtensor(q).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (5, 128), &device).unwrap();
+        let got: Vec<f32> = fast.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = reference.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-3 * w.abs().max(1.0), "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_the_batch() {
+        let device = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (64, 256), &device).unwrap();
+        let fast = FastLinear::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap()).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (9, 256), &device).unwrap();
+        let all: Vec<Vec<f32>> = fast.forward(&x).unwrap().to_vec2().unwrap();
+        for (i, row) in all.iter().enumerate() {
+            let one: Vec<Vec<f32>> = fast.forward(&x.narrow(0, i, 1).unwrap()).unwrap().to_vec2().unwrap();
+            assert_eq!(&one[0], row, "row {i}");
+        }
+    }
+
+    #[test]
+    fn attention_is_causal_and_shape_independent() {
+        let (heads, kv_heads, hd, s) = (4, 2, 16, 7);
+        let f = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0) - 0.5;
+        let q: Vec<f32> = (0..s * heads * hd).map(f).collect();
+        let k: Vec<f32> = (0..s * kv_heads * hd).map(|i| f(i + 17)).collect();
+        let v: Vec<f32> = (0..s * kv_heads * hd).map(|i| f(i + 31)).collect();
+        let full = attention(&q, &k, &v, s, heads, kv_heads, hd, 0.25);
+        for t in 0..s {
+            let kv = (t + 1) * kv_heads * hd;
+            let one = attention(&q[t * heads * hd..(t + 1) * heads * hd], &k[..kv], &v[..kv], 1, heads, kv_heads, hd, 0.25);
+            assert_eq!(one, full[t * heads * hd..(t + 1) * heads * hd], "position {t}");
+        }
+        // The first position sees only itself: its output is its own value row.
+        assert_eq!(&full[..hd], &v[..hd]);
     }
 }

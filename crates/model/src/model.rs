@@ -13,14 +13,14 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{D, DType, Device, Module, Tensor};
 use candle_nn::kv_cache::KvCache;
 
 use crate::config::{Architecture, ModelConfig, RopeLayout};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::kernels::FastLinear;
+use crate::kernels::{self, FastLinear, QuantKind};
 
 /// How the weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +42,7 @@ pub enum Linear {
         /// Optional bias, `[out]`.
         bias: Option<Tensor>,
     },
-    /// This crate's kernel for types candle only has scalar code for.
+    /// This crate's kernels (Q4_1, Q8_0): batch-invariant, SIMD.
     Fast {
         /// The weight.
         weight: Arc<FastLinear>,
@@ -112,7 +112,9 @@ pub struct Block {
 /// Token embeddings, quantized or dense.
 #[derive(Debug, Clone)]
 pub enum Embedding {
-    /// Rows dequantized on lookup.
+    /// Rows dequantized on lookup by this crate's kernels (shared with a tied output).
+    Fast(Arc<FastLinear>),
+    /// Rows dequantized on lookup by candle.
     Quantized(Arc<QTensor>),
     /// A float table `[vocab, hidden]`.
     Dense(Tensor),
@@ -129,13 +131,19 @@ pub struct Model {
     output: Linear,
     cos: Tensor,
     sin: Tensor,
+    /// The same tables as flat f32 `[positions, hd/2]`, for the fast path.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
     device: Device,
 }
 
 /// The KV cache of one sequence.
 #[derive(Debug, Clone)]
 pub struct SeqCache {
+    /// Dense form: candle caches `[kv_heads, positions, hd]` per layer.
     layers: Vec<KvCache>,
+    /// Quantized form: `(keys, values)` per layer, each `[positions, kv_heads·hd]`.
+    raw: Vec<(Vec<f32>, Vec<f32>)>,
     len: usize,
 }
 
@@ -152,6 +160,9 @@ impl SeqCache {
 
     /// A deep copy, to continue one prefix in several ways (`n` > 1).
     pub fn fork(&self) -> Result<Self> {
+        if self.layers.is_empty() {
+            return Ok(self.clone());
+        }
         let mut layers = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             let mut copy = KvCache::new(1, self.len.max(64));
@@ -162,17 +173,20 @@ impl SeqCache {
         }
         Ok(Self {
             layers,
+            raw: Vec::new(),
             len: self.len,
         })
     }
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        self.layers
+        let raw: usize = self.raw.iter().map(|(k, v)| (k.capacity() + v.capacity()) * 4).sum();
+        raw + self
+            .layers
             .iter()
             .filter_map(|l| l.k_cache().all_data().as_ref())
             .map(|t| t.elem_count() * t.dtype().size_in_bytes() * 2)
-            .sum()
+            .sum::<usize>()
     }
 }
 
@@ -219,7 +233,7 @@ fn linear_from(
             weight: q.dequantize(&Device::Cpu)?.to_dtype(dtype)?,
             bias,
         },
-        WeightForm::Quantized if q.dtype() == GgmlDType::Q4_1 => Linear::Fast {
+        WeightForm::Quantized if QuantKind::of(q.dtype()).is_some() => Linear::Fast {
             weight: Arc::new(FastLinear::from_qtensor(&q)?),
             bias,
         },
@@ -296,17 +310,28 @@ impl Model {
                     weight: embd.dequantize(&Device::Cpu)?.to_dtype(dtype)?,
                     bias: None,
                 },
+                WeightForm::Quantized if QuantKind::of(embd.dtype()).is_some() => Linear::Fast {
+                    weight: Arc::new(FastLinear::from_qtensor(&embd)?),
+                    bias: None,
+                },
                 WeightForm::Quantized => Linear::Quantized {
                     weight: QMatMul::from_qtensor(file.tensor("token_embd.weight")?)?,
                     bias: None,
                 },
             }
         };
-        let embedding = match form {
-            WeightForm::Dense(dtype) => {
+        let embedding = match (form, &output) {
+            (WeightForm::Dense(dtype), _) => {
                 Embedding::Dense(embd.dequantize(&Device::Cpu)?.to_dtype(dtype)?)
             }
-            WeightForm::Quantized => Embedding::Quantized(Arc::new(embd)),
+            // Tied: the output layer's copy serves lookups too.
+            (WeightForm::Quantized, Linear::Fast { weight, .. }) if !file.has_tensor("output.weight") => {
+                Embedding::Fast(weight.clone())
+            }
+            (WeightForm::Quantized, _) if QuantKind::of(embd.dtype()).is_some() => {
+                Embedding::Fast(Arc::new(FastLinear::from_qtensor(&embd)?))
+            }
+            (WeightForm::Quantized, _) => Embedding::Quantized(Arc::new(embd)),
         };
         Self::assemble(config, form, embedding, blocks, norm, output)
     }
@@ -335,9 +360,12 @@ impl Model {
             WeightForm::Quantized => DType::F32,
             WeightForm::Dense(dtype) => dtype,
         };
+        let (cos, sin) = (freqs.cos()?, freqs.sin()?);
         Ok(Self {
-            cos: freqs.cos()?.to_dtype(dtype)?,
-            sin: freqs.sin()?.to_dtype(dtype)?,
+            rope_cos: cos.flatten_all()?.to_vec1()?,
+            rope_sin: sin.flatten_all()?.to_vec1()?,
+            cos: cos.to_dtype(dtype)?,
+            sin: sin.to_dtype(dtype)?,
             config,
             form,
             embedding,
@@ -375,9 +403,18 @@ impl Model {
 
     /// An empty cache for a new sequence.
     pub fn new_cache(&self) -> SeqCache {
-        SeqCache {
-            layers: (0..self.config.layers).map(|_| KvCache::new(1, 256)).collect(),
-            len: 0,
+        if self.differentiable() {
+            SeqCache {
+                layers: (0..self.config.layers).map(|_| KvCache::new(1, 256)).collect(),
+                raw: Vec::new(),
+                len: 0,
+            }
+        } else {
+            SeqCache {
+                layers: Vec::new(),
+                raw: vec![(Vec::new(), Vec::new()); self.config.layers],
+                len: 0,
+            }
         }
     }
 
@@ -415,10 +452,12 @@ impl Model {
         })
     }
 
-    fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let n = ids.len();
         Ok(match &self.embedding {
-            Embedding::Quantized(q) => q.embedding(ids)?,
-            Embedding::Dense(t) => t.embedding(ids)?,
+            Embedding::Fast(w) => Tensor::from_vec(w.rows(ids), (n, w.shape().1), &self.device)?,
+            Embedding::Quantized(q) => q.embedding(&Tensor::from_slice(ids, n, &self.device)?)?,
+            Embedding::Dense(t) => t.embedding(&Tensor::from_slice(ids, n, &self.device)?)?,
         })
     }
 
@@ -451,17 +490,80 @@ impl Model {
             ids.extend_from_slice(item.tokens);
         }
         let n_total = ids.len();
-        let ids = Tensor::from_vec(ids, n_total, &self.device)?;
         let mut x = self.embed(&ids)?;
-        let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
-        let groups = heads / kv_heads;
-        let scale = 1.0 / (hd as f64).sqrt();
+        let scale = 1.0 / (cfg.head_dim as f64).sqrt();
 
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = self.rms_norm(&x, &block.attn_norm)?;
             let q = block.q.forward(&h)?;
             let k = block.k.forward(&h)?;
             let v = block.v.forward(&h)?;
+            let attn = if self.differentiable() {
+                self.attention_dense(layer, block, batch, &q, &k, &v, scale)?
+            } else {
+                self.attention_fast(layer, block, batch, &q, &k, &v, scale as f32)?
+            };
+
+            x = (x + block.o.forward(&attn)?)?;
+            let h = self.rms_norm(&x, &block.ffn_norm)?;
+            let gate = candle_nn::ops::silu(&block.gate.forward(&h)?)?;
+            let up = block.up.forward(&h)?;
+            x = (x + block.down.forward(&(gate * up)?)?)?;
+        }
+        for item in batch.iter_mut() {
+            item.cache.len += item.tokens.len();
+        }
+
+        // Only the rows whose logits are wanted go through the (large) output layer.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(batch.len());
+        let mut offset = 0u32;
+        for item in batch.iter() {
+            let n = item.tokens.len() as u32;
+            match item.logits {
+                Logits::Last => {
+                    rows.push(offset + n - 1);
+                    counts.push(1);
+                }
+                Logits::All => {
+                    rows.extend(offset..offset + n);
+                    counts.push(n as usize);
+                }
+            }
+            offset += n;
+        }
+        let x = if rows.len() == n_total {
+            x
+        } else {
+            let len = rows.len();
+            x.index_select(&Tensor::from_vec(rows, len, &self.device)?, 0)?
+        };
+        let x = self.rms_norm(&x, &self.norm)?;
+        let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
+        let mut out = Vec::with_capacity(counts.len());
+        let mut at = 0;
+        for count in counts {
+            out.push(logits.narrow(0, at, count)?);
+            at += count;
+        }
+        Ok(out)
+    }
+
+    /// Attention with candle operations (differentiable).
+    #[expect(clippy::too_many_arguments, reason = "one layer's attention inputs")]
+    fn attention_dense(
+        &self,
+        layer: usize,
+        block: &Block,
+        batch: &mut [SeqInput<'_>],
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let groups = heads / kv_heads;
             let mut outputs = Vec::with_capacity(batch.len());
             let mut offset = 0;
             for item in batch.iter_mut() {
@@ -506,50 +608,93 @@ impl Model {
                     .reshape((n, heads * hd))?;
                 outputs.push(out);
             }
-            let attn = Tensor::cat(&outputs, 0)?;
-            x = (x + block.o.forward(&attn)?)?;
-            let h = self.rms_norm(&x, &block.ffn_norm)?;
-            let gate = candle_nn::ops::silu(&block.gate.forward(&h)?)?;
-            let up = block.up.forward(&h)?;
-            x = (x + block.down.forward(&(gate * up)?)?)?;
-        }
-        for item in batch.iter_mut() {
-            item.cache.len += item.tokens.len();
-        }
+        Ok(Tensor::cat(&outputs, 0)?)
+    }
 
-        // Only the rows whose logits are wanted go through the (large) output layer.
-        let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(batch.len());
-        let mut offset = 0u32;
-        for item in batch.iter() {
-            let n = item.tokens.len() as u32;
-            match item.logits {
-                Logits::Last => {
-                    rows.push(offset + n - 1);
-                    counts.push(1);
+    /// Attention with this crate's kernel: rotary, norms and attention in plain loops
+    /// over the sequence's own f32 cache, identical whatever the batch.
+    #[expect(clippy::too_many_arguments, reason = "one layer's attention inputs")]
+    fn attention_fast(
+        &self,
+        layer: usize,
+        block: &Block,
+        batch: &mut [SeqInput<'_>],
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
+        let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
+        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+        let k = k.flatten_all()?.to_vec1::<f32>()?;
+        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        let q_norm = block.q_norm.as_ref().map(|w| w.to_vec1::<f32>()).transpose()?;
+        let k_norm = block.k_norm.as_ref().map(|w| w.to_vec1::<f32>()).transpose()?;
+        let eps = cfg.rms_eps as f32;
+        let mut out = Vec::with_capacity(q.len());
+        let mut offset = 0;
+        for item in batch.iter_mut() {
+            let n = item.tokens.len();
+            let start = item.cache.len;
+            let qs = &mut q[offset * q_dim..(offset + n) * q_dim];
+            let (keys, values) = &mut item.cache.raw[layer];
+            let first = keys.len();
+            keys.extend_from_slice(&k[offset * kv_dim..(offset + n) * kv_dim]);
+            values.extend_from_slice(&v[offset * kv_dim..(offset + n) * kv_dim]);
+            offset += n;
+            for t in 0..n {
+                let pos = start + t;
+                for head in qs[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
+                    if let Some(w) = &q_norm {
+                        rms_norm_in_place(head, w, eps);
+                    }
+                    self.rope_in_place(head, pos);
                 }
-                Logits::All => {
-                    rows.extend(offset..offset + n);
-                    counts.push(n as usize);
+                for head in keys[first + t * kv_dim..first + (t + 1) * kv_dim].chunks_exact_mut(hd) {
+                    if let Some(w) = &k_norm {
+                        rms_norm_in_place(head, w, eps);
+                    }
+                    self.rope_in_place(head, pos);
                 }
             }
-            offset += n;
+            out.extend(kernels::attention(qs, keys, values, n, heads, kv_heads, hd, scale));
         }
-        let x = if rows.len() == n_total {
-            x
-        } else {
-            let len = rows.len();
-            x.index_select(&Tensor::from_vec(rows, len, &self.device)?, 0)?
-        };
-        let x = self.rms_norm(&x, &self.norm)?;
-        let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
-        let mut out = Vec::with_capacity(counts.len());
-        let mut at = 0;
-        for count in counts {
-            out.push(logits.narrow(0, at, count)?);
-            at += count;
+        let rows = out.len() / q_dim;
+        Ok(Tensor::from_vec(out, (rows, q_dim), &self.device)?)
+    }
+
+    /// Rotary embedding of one head at position `pos`, from the same tables as the
+    /// dense path.
+    fn rope_in_place(&self, head: &mut [f32], pos: usize) {
+        let half = head.len() / 2;
+        let (cos, sin) = (&self.rope_cos[pos * half..(pos + 1) * half], &self.rope_sin[pos * half..(pos + 1) * half]);
+        match self.config.rope_layout {
+            RopeLayout::Interleaved => {
+                for i in 0..half {
+                    let (a, b) = (head[2 * i], head[2 * i + 1]);
+                    head[2 * i] = a * cos[i] - b * sin[i];
+                    head[2 * i + 1] = a * sin[i] + b * cos[i];
+                }
+            }
+            RopeLayout::Halves => {
+                for i in 0..half {
+                    let (a, b) = (head[i], head[i + half]);
+                    head[i] = a * cos[i] - b * sin[i];
+                    head[i + half] = a * sin[i] + b * cos[i];
+                }
+            }
         }
-        Ok(out)
+    }
+}
+
+/// RMS norm of one vector with weight `w`, as candle's fused kernel computes it.
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let sum: f32 = x.iter().map(|v| v * v).sum();
+    let scale = 1.0 / (sum / x.len() as f32 + eps).sqrt();
+    for (v, w) in x.iter_mut().zip(w) {
+        *v = *v * scale * w;
     }
 }
 
