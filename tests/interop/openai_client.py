@@ -138,14 +138,20 @@ assert finish == "tool_calls" and calls and calls[0].function.name == "get_weath
 json.loads(calls[0].function.arguments)
 
 # JSON schema responses.
-schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+schema = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 r = client.chat.completions.create(
     model=model,
     messages=[{"role": "user", "content": "Invent a person."}],
     response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
-    max_tokens=60,
+    max_tokens=120,
     temperature=0,
 )
+assert r.choices[0].finish_reason == "stop", r.choices[0]
 person = json.loads(r.choices[0].message.content)
 assert isinstance(person["name"], str) and isinstance(person["age"], int), person
 print("json:", person)

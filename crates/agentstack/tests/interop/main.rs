@@ -8,7 +8,9 @@
 //!   MCP echo package (`tests/interop/fixtures/mcp_echo_env`), served by
 //!   `agentstack env serve <dir> --python <venv python>` and driven by
 //!   `agentstack env run` and `agentstack env validate`;
-//! - their client through our reverse proxy to their server.
+//! - their client through our reverse proxy to their server;
+//! - the official `openai` Python client against `agentstack model serve` on the
+//!   SmolLM2 test model: chat, streaming, tools, JSON schema, logprobs, errors.
 //!
 //! The peers live in virtual environments made by `scripts/install-peers`; every test
 //! is `#[ignore]`d because it needs them, and CI runs ignored tests:
@@ -94,6 +96,21 @@ fn peer_python(variable: &str, venv: &str) -> PathBuf {
 /// Python with `openenv` 0.10.0.
 fn openenv_python() -> PathBuf {
     peer_python("AGENTSTACK_OPENENV_PYTHON", "venv-openenv-0.10.0")
+}
+
+/// Python with the official `openai` client.
+fn openai_python() -> PathBuf {
+    peer_python("AGENTSTACK_OPENAI_PYTHON", "venv-openai-3.57.0")
+}
+
+/// The SmolLM2 test model from `scripts/fetch-model`.
+fn test_model() -> PathBuf {
+    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(path.is_file(), "{} is missing\nhint: run scripts/fetch-model", path.display());
+    path
 }
 
 /// Python with `openenv-core` 0.3.0.
@@ -299,4 +316,23 @@ fn python_mcp_client_through_our_proxy() {
     let mut server = serve_peer_package(&interop_dir().join("fixtures/mcp_echo_env"));
     // The package is served at the root of the proxy, not under /echo.
     run_client_script(&python, "client_mcp.py", &mut server, &["/"]);
+}
+
+#[test]
+#[ignore = "needs the openai venv and the SmolLM2 model from scripts/install-peers"]
+fn openai_client_talks_to_model_serve() {
+    let python = openai_python();
+    let mut command = agentstack();
+    command
+        .args(["model", "serve"])
+        .arg(test_model())
+        .args(["--port", "0", "--threads", "1"]);
+    let mut server = Server::start(command, SERVER_READY);
+    let mut script = python_command(&python);
+    script
+        .arg(interop_dir().join("openai_client.py"))
+        .arg(format!("{}/v1", server.url));
+    let finished = run_bounded(script, PEER_COMMAND_LIMIT);
+    assert_success(&finished, &mut server, "openai_client.py");
+    println!("{}", finished.stdout);
 }

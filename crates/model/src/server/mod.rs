@@ -143,8 +143,14 @@ impl ApiError {
         }
     }
 
-    /// A 400 about one request field.
+    /// A 400 about one request field; the message names the field.
     pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        let message = message.into();
+        let message = if message.contains(param) {
+            message
+        } else {
+            format!("`{param}`: {message}")
+        };
         Self {
             param: Some(param.to_owned()),
             ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
@@ -227,18 +233,47 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
         match serde_path_to_error::deserialize(deserializer) {
             Ok(value) => Ok(Self(value)),
             Err(error) => {
-                let path = error.path().to_string();
+                let mut path = error.path().to_string();
                 let inner = error.into_inner();
-                let message = if path == "." {
-                    format!("invalid JSON body: {inner}")
+                if path == "." && inner.is_data() {
+                    // Fields inside a flattened struct lose their path; find the key
+                    // whose value the error points at.
+                    if let Some(key) = key_before(&bytes, inner.line(), inner.column()) {
+                        path = key;
+                    }
+                }
+                let syntax = inner.is_syntax() || inner.is_eof();
+                let message = if syntax {
+                    format!("the body is not valid JSON: {inner}")
+                } else if path == "." {
+                    format!("invalid request body: {inner}")
                 } else {
                     format!("invalid `{path}`: {inner}")
                 };
                 Err(ApiError {
-                    param: (path != ".").then_some(path),
+                    param: (!syntax && path != ".").then_some(path),
                     ..ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
                 })
             }
         }
     }
+}
+
+/// The object key whose value ends at (`line`, `column`) of `body`, if one can be seen.
+fn key_before(body: &[u8], line: usize, column: usize) -> Option<String> {
+    let mut offset = 0;
+    for (i, l) in body.split(|&b| b == b'\n').enumerate() {
+        if i + 1 == line {
+            offset += column.min(l.len());
+            break;
+        }
+        offset += l.len() + 1;
+    }
+    let text = std::str::from_utf8(body.get(..offset)?).ok()?;
+    let colon = text.rfind(':')?;
+    let before = text[..colon].trim_end();
+    let key_end = before.strip_suffix('"')?;
+    let key_start = key_end.rfind('"')?;
+    let key = &key_end[key_start + 1..];
+    (!key.is_empty() && key.len() < 64).then(|| key.to_owned())
 }
