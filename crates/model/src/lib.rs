@@ -24,6 +24,7 @@ pub mod engine;
 mod error;
 pub mod generate;
 pub mod gguf;
+mod hf;
 pub mod kernels;
 pub mod model;
 pub mod pull;
@@ -116,8 +117,14 @@ impl ModelInfo {
 }
 
 impl LanguageModel {
-    /// Loads a GGUF file.
+    /// Loads a GGUF file, or a Hugging Face checkpoint directory (`config.json`,
+    /// `tokenizer.json`, `*.safetensors`; quantized to Q8_0 at load in the quantized
+    /// form).
     pub fn load(path: impl AsRef<Path>, form: WeightForm) -> Result<Self> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            return Self::load_hf(path, form);
+        }
         let mut file = GgufFile::open(path)?;
         let info = ModelInfo::from_gguf(&file)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -132,6 +139,52 @@ impl LanguageModel {
             &piece(tokenizer.bos()),
             &piece(tokenizer.eos()),
         )?;
+        Ok(Self {
+            model,
+            tokenizer,
+            template: std::sync::Arc::new(template),
+            info,
+        })
+    }
+
+    fn load_hf(dir: &Path, form: WeightForm) -> Result<Self> {
+        let files = hf::read_files(dir)?;
+        let tokenizer =
+            Tokenizer::from_hf_file(&files.tokenizer_json, &files.tokenizer_config, &files.model_config)?;
+        let source = hf::chat_template(&files.tokenizer_config);
+        let piece = |id: Option<u32>| {
+            id.and_then(|id| tokenizer.piece(id))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let template = ChatTemplate::new(source.as_deref(), &piece(tokenizer.bos()), &piece(tokenizer.eos()))?;
+        let tensors = hf::load_tensors(dir)?;
+        let mut parameters_by_type = std::collections::BTreeMap::new();
+        let mut tensor_types = std::collections::BTreeMap::new();
+        let mut parameters = 0u64;
+        for t in tensors.values() {
+            let key = format!("{:?}", t.dtype()).to_uppercase();
+            *tensor_types.entry(key.clone()).or_insert(0) += 1;
+            *parameters_by_type.entry(key).or_insert(0) += t.elem_count() as u64;
+            parameters += t.elem_count() as u64;
+        }
+        let tied_embeddings = !tensors.contains_key("lm_head.weight");
+        let file_bytes = std::fs::read_dir(dir)
+            .map(|entries| entries.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
+            .unwrap_or(0);
+        let info = ModelInfo {
+            path: dir.to_path_buf(),
+            name: dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            file_bytes,
+            vocab_size: files.config.vocab_size,
+            config: files.config.clone(),
+            parameters,
+            tensor_types,
+            parameters_by_type,
+            tied_embeddings,
+            has_chat_template: source.is_some(),
+        };
+        let model = hf::model_from_tensors(files.config, tensors, form)?;
         Ok(Self {
             model,
             tokenizer,

@@ -241,9 +241,78 @@ impl Tokenizer {
             .to_string()
             .parse()
             .map_err(|e| ModelError::Tokenizer(format!("cannot build BPE from GGUF: {e}")))?;
+        Ok(Self::assemble(inner, pieces, kinds, true, (bos, eos, eot, add_bos)))
+    }
+
+    /// Loads a Hugging Face `tokenizer.json` (byte-level BPE, or SentencePiece-style with
+    /// `▁` and byte-fallback tokens), with special tokens from `tokenizer_config.json`
+    /// and ids from `config.json`.
+    pub fn from_hf_file(
+        path: &std::path::Path,
+        tokenizer_config: &Json,
+        model_config: &Json,
+    ) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let spec: Json = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let inner: tokenizers::Tokenizer = text
+            .parse()
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let vocab = spec
+            .pointer("/model/vocab")
+            .and_then(Json::as_object)
+            .ok_or_else(|| ModelError::Tokenizer("tokenizer.json has no model.vocab map (only BPE tokenizers are supported)".into()))?;
+        let added = spec.get("added_tokens").and_then(Json::as_array).cloned().unwrap_or_default();
+        let size = vocab
+            .values()
+            .filter_map(Json::as_u64)
+            .chain(added.iter().filter_map(|t| t.get("id").and_then(Json::as_u64)))
+            .max()
+            .map_or(0, |m| m as usize + 1);
+        let mut pieces = vec![String::new(); size];
+        let mut kinds = vec![TokenKind::Unused; size];
+        for (piece, id) in vocab {
+            if let Some(id) = id.as_u64() {
+                pieces[id as usize] = piece.clone();
+                kinds[id as usize] = TokenKind::Normal;
+            }
+        }
+        for token in &added {
+            let (Some(id), Some(content)) = (token.get("id").and_then(Json::as_u64), token.get("content").and_then(Json::as_str)) else {
+                continue;
+            };
+            pieces[id as usize] = content.to_owned();
+            kinds[id as usize] = if token.get("special").and_then(Json::as_bool).unwrap_or(false) {
+                TokenKind::Control
+            } else {
+                TokenKind::UserDefined
+            };
+        }
+        let byte_level = spec.to_string().contains("\"ByteLevel\"");
+        let lookup = |key: &str, id_key: &str| -> Option<u32> {
+            crate::hf::special_token(tokenizer_config, key)
+                .and_then(|piece| pieces.iter().position(|p| *p == piece))
+                .map(|i| i as u32)
+                .or_else(|| model_config.get(id_key).and_then(Json::as_u64).map(|v| v as u32))
+        };
+        let bos = lookup("bos_token", "bos_token_id");
+        let eos = lookup("eos_token", "eos_token_id");
+        let add_bos = tokenizer_config.get("add_bos_token").and_then(Json::as_bool).unwrap_or(false);
+        Ok(Self::assemble(inner, pieces, kinds, byte_level, (bos, eos, None, add_bos)))
+    }
+
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        pieces: Vec<String>,
+        kinds: Vec<TokenKind>,
+        byte_level: bool,
+        (bos, eos, eot, add_bos): (Option<u32>, Option<u32>, Option<u32>, bool),
+    ) -> Self {
         let mut literal = inner.clone();
         literal.set_encode_special_tokens(true);
-
         let table = byte_level_table();
         let bytes = pieces
             .iter()
@@ -251,13 +320,17 @@ impl Tokenizer {
             .map(|(piece, kind)| {
                 if kind.is_special() {
                     piece.as_bytes().to_vec()
-                } else {
+                } else if byte_level {
                     // A piece outside the byte-level alphabet is kept as its UTF-8.
                     piece
                         .chars()
                         .map(|c| table.get(&c).copied())
                         .collect::<Option<Vec<u8>>>()
                         .unwrap_or_else(|| piece.as_bytes().to_vec())
+                } else if let Some(hex) = piece.strip_prefix("<0x").and_then(|p| p.strip_suffix('>')) {
+                    u8::from_str_radix(hex, 16).map_or_else(|_| piece.as_bytes().to_vec(), |b| vec![b])
+                } else {
+                    piece.replace('\u{2581}', " ").into_bytes()
                 }
             })
             .collect();
@@ -266,7 +339,7 @@ impl Tokenizer {
             .enumerate()
             .map(|(i, p)| (p.clone(), i as u32))
             .collect();
-        Ok(Self {
+        Self {
             inner,
             literal,
             pieces,
@@ -277,7 +350,7 @@ impl Tokenizer {
             eos,
             eot,
             add_bos,
-        })
+        }
     }
 
     /// Encodes `text`. With `parse_special`, control tokens written in the text (such as

@@ -302,7 +302,8 @@ fn chat_constraint(
             }
         }
     }
-    if tools.is_empty() {
+    // Without a constraint engine tools still work: the model's output is parsed.
+    if tools.is_empty() || state.constraints.is_none() {
         return Ok(None);
     }
     let (selected, required) = match tool_choice {

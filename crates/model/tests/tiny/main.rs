@@ -1,0 +1,292 @@
+//! A tiny random model the tests write themselves, as a Hugging Face checkpoint and as
+//! the equivalent GGUF file (q and k permuted the way llama.cpp's converter does), so the
+//! two loaders, the two rotary layouts, the two weight forms, batching and the server
+//! are checked in milliseconds without the real model.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use agentstack_model::engine::{Engine, EngineConfig};
+use agentstack_model::generate::{GenerateRequest, generate, generate_batch};
+use agentstack_model::server::{AppState, ServerConfig, app};
+use agentstack_model::{LanguageModel, Logits, SamplingParams, SeqInput, WeightForm};
+use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
+use candle_core::{DType, Device, Tensor};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+const HIDDEN: usize = 64;
+const LAYERS: usize = 2;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = HIDDEN / HEADS;
+const FFN: usize = 96;
+const CONTEXT: usize = 256;
+/// The two loaders compute the same function in f32; they differ by rounding only.
+const SAME_MODEL_TOLERANCE: f32 = 1e-4;
+const TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// GPT-2's byte-level alphabet, in byte order.
+fn byte_chars() -> Vec<char> {
+    let printable: Vec<u8> = (b'!'..=b'~').chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut next = 0u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable.contains(&b) {
+                char::from(b)
+            } else {
+                next += 1;
+                char::from_u32(255 + next).unwrap()
+            }
+        })
+        .collect()
+}
+
+fn vocab() -> Vec<String> {
+    let mut pieces: Vec<String> = byte_chars().into_iter().map(String::from).collect();
+    pieces.push("Ġt".into());
+    pieces.push("<|im_start|>".into());
+    pieces.push("<|im_end|>".into());
+    pieces
+}
+
+/// Deterministic pseudo-random values.
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+fn tensor(seed: u64, shape: &[usize], scale: f32) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::from_vec(values(seed, n, scale), shape, &Device::Cpu).unwrap()
+}
+
+fn hf_weights() -> Vec<(String, Tensor)> {
+    let vocab = vocab().len();
+    let (q_dim, kv_dim) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let mut out = vec![
+        ("model.embed_tokens.weight".to_owned(), tensor(1, &[vocab, HIDDEN], 0.5)),
+        ("model.norm.weight".to_owned(), (tensor(2, &[HIDDEN], 0.1) + 1.0).unwrap()),
+    ];
+    for i in 0..LAYERS {
+        let p = format!("model.layers.{i}");
+        let s = 100 * (i as u64 + 1);
+        out.push((format!("{p}.input_layernorm.weight"), (tensor(s, &[HIDDEN], 0.1) + 1.0).unwrap()));
+        out.push((format!("{p}.post_attention_layernorm.weight"), (tensor(s + 1, &[HIDDEN], 0.1) + 1.0).unwrap()));
+        out.push((format!("{p}.self_attn.q_proj.weight"), tensor(s + 2, &[q_dim, HIDDEN], 0.3)));
+        out.push((format!("{p}.self_attn.k_proj.weight"), tensor(s + 3, &[kv_dim, HIDDEN], 0.3)));
+        out.push((format!("{p}.self_attn.v_proj.weight"), tensor(s + 4, &[kv_dim, HIDDEN], 0.3)));
+        out.push((format!("{p}.self_attn.o_proj.weight"), tensor(s + 5, &[HIDDEN, q_dim], 0.3)));
+        out.push((format!("{p}.mlp.gate_proj.weight"), tensor(s + 6, &[FFN, HIDDEN], 0.3)));
+        out.push((format!("{p}.mlp.up_proj.weight"), tensor(s + 7, &[FFN, HIDDEN], 0.3)));
+        out.push((format!("{p}.mlp.down_proj.weight"), tensor(s + 8, &[HIDDEN, FFN], 0.3)));
+    }
+    out
+}
+
+fn write_hf(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let pieces = vocab();
+    let n = pieces.len();
+    std::fs::write(
+        dir.join("config.json"),
+        json!({"model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+               "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "intermediate_size": FFN,
+               "vocab_size": n, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+               "max_position_embeddings": CONTEXT, "tie_word_embeddings": true})
+        .to_string(),
+    )
+    .unwrap();
+    let vocab: serde_json::Map<String, Value> =
+        pieces[..n - 2].iter().enumerate().map(|(i, p)| (p.clone(), json!(i))).collect();
+    let added: Vec<Value> = [(n - 2, "<|im_start|>"), (n - 1, "<|im_end|>")]
+        .iter()
+        .map(|(id, c)| json!({"id": id, "content": c, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+               "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+               "post_processor": null,
+               "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+               "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                         "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                         "vocab": vocab, "merges": ["Ġ t"]}})
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}).to_string(),
+    )
+    .unwrap();
+    let weights: std::collections::HashMap<String, Tensor> = hf_weights().into_iter().collect();
+    candle_core::safetensors::save(&weights, dir.join("model.safetensors")).unwrap();
+}
+
+/// llama.cpp's converter permutes q and k so that its interleaved rotary equals the
+/// checkpoint's half-split one.
+fn permute(w: &Tensor, heads: usize) -> Tensor {
+    let (rows, cols) = w.dims2().unwrap();
+    w.reshape((heads, 2, rows / heads / 2, cols)).unwrap().transpose(1, 2).unwrap().reshape((rows, cols)).unwrap()
+}
+
+fn write_gguf(path: &Path) {
+    let pieces = vocab();
+    let n = pieces.len();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut add = |name: &str, t: &Tensor| tensors.push((name.to_owned(), QTensor::quantize(t, GgmlDType::F32).unwrap()));
+    for (name, t) in hf_weights() {
+        let gguf = match name.as_str() {
+            "model.embed_tokens.weight" => "token_embd.weight".to_owned(),
+            "model.norm.weight" => "output_norm.weight".to_owned(),
+            other => {
+                let rest = other.strip_prefix("model.layers.").unwrap();
+                let (i, part) = rest.split_once('.').unwrap();
+                let part = match part {
+                    "input_layernorm.weight" => "attn_norm.weight",
+                    "post_attention_layernorm.weight" => "ffn_norm.weight",
+                    "self_attn.q_proj.weight" => "attn_q.weight",
+                    "self_attn.k_proj.weight" => "attn_k.weight",
+                    "self_attn.v_proj.weight" => "attn_v.weight",
+                    "self_attn.o_proj.weight" => "attn_output.weight",
+                    "mlp.gate_proj.weight" => "ffn_gate.weight",
+                    "mlp.up_proj.weight" => "ffn_up.weight",
+                    "mlp.down_proj.weight" => "ffn_down.weight",
+                    other => panic!("{other}"),
+                };
+                format!("blk.{i}.{part}")
+            }
+        };
+        let t = if gguf.ends_with("attn_q.weight") {
+            permute(&t, HEADS)
+        } else if gguf.ends_with("attn_k.weight") {
+            permute(&t, KV_HEADS)
+        } else {
+            t
+        };
+        add(&gguf, &t);
+    }
+    use gguf_file::Value as V;
+    let strings = |v: Vec<String>| V::Array(v.into_iter().map(V::String).collect());
+    let types: Vec<V> = (0..n).map(|i| V::I32(if i >= n - 2 { 3 } else { 1 })).collect();
+    let metadata: Vec<(&str, V)> = vec![
+        ("general.architecture", V::String("llama".into())),
+        ("general.name", V::String("tiny".into())),
+        ("llama.embedding_length", V::U32(HIDDEN as u32)),
+        ("llama.block_count", V::U32(LAYERS as u32)),
+        ("llama.attention.head_count", V::U32(HEADS as u32)),
+        ("llama.attention.head_count_kv", V::U32(KV_HEADS as u32)),
+        ("llama.feed_forward_length", V::U32(FFN as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", V::F32(1e-5)),
+        ("llama.rope.freq_base", V::F32(10000.0)),
+        ("llama.context_length", V::U32(CONTEXT as u32)),
+        ("tokenizer.ggml.model", V::String("gpt2".into())),
+        ("tokenizer.ggml.pre", V::String("gpt2".into())),
+        ("tokenizer.ggml.tokens", strings(pieces)),
+        ("tokenizer.ggml.merges", strings(vec!["Ġ t".into()])),
+        ("tokenizer.ggml.token_type", V::Array(types)),
+        ("tokenizer.ggml.bos_token_id", V::U32(n as u32 - 2)),
+        ("tokenizer.ggml.eos_token_id", V::U32(n as u32 - 1)),
+        ("tokenizer.chat_template", V::String(TEMPLATE.into())),
+    ];
+    let metadata_refs: Vec<(&str, &V)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut file = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut file, &metadata_refs, &tensor_refs).unwrap();
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    hf: std::path::PathBuf,
+    gguf: std::path::PathBuf,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = dir.path().join("hf");
+    let gguf = dir.path().join("tiny.gguf");
+    write_hf(&hf);
+    write_gguf(&gguf);
+    Fixture { _dir: dir, hf, gguf }
+}
+
+fn all_logits(lm: &LanguageModel, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = lm.model().new_cache();
+    let out = lm.model().forward(&mut [SeqInput { cache: &mut cache, tokens, logits: Logits::All }]).unwrap();
+    out[0].to_vec2().unwrap()
+}
+
+#[test]
+fn gguf_and_hugging_face_loaders_build_the_same_model() {
+    let f = fixture();
+    let dense = WeightForm::Dense(DType::F32);
+    let from_hf = LanguageModel::load(&f.hf, dense).unwrap();
+    let from_gguf = LanguageModel::load(&f.gguf, dense).unwrap();
+    for text in ["hello there", "<|im_start|>user\nhi<|im_end|>", "tt t  t"] {
+        assert_eq!(from_hf.tokenizer().encode(text, true).unwrap(), from_gguf.tokenizer().encode(text, true).unwrap(), "{text:?}");
+    }
+    let tokens = from_gguf.tokenizer().encode("the tiny model talks", false).unwrap();
+    let (a, b) = (all_logits(&from_hf, &tokens), all_logits(&from_gguf, &tokens));
+    for (ra, rb) in a.iter().zip(&b) {
+        for (x, y) in ra.iter().zip(rb) {
+            assert!((x - y).abs() < SAME_MODEL_TOLERANCE, "{x} vs {y}");
+        }
+    }
+    // Same shape; the rotary layout differs (GGUF stores q/k permuted for it).
+    let (g, h) = (&from_gguf.info().config, &from_hf.info().config);
+    assert_eq!((g.layers, g.heads, g.kv_heads, g.head_dim, g.ffn_size), (h.layers, h.heads, h.kv_heads, h.head_dim, h.ffn_size));
+    assert_ne!(g.rope_layout, h.rope_layout);
+}
+
+#[test]
+fn quantized_form_tracks_dense_and_batches_exactly() {
+    let f = fixture();
+    let dense = LanguageModel::load(&f.gguf, WeightForm::Dense(DType::F32)).unwrap();
+    // The F32 GGUF has no quantized kernel: candle's matmul serves it. The HF
+    // checkpoint is quantized to Q8_0 at load and goes through this crate's kernels.
+    let quantized = LanguageModel::load(&f.hf, WeightForm::Quantized).unwrap();
+    let tokens = dense.tokenizer().encode("quantized weights", false).unwrap();
+    let (a, b) = (all_logits(&dense, &tokens), all_logits(&quantized, &tokens));
+    let mean: f32 = a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.iter().flatten().count() as f32;
+    assert!(mean < 0.05, "mean |Δ logit| {mean}");
+
+    let requests: Vec<GenerateRequest> = ["a", "bb bb", "c c c c c", "the"]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenerateRequest {
+            sampling: SamplingParams { seed: Some(i as u64), ..Default::default() },
+            top_logprobs: 2,
+            ignore_eos: true,
+            ..GenerateRequest::greedy(quantized.tokenizer().encode(p, false).unwrap(), 10 + i)
+        })
+        .collect();
+    let together = generate_batch(&quantized, &requests).unwrap();
+    for (r, t) in requests.iter().zip(&together) {
+        assert_eq!(generate(&quantized, r).unwrap(), *t);
+    }
+}
+
+#[tokio::test]
+async fn the_server_answers_on_the_tiny_model() {
+    let f = fixture();
+    let lm = Arc::new(LanguageModel::load(&f.gguf, WeightForm::Quantized).unwrap());
+    let state = AppState::new(Engine::start(lm, EngineConfig::default()), None, ServerConfig::default());
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "logprobs": true, "top_logprobs": 2, "ignore_eos": true});
+    let request = axum::http::Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body.to_string()))
+        .unwrap();
+    let response = app(state).oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+    let answer: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 5, "{answer}");
+    assert_eq!(answer["choices"][0]["logprobs"]["content"].as_array().unwrap().len(), 5);
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+}
