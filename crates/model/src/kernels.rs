@@ -253,7 +253,7 @@ fn quantize_row(x: &[f32], with_sums: bool) -> ActRow {
         let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for &v in block {
-            let q = (v * inv).round_ties_even() as i8;
+            let q = round_ties_even(v * inv) as i8;
             sum += i32::from(q);
             qs.push(q);
         }
@@ -263,6 +263,15 @@ fn quantize_row(x: &[f32], with_sums: bool) -> ActRow {
         }
     }
     ActRow { qs, d, s }
+}
+
+/// Round half to even for |x| ≤ 2²², as `_mm256_round_ps(_MM_ROUND_NEAREST)` does:
+/// adding and subtracting 1.5·2²³ leaves the float unit's default rounding to do the
+/// work (libm's `rintf` is a function call per value).
+#[inline(always)]
+fn round_ties_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (x + MAGIC) - MAGIC
 }
 
 fn dot_tile(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
@@ -494,15 +503,16 @@ pub fn attention(
 /// A dot product with eight independent lanes (vectorizable, same order every time).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
         for l in 0..8 {
-            lanes[l] += a[c * 8 + l] * b[c * 8 + l];
+            lanes[l] += x[l] * y[l];
         }
     }
     let mut sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    for i in chunks * 8..a.len() {
-        sum += a[i] * b[i];
+    for (x, y) in ra.iter().zip(rb) {
+        sum += x * y;
     }
     sum
 }
@@ -590,6 +600,17 @@ mod tests {
         for (i, row) in all.iter().enumerate() {
             let one: Vec<Vec<f32>> = fast.forward(&x.narrow(0, i, 1).unwrap()).unwrap().to_vec2().unwrap();
             assert_eq!(&one[0], row, "row {i}");
+        }
+    }
+
+    #[test]
+    fn magic_rounding_is_round_half_to_even() {
+        for i in -2540..=2540 {
+            let x = i as f32 / 20.0;
+            assert_eq!(round_ties_even(x), x.round_ties_even(), "{x}");
+        }
+        for x in [0.5f32, 1.5, 2.5, -0.5, -1.5, 126.5, -127.0, 0.49999997, 1e-8] {
+            assert_eq!(round_ties_even(x), x.round_ties_even(), "{x}");
         }
     }
 

