@@ -97,11 +97,13 @@ r = client.chat.completions.create(
     messages=[{"role": "user", "content": "What's the weather in Paris?"}],
     tools=tools,
     tool_choice="required",
+    parallel_tool_calls=False,
     max_tokens=60,
     temperature=0,
 )
 choice = r.choices[0]
 assert choice.finish_reason == "tool_calls", choice
+assert len(choice.message.tool_calls) == 1, choice.message.tool_calls
 call = choice.message.tool_calls[0]
 assert call.function.name == "get_weather"
 args = json.loads(call.function.arguments)
@@ -127,7 +129,7 @@ stream = client.chat.completions.create(
     model=model,
     messages=[{"role": "user", "content": "Weather in Oslo?"}],
     tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    max_tokens=60, temperature=0, stream=True,
+    parallel_tool_calls=False, max_tokens=60, temperature=0, stream=True,
 )
 calls, finish = [], None
 for chunk in stream:

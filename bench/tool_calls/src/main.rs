@@ -115,21 +115,38 @@ fn valid(schema: &Value, value: &Value) -> bool {
     }
     match schema.get("type").and_then(Value::as_str) {
         Some("object") => {
-            let Some(object) = value.as_object() else { return false };
+            let Some(object) = value.as_object() else {
+                return false;
+            };
             let properties = schema.get("properties").and_then(Value::as_object);
-            let required = schema.get("required").and_then(Value::as_array).cloned().unwrap_or_default();
-            if required.iter().any(|k| k.as_str().is_none_or(|k| !object.contains_key(k))) {
+            let required = schema
+                .get("required")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            if required
+                .iter()
+                .any(|k| k.as_str().is_none_or(|k| !object.contains_key(k)))
+            {
                 return false;
             }
-            object.iter().all(|(k, v)| match properties.and_then(|p| p.get(k)) {
-                Some(s) => valid(s, v),
-                None => schema.get("additionalProperties") != Some(&Value::Bool(false)),
-            })
+            object
+                .iter()
+                .all(|(k, v)| match properties.and_then(|p| p.get(k)) {
+                    Some(s) => valid(s, v),
+                    None => schema.get("additionalProperties") != Some(&Value::Bool(false)),
+                })
         }
         Some("string") => value.is_string(),
         Some("integer") => value.as_i64().is_some_and(|n| {
-            schema.get("minimum").and_then(Value::as_i64).is_none_or(|m| n >= m)
-                && schema.get("maximum").and_then(Value::as_i64).is_none_or(|m| n <= m)
+            schema
+                .get("minimum")
+                .and_then(Value::as_i64)
+                .is_none_or(|m| n >= m)
+                && schema
+                    .get("maximum")
+                    .and_then(Value::as_i64)
+                    .is_none_or(|m| n <= m)
         }),
         Some("number") => value.is_number(),
         Some("boolean") => value.is_boolean(),
@@ -150,18 +167,33 @@ fn classify(answer: &Value, tools: &[Value]) -> (&'static str, String) {
     if let Some(calls) = message["tool_calls"].as_array().filter(|c| !c.is_empty()) {
         let ok = calls.iter().all(|call| {
             let name = call["function"]["name"].as_str().unwrap_or("");
-            let Some(tool) = tools.iter().find(|t| t["function"]["name"] == name) else { return false };
+            let Some(tool) = tools.iter().find(|t| t["function"]["name"] == name) else {
+                return false;
+            };
             serde_json::from_str::<Value>(call["function"]["arguments"].as_str().unwrap_or(""))
                 .is_ok_and(|args| valid(&tool["function"]["parameters"], &args))
         });
-        let shown = calls.iter().map(|c| format!("{}({})", c["function"]["name"], c["function"]["arguments"])).collect::<Vec<_>>().join(" ");
+        let shown = calls
+            .iter()
+            .map(|c| format!("{}({})", c["function"]["name"], c["function"]["arguments"]))
+            .collect::<Vec<_>>()
+            .join(" ");
         return (if ok { "valid" } else { "malformed" }, shown);
     }
     let tried = content.contains("<tool_call") || content.trim_start().starts_with('{');
-    (if tried { "malformed" } else { "text" }, content.chars().take(100).collect())
+    (
+        if tried { "malformed" } else { "text" },
+        content.chars().take(100).collect(),
+    )
 }
 
-async fn ask(state: &AppState, prompt: &str, tools: &[Value], choice: Option<&str>, max_tokens: usize) -> anyhow::Result<Value> {
+async fn ask(
+    state: &AppState,
+    prompt: &str,
+    tools: &[Value],
+    choice: Option<&str>,
+    max_tokens: usize,
+) -> anyhow::Result<Value> {
     let mut body = json!({
         "messages": [{"role": "user", "content": prompt}],
         "tools": tools, "max_tokens": max_tokens, "temperature": 0,
@@ -185,14 +217,19 @@ async fn ask(state: &AppState, prompt: &str, tools: &[Value], choice: Option<&st
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let lm = Arc::new(LanguageModel::load(&args.model, WeightForm::Quantized).context("loading the model")?);
+    let lm = Arc::new(
+        LanguageModel::load(&args.model, WeightForm::Quantized).context("loading the model")?,
+    );
     let compiler = ConstraintCompiler::new(lm.tokenizer())?;
     let engine = Engine::start(lm.clone(), EngineConfig::default());
     let free = AppState::new(engine.clone(), None, ServerConfig::default());
     let constrained = AppState::new(engine, Some(compiler), ServerConfig::default());
     let tools = tools();
-    let modes: [(&str, &AppState, Option<&str>); 3] =
-        [("free", &free, None), ("auto", &constrained, Some("auto")), ("required", &constrained, Some("required"))];
+    let modes: [(&str, &AppState, Option<&str>); 3] = [
+        ("free", &free, None),
+        ("auto", &constrained, Some("auto")),
+        ("required", &constrained, Some("required")),
+    ];
     let bar = indicatif::ProgressBar::new((PROMPTS.len() * modes.len()) as u64);
     let mut results = serde_json::Map::new();
     let mut lines = Vec::new();
@@ -227,13 +264,21 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     bar.finish_and_clear();
-    println!("model {} · {} prompts · greedy · max_tokens {}", lm.info().name, PROMPTS.len(), args.max_tokens);
+    println!(
+        "model {} · {} prompts · greedy · max_tokens {}",
+        lm.info().name,
+        PROMPTS.len(),
+        args.max_tokens
+    );
     for line in lines {
         println!("{line}");
     }
     if let Some(path) = args.json {
-        std::fs::write(&path, serde_json::to_string_pretty(&Value::Object(results))?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&Value::Object(results))?,
+        )
+        .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

@@ -116,7 +116,10 @@ fn init_tracing(verbose: u8, quiet: bool) {
 /// from the environment, so it is set there.
 fn set_compute_threads(threads: usize) {
     let value = threads.max(1).to_string();
-    #[expect(unsafe_code, reason = "setting the environment for candle's thread pool")]
+    #[expect(
+        unsafe_code,
+        reason = "setting the environment for candle's thread pool"
+    )]
     // SAFETY: called from `main` before the async runtime or any other thread starts,
     // so nothing reads the environment concurrently.
     unsafe {

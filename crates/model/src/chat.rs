@@ -226,7 +226,10 @@ mod tests {
         let template = ChatTemplate::new(None, "", "<|im_end|>").unwrap();
         let text = template
             .render(
-                &[Message::new("system", "Be brief."), Message::new("user", "Hi")],
+                &[
+                    Message::new("system", "Be brief."),
+                    Message::new("user", "Hi"),
+                ],
                 None,
                 true,
             )
@@ -264,7 +267,10 @@ mod tests {
             .unwrap();
         assert!(text.contains("<tools>\n{\"function\":"), "{text}");
         assert!(text.contains("<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call><|im_end|>"), "{text}");
-        assert!(text.contains("<tool_response>\n2\n</tool_response>"), "{text}");
+        assert!(
+            text.contains("<tool_response>\n2\n</tool_response>"),
+            "{text}"
+        );
         assert!(text.ends_with("<|im_start|>assistant\n"));
     }
 

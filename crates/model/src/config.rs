@@ -180,7 +180,7 @@ impl ModelConfig {
                 "heads, kv heads, head width and layers must be positive".into(),
             );
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return fail(
                 "attention.head_count_kv",
                 format!(
@@ -189,14 +189,17 @@ impl ModelConfig {
                 ),
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return fail(
                 "attention.key_length",
                 format!("head width {} is odd", self.head_dim),
             );
         }
         if self.vocab_size == 0 || self.hidden_size == 0 {
-            return fail("embedding_length", "vocabulary and width must be positive".into());
+            return fail(
+                "embedding_length",
+                "vocabulary and width must be positive".into(),
+            );
         }
         Ok(())
     }

@@ -33,7 +33,11 @@ impl TokenizerEnv for Env {
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
         let text = String::from_utf8_lossy(s);
         let mut ids = self.tokenizer.encode(&text, false).unwrap_or_default();
-        if self.tokenizer.bos().is_some_and(|b| ids.first() == Some(&b)) {
+        if self
+            .tokenizer
+            .bos()
+            .is_some_and(|b| ids.first() == Some(&b))
+        {
             ids.remove(0);
         }
         ids
@@ -67,11 +71,7 @@ impl ConstraintCompiler {
                 }
             })
             .collect();
-        let eos = tokenizer
-            .end_tokens()
-            .first()
-            .copied()
-            .unwrap_or(0);
+        let eos = tokenizer.end_tokens().first().copied().unwrap_or(0);
         let mut info = TokRxInfo::new(words.len() as u32, eos);
         info.tok_bos = tokenizer.bos();
         let trie = TokTrie::from(&info, &words);
@@ -94,7 +94,9 @@ impl ConstraintCompiler {
             .map_err(|e| ModelError::InvalidRequest(format!("invalid {what}: {e}")))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(error) = matcher.get_error() {
-            return Err(ModelError::InvalidRequest(format!("invalid {what}: {error}")));
+            return Err(ModelError::InvalidRequest(format!(
+                "invalid {what}: {error}"
+            )));
         }
         Ok(Constraint { matcher })
     }
@@ -123,17 +125,37 @@ impl ConstraintCompiler {
     }
 
     /// Output is free text or tool calls `<tool_call>\n{"name": …, "arguments": …}\n</tool_call>`
-    /// whose names and arguments match the tools' schemas. With `required`, at least one
-    /// call and no free text. `tools` are OpenAI tool definitions.
-    pub fn tool_calls(&self, tools: &[Json], required: bool) -> Result<Constraint> {
+    /// whose names and arguments match the tools' schemas. With `choice.required`, at
+    /// least one call and no free text; without `choice.parallel`, at most one call.
+    /// `tools` are OpenAI tool definitions.
+    pub fn tool_calls(&self, tools: &[Json], choice: ToolChoice) -> Result<Constraint> {
         let call = tool_call_schema(tools)?;
         let call = serde_json::to_string(&with_compact_json(call)).unwrap_or_default();
+        let calls = if choice.parallel {
+            "call (\"\\n\" call)*"
+        } else {
+            "call"
+        };
         let grammar = format!(
-            "start: {}\ncalls: call (\"\\n\" call)*\ncall: \"{TOOL_CALL_OPEN}\\n\" %json {call} \"\\n{TOOL_CALL_CLOSE}\"\nTEXT: /[^<]([^<]|<[^t])*/\n",
-            if required { "calls" } else { "calls | TEXT" },
+            "start: {}\ncalls: {calls}\ncall: \"{TOOL_CALL_OPEN}\\n\" %json {call} \"\\n{TOOL_CALL_CLOSE}\"\nTEXT: /[^<]([^<]|<[^t])*/\n",
+            if choice.required {
+                "calls"
+            } else {
+                "calls | TEXT"
+            },
         );
         self.lark(&grammar)
     }
+}
+
+/// How tool calls are constrained: OpenAI's `tool_choice` (`required` or a named tool
+/// makes a call mandatory) and `parallel_tool_calls` (more than one call per turn).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ToolChoice {
+    /// At least one call and no free text.
+    pub required: bool,
+    /// Several calls in one turn; without it the turn ends after the first call.
+    pub parallel: bool,
 }
 
 /// The JSON schema of one call: `{"name": <one of the tools>, "arguments": <its schema>}`.
@@ -278,7 +300,8 @@ mod tests {
 
     #[test]
     fn parses_hermes_tool_calls() {
-        let text = "Sure.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>";
+        let text =
+            "Sure.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call>";
         let (calls, rest) = parse_tool_calls(text);
         assert_eq!(calls, vec![("add".to_owned(), "{\"a\":1}".to_owned())]);
         assert_eq!(rest, "Sure.");
@@ -295,7 +318,8 @@ mod tests {
     fn tool_schema_errors_name_the_field() {
         let error = tool_call_schema(&[json!({"type": "function"})]).unwrap_err();
         assert!(error.to_string().contains("tools[0]"), "{error}");
-        let error = tool_call_schema(&[json!({"function": {"name": "f", "parameters": 3}})]).unwrap_err();
+        let error =
+            tool_call_schema(&[json!({"function": {"name": "f", "parameters": 3}})]).unwrap_err();
         assert!(error.to_string().contains("parameters"), "{error}");
     }
 }

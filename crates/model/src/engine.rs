@@ -131,7 +131,10 @@ impl Engine {
     /// Queues a request. The request is checked first (bad input is an error here, not
     /// an event). Fails with [`ModelError::Overloaded`]-style `InvalidRequest` when the
     /// waiting queue is full. Dropping the receiver cancels the request.
-    pub fn submit(&self, request: GenerateRequest) -> Result<UnboundedReceiver<Event>, SubmitError> {
+    pub fn submit(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<UnboundedReceiver<Event>, SubmitError> {
         // Validate eagerly so the caller can answer 400 rather than stream an error.
         Sequence::new(&self.lm, request.clone()).map_err(SubmitError::Invalid)?;
         let (events, receiver) = unbounded_channel();
@@ -235,9 +238,11 @@ fn run(
         if let Err(error) = step(lm, config, &mut running) {
             tracing::error!(%error, "forward pass failed; failing its requests");
             for r in running.drain(..) {
-                let _ = r.events.send(Event::Error(ModelError::InvalidRequest(format!(
-                    "generation failed: {error}"
-                ))));
+                let _ = r
+                    .events
+                    .send(Event::Error(ModelError::InvalidRequest(format!(
+                        "generation failed: {error}"
+                    ))));
             }
         }
         running.retain(|r| !r.seq.is_finished());

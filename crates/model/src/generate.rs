@@ -134,7 +134,10 @@ impl Sequence {
     /// Checks a request against the model and prepares its state.
     pub fn new(lm: &LanguageModel, request: GenerateRequest) -> Result<Self> {
         request.sampling.validate()?;
-        let vocab = lm.tokenizer().vocab_size().max(lm.model().config().vocab_size);
+        let vocab = lm
+            .tokenizer()
+            .vocab_size()
+            .max(lm.model().config().vocab_size);
         if request.prompt.is_empty() {
             return Err(ModelError::InvalidRequest(
                 "the prompt is empty; give at least one token".into(),
@@ -238,7 +241,10 @@ impl Sequence {
         self.finished = true;
         self.out.finish = FinishReason::Cancelled;
         TokenEvent {
-            token: TokenLogprob { id: 0, logprob: 0.0 },
+            token: TokenLogprob {
+                id: 0,
+                logprob: 0.0,
+            },
             top: Vec::new(),
             text: String::new(),
             finish: Some(FinishReason::Cancelled),
@@ -250,7 +256,8 @@ impl Sequence {
         let sampled = match &mut self.constraint {
             Some(constraint) => {
                 let mask = constraint.mask()?;
-                self.sampler.sample(logits, Some(&|t| mask.allows(t)), self.top_n)?
+                self.sampler
+                    .sample(logits, Some(&|t| mask.allows(t)), self.top_n)?
             }
             None => self.sampler.sample(logits, None, self.top_n)?,
         };
@@ -277,13 +284,23 @@ impl Sequence {
                 finish = Some(FinishReason::Stop);
             }
         }
-        if finish.is_none() && self.constraint.as_ref().is_some_and(Constraint::is_finished) {
+        if finish.is_none()
+            && self
+                .constraint
+                .as_ref()
+                .is_some_and(Constraint::is_finished)
+        {
             finish = Some(FinishReason::Grammar);
         }
         if finish.is_none()
             && self.detect_loops
-            && sampling::detect_loop(&self.out.tokens, LOOP_MAX_PERIOD, LOOP_MIN_REPEATS, LOOP_MIN_SPAN)
-                .is_some()
+            && sampling::detect_loop(
+                &self.out.tokens,
+                LOOP_MAX_PERIOD,
+                LOOP_MIN_REPEATS,
+                LOOP_MIN_SPAN,
+            )
+            .is_some()
         {
             finish = Some(FinishReason::Loop);
         }
@@ -330,7 +347,9 @@ impl Sequence {
                 for k in (1..stop.len()).rev() {
                     if self.text.len() >= k
                         && self.text.is_char_boundary(self.text.len() - k)
-                        && stop.as_bytes().starts_with(&self.text.as_bytes()[self.text.len() - k..])
+                        && stop
+                            .as_bytes()
+                            .starts_with(&self.text.as_bytes()[self.text.len() - k..])
                     {
                         end = end.min(self.text.len() - k);
                         break;
@@ -374,7 +393,9 @@ pub fn generate_batch(
         .map(|r| Sequence::new(lm, r.clone()))
         .collect::<Result<Vec<_>>>()?;
     loop {
-        let active: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].is_finished()).collect();
+        let active: Vec<usize> = (0..seqs.len())
+            .filter(|&i| !seqs[i].is_finished())
+            .collect();
         if active.is_empty() {
             break;
         }

@@ -72,7 +72,10 @@ pub(crate) fn chat_template(tokenizer_config: &Json) -> Option<String> {
 pub(crate) fn special_token(tokenizer_config: &Json, key: &str) -> Option<String> {
     match tokenizer_config.get(key)? {
         Json::String(s) => Some(s.clone()),
-        other => other.get("content").and_then(Json::as_str).map(str::to_owned),
+        other => other
+            .get("content")
+            .and_then(Json::as_str)
+            .map(str::to_owned),
     }
 }
 
@@ -113,10 +116,13 @@ struct Weights {
 
 impl Weights {
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.tensors.remove(name).ok_or_else(|| ModelError::BadTensor {
-            name: name.to_owned(),
-            reason: "missing from the checkpoint".into(),
-        })?;
+        let t = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| ModelError::BadTensor {
+                name: name.to_owned(),
+                reason: "missing from the checkpoint".into(),
+            })?;
         if t.dims() != shape {
             return Err(ModelError::BadTensor {
                 name: name.to_owned(),
@@ -142,7 +148,10 @@ impl Weights {
         let weight = self.take(&format!("{name}.weight"), &[out, inp])?;
         let dtype = self.float();
         let bias = if bias {
-            Some(self.take(&format!("{name}.bias"), &[out])?.to_dtype(dtype)?)
+            Some(
+                self.take(&format!("{name}.bias"), &[out])?
+                    .to_dtype(dtype)?,
+            )
         } else {
             None
         };
@@ -218,7 +227,9 @@ pub(crate) fn model_from_tensors(
         w.linear("lm_head", config.vocab_size, h, false)?
     };
     let embedding = match (&output, form) {
-        (Linear::Fast { weight, .. }, WeightForm::Quantized) if tied => Embedding::Fast(weight.clone()),
+        (Linear::Fast { weight, .. }, WeightForm::Quantized) if tied => {
+            Embedding::Fast(weight.clone())
+        }
         (_, WeightForm::Quantized) => Embedding::Fast(Arc::new(quantize(&embed)?)),
         (_, WeightForm::Dense(dtype)) => Embedding::Dense(embed.to_dtype(dtype)?),
     };

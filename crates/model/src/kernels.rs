@@ -83,7 +83,9 @@ impl FastLinear {
         };
         let kind = QuantKind::of(q.dtype()).ok_or_else(|| bad("no kernel for this type".into()))?;
         if in_features % QK != 0 {
-            return Err(bad(format!("row length {in_features} is not a multiple of {QK}")));
+            return Err(bad(format!(
+                "row length {in_features} is not a multiple of {QK}"
+            )));
         }
         let data = q.data()?;
         let blocks = out_features * in_features / QK;
@@ -179,18 +181,66 @@ impl FastLinear {
         Ok(x.apply_op1_no_bwd(&Op(self))?)
     }
 
-    fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        let k = self.in_features;
-        let rows: Vec<ActRow> = match self.kind {
-            QuantKind::Q4_1 => x.chunks_exact(k).map(|r| quantize_row(r, true)).collect(),
-            QuantKind::Q8_0 => x.chunks_exact(k).map(|r| quantize_row(r, false)).collect(),
+    /// `x Wᵢᵀ` for several weights of the same type and width (q, k and v; gate and up):
+    /// the activations are quantized once.
+    pub fn forward_many(weights: &[&Self], x: &Tensor) -> Result<Vec<Tensor>> {
+        let Some(first) = weights.first() else {
+            return Ok(Vec::new());
         };
+        if weights
+            .iter()
+            .any(|w| w.kind != first.kind || w.in_features != first.in_features)
+        {
+            return weights.iter().map(|w| w.forward(x)).collect();
+        }
+        let x = x.contiguous()?;
+        let dims = x.dims().to_vec();
+        let values = x.flatten_all()?.to_vec1::<f32>()?;
+        let rows = first.quantize(&values);
+        let n = rows.len();
+        weights
+            .iter()
+            .map(|w| {
+                let mut out_dims = dims.clone();
+                *out_dims.last_mut().expect("at least one dim") = w.out_features;
+                let y = w.matmul_rows(&rows, n);
+                Ok(Tensor::from_vec(y, out_dims, x.device())?)
+            })
+            .collect()
+    }
+
+    fn quantize(&self, x: &[f32]) -> Vec<ActRow> {
+        let with_sums = self.kind == QuantKind::Q4_1;
+        x.chunks_exact(self.in_features)
+            .map(|r| quantize_row(r, with_sums))
+            .collect()
+    }
+
+    fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let rows = self.quantize(x);
+        self.matmul_rows(&rows, n)
+    }
+
+    fn matmul_rows(&self, rows: &[ActRow], n: usize) -> Vec<f32> {
+        let k = self.in_features;
         let out = self.out_features;
         let mut y = vec![0f32; n * out];
-        // Work split: chunks of weight rows; each computes all activation rows into a
-        // [rows_in_chunk, n] tile scattered into y afterwards. Which thread computes an
-        // element never changes how it is computed.
-        let chunk = if n * out * k >= 1 << 18 { 16 } else { out };
+        // Work split: ranges of weight rows, a few per thread (one range when there is
+        // one thread: splitting work nobody else can take only costs). Which thread
+        // computes an element never changes how it is computed.
+        let threads = rayon::current_num_threads();
+        let chunk = if threads <= 1 || n * out * k < 1 << 16 {
+            out
+        } else {
+            out.div_ceil(threads * 4).next_multiple_of(4)
+        };
+        if n == 1 {
+            // Decoding: y is [1, out], so each range of weight rows owns a slice of it.
+            y.par_chunks_mut(chunk).enumerate().for_each(|(c, dst)| {
+                self.rows_into(c * chunk, &rows[0], dst);
+            });
+            return y;
+        }
         let tiles: Vec<(usize, Vec<f32>)> = (0..out)
             .step_by(chunk)
             .collect::<Vec<_>>()
@@ -199,7 +249,7 @@ impl FastLinear {
                 let end = (start + chunk).min(out);
                 let mut tile = vec![0f32; (end - start) * n];
                 for (o, t) in (start..end).zip(tile.chunks_exact_mut(n)) {
-                    self.dot_row(o, &rows, t);
+                    self.dot_row(o, rows, t);
                 }
                 (start, tile)
             })
@@ -214,11 +264,25 @@ impl FastLinear {
         y
     }
 
-    /// Dot products of weight row `o` with every activation row.
-    fn dot_row(&self, o: usize, rows: &[ActRow], out: &mut [f32]) {
+    /// Weight rows `start..start + dst.len()` against one activation row, four at a time.
+    fn rows_into(&self, start: usize, row: &ActRow, dst: &mut [f32]) {
+        let mut quads = dst.chunks_exact_mut(4);
+        let mut o = start;
+        for quad in &mut quads {
+            let quad: &mut [f32; 4] = quad.try_into().expect("four outputs");
+            self.dot_weights4(o, row, quad);
+            o += 4;
+        }
+        for d in quads.into_remainder() {
+            self.dot_row(o, std::slice::from_ref(row), std::slice::from_mut(d));
+            o += 1;
+        }
+    }
+
+    fn weight_row(&self, o: usize) -> WeightRow<'_> {
         let nb = self.in_features / QK;
         let qb = self.kind.quant_bytes();
-        let w = WeightRow {
+        WeightRow {
             quants: &self.quants[o * nb * qb..(o + 1) * nb * qb],
             scales: &self.scales[o * nb..(o + 1) * nb],
             mins: if self.mins.is_empty() {
@@ -226,9 +290,42 @@ impl FastLinear {
             } else {
                 &self.mins[o * nb..(o + 1) * nb]
             },
-        };
+        }
+    }
+
+    /// Dot products of weight row `o` with every activation row.
+    fn dot_row(&self, o: usize, rows: &[ActRow], out: &mut [f32]) {
+        let w = self.weight_row(o);
         for (tile, dst) in rows.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
             dot_tile(self.kind, &w, tile, dst);
+        }
+    }
+
+    /// Dot products of weight rows `o..o + 4` with one activation row: the same
+    /// arithmetic per output as [`Self::dot_row`], with the activation loads shared.
+    fn dot_weights4(&self, o: usize, row: &ActRow, out: &mut [f32; 4]) {
+        let ws = [
+            self.weight_row(o),
+            self.weight_row(o + 1),
+            self.weight_row(o + 2),
+            self.weight_row(o + 3),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            #[expect(unsafe_code, reason = "the CPU was just checked for AVX2 and FMA")]
+            // SAFETY: avx2 and fma are available (checked above).
+            unsafe {
+                avx2::weights4(self.kind, &ws, row, out)
+            };
+            return;
+        }
+        for (w, dst) in ws.iter().zip(out.iter_mut()) {
+            dot_tile_scalar(
+                self.kind,
+                w,
+                std::slice::from_ref(row),
+                std::slice::from_mut(dst),
+            );
         }
     }
 }
@@ -280,19 +377,38 @@ fn dot_tile(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]
         #[expect(unsafe_code, reason = "the CPU was just checked for AVX2 and FMA")]
         // SAFETY: avx2 and fma are available (checked above).
         unsafe {
-            match kind {
-                QuantKind::Q4_1 => avx2::dot_tile_q4_1(w, rows, out),
-                QuantKind::Q8_0 => avx2::dot_tile_q8_0(w, rows, out),
-            }
+            avx2::dot_tile(kind, w, rows, out)
         };
         return;
     }
     dot_tile_scalar(kind, w, rows, out);
 }
 
+/// `Σ_b m_w[b]·s_a[b]` in eight lanes (lane `b mod 8`), combined in a fixed tree: the
+/// minimum term of Q4_1 products, the same for every row count.
+#[inline]
+fn mins_dot(mins: &[f32], sums: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let n = mins.len().min(sums.len());
+    let (mins, sums) = (&mins[..n], &sums[..n]);
+    let (cm, cs) = (mins.chunks_exact(8), sums.chunks_exact(8));
+    let (rm, rs) = (cm.remainder(), cs.remainder());
+    for (m, s) in cm.zip(cs) {
+        for l in 0..8 {
+            lanes[l] += m[l] * s[l];
+        }
+    }
+    for (l, (m, s)) in rm.iter().zip(rs).enumerate() {
+        lanes[l] += m * s;
+    }
+    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
+}
+
 fn dot_tile_scalar(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
     for (row, dst) in rows.iter().zip(out.iter_mut()) {
-        let mut sum = 0f32;
+        // Two accumulators (even and odd blocks), as the SIMD kernels.
+        let mut acc = [0f32; 2];
         for b in 0..w.scales.len() {
             let q = &row.qs[b * QK..b * QK + QK];
             let mut sumi = 0i32;
@@ -303,27 +419,33 @@ fn dot_tile_scalar(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mu
                         sumi += i32::from(nib[j] & 0x0F) * i32::from(q[j])
                             + i32::from(nib[j] >> 4) * i32::from(q[j + 16]);
                     }
-                    sum += sumi as f32 * w.scales[b] * row.d[b] + w.mins[b] * row.s[b];
                 }
                 QuantKind::Q8_0 => {
                     let wq = &w.quants[b * 32..b * 32 + 32];
                     for j in 0..32 {
                         sumi += i32::from(wq[j] as i8) * i32::from(q[j]);
                     }
-                    sum += sumi as f32 * (w.scales[b] * row.d[b]);
                 }
             }
+            acc[b % 2] += sumi as f32 * (w.scales[b] * row.d[b]);
+        }
+        let mut sum = acc[0] + acc[1];
+        if kind == QuantKind::Q4_1 {
+            sum += mins_dot(w.mins, &row.s);
         }
         *dst = sum;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[expect(unsafe_code, reason = "SIMD intrinsics; every load reads a slice of checked length")]
+#[expect(
+    unsafe_code,
+    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
+)]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{ActRow, QK, ROW_TILE, WeightRow};
+    use super::{ActRow, QK, QuantKind, ROW_TILE, WeightRow};
 
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
@@ -335,70 +457,279 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    fn load32(bytes: &[u8; 32]) -> __m256i {
-        // SAFETY: the reference covers exactly 32 readable bytes.
-        unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    fn act(row: &ActRow, b: usize) -> __m256i {
-        let q: &[i8; QK] = row.qs[b * QK..b * QK + QK].try_into().expect("32 bytes");
-        // SAFETY: `q` is exactly 32 readable bytes.
-        unsafe { _mm256_loadu_si256(q.as_ptr().cast()) }
-    }
-
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_tile_q4_1(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+    pub(super) unsafe fn dot_tile(
+        kind: QuantKind,
+        w: &WeightRow<'_>,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
         let n = rows.len().min(out.len()).min(ROW_TILE);
-        let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-        let mut mins = [0f32; ROW_TILE];
+        // SAFETY (all arms): AVX2 and FMA are available, as this function requires.
+        unsafe {
+            match (kind, n) {
+                (QuantKind::Q4_1, 1) => rows_q4_1::<1>(w, rows, out),
+                (QuantKind::Q4_1, 2) => rows_q4_1::<2>(w, rows, out),
+                (QuantKind::Q4_1, 3) => rows_q4_1::<3>(w, rows, out),
+                (QuantKind::Q4_1, _) => rows_q4_1::<4>(w, rows, out),
+                (QuantKind::Q8_0, 1) => rows_q8_0::<1>(w, rows, out),
+                (QuantKind::Q8_0, 2) => rows_q8_0::<2>(w, rows, out),
+                (QuantKind::Q8_0, 3) => rows_q8_0::<3>(w, rows, out),
+                (QuantKind::Q8_0, _) => rows_q8_0::<4>(w, rows, out),
+            }
+        }
+        if kind == QuantKind::Q4_1 {
+            for r in 0..n {
+                out[r] += mins_dot(w.mins, &rows[r].s);
+            }
+        }
+    }
+
+    /// `Σ q_w·q_a` of one block as 8 f32 lanes: `wq` unsigned (Q4_1 nibbles), `aq` signed.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn block_us(wq: __m256i, aq: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(wq, aq);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// Q4_1 × Q8_1 for `R` activation rows: per row, even blocks go to one accumulator
+    /// and odd blocks to another (two FMA chains in flight); the arithmetic of a row
+    /// does not depend on `R`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_q4_1<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let nb = w.scales.len();
+        assert!(w.quants.len() >= nb * 16 && rows.len() >= R && out.len() >= R);
+        for row in &rows[..R] {
+            assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
+        }
         let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        for b in 0..w.scales.len() {
-            let nib: &[u8; 16] = w.quants[b * 16..b * 16 + 16].try_into().expect("16 bytes");
-            // SAFETY: `nib` is exactly 16 readable bytes.
-            let packed = unsafe { _mm_loadu_si128(nib.as_ptr().cast()) };
+        let mut even = [_mm256_setzero_ps(); R];
+        let mut odd = [_mm256_setzero_ps(); R];
+        let wq_ptr = w.quants.as_ptr();
+        let ws = w.scales.as_ptr();
+        let a_ptr: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+        let d_ptr: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
+        // SAFETY: every offset below is for a block b < nb, which the asserts cover.
+        let unpack = |b: usize| unsafe {
+            let packed = _mm_loadu_si128(wq_ptr.add(b * 16).cast());
             let shifted = _mm_srli_epi16::<4>(packed);
-            let wq = _mm256_and_si256(_mm256_set_m128i(shifted, packed), low);
-            let (dw, mw) = (w.scales[b], w.mins[b]);
-            for r in 0..n {
-                let row = &rows[r];
-                let pairs = _mm256_maddubs_epi16(wq, act(row, b));
-                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * row.d[b]), sums, acc[r]);
-                mins[r] += mw * row.s[b];
+            _mm256_and_si256(_mm256_set_m128i(shifted, packed), low)
+        };
+        let mut b = 0;
+        while b + 1 < nb {
+            let (w0, w1) = (unpack(b), unpack(b + 1));
+            // SAFETY: b + 1 < nb.
+            let (s0, s1) = unsafe { (*ws.add(b), *ws.add(b + 1)) };
+            for r in 0..R {
+                // SAFETY: b + 1 < nb.
+                unsafe {
+                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
+                    let a1 = _mm256_loadu_si256(a_ptr[r].add((b + 1) * QK).cast());
+                    let (d0, d1) = (*d_ptr[r].add(b), *d_ptr[r].add(b + 1));
+                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block_us(w0, a0), even[r]);
+                    odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * d1), block_us(w1, a1), odd[r]);
+                }
+            }
+            b += 2;
+        }
+        if b < nb {
+            let w0 = unpack(b);
+            // SAFETY: b < nb.
+            let s0 = unsafe { *ws.add(b) };
+            for r in 0..R {
+                // SAFETY: b < nb.
+                unsafe {
+                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
+                    let d0 = *d_ptr[r].add(b);
+                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block_us(w0, a0), even[r]);
+                }
             }
         }
-        for r in 0..n {
-            out[r] = hsum(acc[r]) + mins[r];
+        for r in 0..R {
+            out[r] = hsum(_mm256_add_ps(even[r], odd[r]));
         }
     }
 
+    /// Four weight rows against one activation row, each output computed exactly as
+    /// [`rows_q4_1`] / [`rows_q8_0`] compute it (even and odd block accumulators).
+    ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_tile_q8_0(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
-        let n = rows.len().min(out.len()).min(ROW_TILE);
-        let mut acc = [_mm256_setzero_ps(); ROW_TILE];
-        let ones = _mm256_set1_epi16(1);
-        for b in 0..w.scales.len() {
-            let wq = load32(w.quants[b * 32..b * 32 + 32].try_into().expect("32 bytes"));
-            // |w| as unsigned times sign(w)·a as signed, as ggml's mul_sum_i8_pairs.
-            let wabs = _mm256_sign_epi8(wq, wq);
-            let dw = w.scales[b];
-            for r in 0..n {
-                let row = &rows[r];
-                let signed = _mm256_sign_epi8(act(row, b), wq);
-                let pairs = _mm256_maddubs_epi16(wabs, signed);
-                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * row.d[b]), sums, acc[r]);
+    pub(super) unsafe fn weights4(
+        kind: QuantKind,
+        ws: &[WeightRow<'_>; 4],
+        row: &ActRow,
+        out: &mut [f32; 4],
+    ) {
+        // SAFETY: the CPU supports AVX2 and FMA, as this function requires.
+        unsafe {
+            match kind {
+                QuantKind::Q4_1 => weights4_kind::<true>(ws, row, out),
+                QuantKind::Q8_0 => weights4_kind::<false>(ws, row, out),
             }
         }
-        for r in 0..n {
-            out[r] = hsum(acc[r]);
+        if kind == QuantKind::Q4_1 {
+            for k in 0..4 {
+                out[k] += mins_dot(ws[k].mins, &row.s);
+            }
+        }
+    }
+
+    /// [`weights4`] for Q4_1 (`Q4 = true`) or Q8_0.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weights4_kind<const Q4: bool>(
+        ws: &[WeightRow<'_>; 4],
+        row: &ActRow,
+        out: &mut [f32; 4],
+    ) {
+        let nb = ws[0].scales.len();
+        let qb = if Q4 { 16 } else { 32 };
+        for w in ws {
+            assert!(w.scales.len() == nb && w.quants.len() >= nb * qb);
+        }
+        assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
+        let low = _mm256_set1_epi8(0x0F);
+        let mut even = [_mm256_setzero_ps(); 4];
+        let mut odd = [_mm256_setzero_ps(); 4];
+        let a = row.qs.as_ptr();
+        let d = row.d.as_ptr();
+        let wp: [*const u8; 4] = std::array::from_fn(|k| ws[k].quants.as_ptr());
+        let sp: [*const f32; 4] = std::array::from_fn(|k| ws[k].scales.as_ptr());
+        // The product of weight row `k`'s block `b` with activation block `aq`, as 8 lanes.
+        // SAFETY (closure body): b < nb, covered by the asserts.
+        let product = |k: usize, b: usize, aq: __m256i| unsafe {
+            if Q4 {
+                let packed = _mm_loadu_si128(wp[k].add(b * 16).cast());
+                let shifted = _mm_srli_epi16::<4>(packed);
+                block_us(_mm256_and_si256(_mm256_set_m128i(shifted, packed), low), aq)
+            } else {
+                let wq = _mm256_loadu_si256(wp[k].add(b * 32).cast());
+                block_us(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq))
+            }
+        };
+        let mut b = 0;
+        while b + 1 < nb {
+            // SAFETY: b + 1 < nb.
+            unsafe {
+                let (a0, a1) = (
+                    _mm256_loadu_si256(a.add(b * QK).cast()),
+                    _mm256_loadu_si256(a.add((b + 1) * QK).cast()),
+                );
+                let (d0, d1) = (*d.add(b), *d.add(b + 1));
+                for k in 0..4 {
+                    let (s0, s1) = (*sp[k].add(b), *sp[k].add(b + 1));
+                    even[k] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), product(k, b, a0), even[k]);
+                    odd[k] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(s1 * d1), product(k, b + 1, a1), odd[k]);
+                }
+            }
+            b += 2;
+        }
+        if b < nb {
+            // SAFETY: b < nb.
+            unsafe {
+                let (a0, d0) = (_mm256_loadu_si256(a.add(b * QK).cast()), *d.add(b));
+                for k in 0..4 {
+                    let s0 = *sp[k].add(b);
+                    even[k] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), product(k, b, a0), even[k]);
+                }
+            }
+        }
+        for k in 0..4 {
+            out[k] = hsum(_mm256_add_ps(even[k], odd[k]));
+        }
+    }
+
+    /// The minimum term `Σ_b m[b]·s[b]` exactly as the scalar [`mins_dot`] computes it
+    /// (eight lanes, multiply then add, the same final tree), eight blocks per step.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn mins_dot(m: &[f32], s: &[f32]) -> f32 {
+        let n = m.len().min(s.len());
+        let full = n / 8 * 8;
+        let mut lanes = _mm256_setzero_ps();
+        for c in (0..full).step_by(8) {
+            let mv: &[f32; 8] = m[c..c + 8].try_into().expect("8 values");
+            let sv: &[f32; 8] = s[c..c + 8].try_into().expect("8 values");
+            // SAFETY: both references cover exactly 8 readable f32 values.
+            let (mv, sv) = unsafe { (_mm256_loadu_ps(mv.as_ptr()), _mm256_loadu_ps(sv.as_ptr())) };
+            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(mv, sv));
+        }
+        let mut l = [0f32; 8];
+        // SAFETY: `l` has room for 8 f32 values.
+        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), lanes) };
+        for (i, (x, y)) in m[full..n].iter().zip(&s[full..n]).enumerate() {
+            l[i] += x * y;
+        }
+        ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))
+    }
+
+    /// Q8_0 × Q8_0 for `R` activation rows, arranged as [`rows_q4_1`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_q8_0<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let nb = w.scales.len();
+        assert!(w.quants.len() >= nb * 32 && rows.len() >= R && out.len() >= R);
+        for row in &rows[..R] {
+            assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
+        }
+        let mut even = [_mm256_setzero_ps(); R];
+        let mut odd = [_mm256_setzero_ps(); R];
+        let wq_ptr = w.quants.as_ptr();
+        let ws = w.scales.as_ptr();
+        let a_ptr: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+        let d_ptr: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
+        // |w| unsigned times sign(w)·a signed, as ggml's mul_sum_i8_pairs.
+        // SAFETY: every offset below is for a block b < nb, which the asserts cover.
+        let load = |b: usize| unsafe { _mm256_loadu_si256(wq_ptr.add(b * 32).cast()) };
+        let mut b = 0;
+        while b + 1 < nb {
+            let (w0, w1) = (load(b), load(b + 1));
+            let (abs0, abs1) = (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1));
+            // SAFETY: b + 1 < nb.
+            let (s0, s1) = unsafe { (*ws.add(b), *ws.add(b + 1)) };
+            for r in 0..R {
+                // SAFETY: b + 1 < nb.
+                unsafe {
+                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
+                    let a1 = _mm256_loadu_si256(a_ptr[r].add((b + 1) * QK).cast());
+                    let (d0, d1) = (*d_ptr[r].add(b), *d_ptr[r].add(b + 1));
+                    let p0 = block_us(abs0, _mm256_sign_epi8(a0, w0));
+                    let p1 = block_us(abs1, _mm256_sign_epi8(a1, w1));
+                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), p0, even[r]);
+                    odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * d1), p1, odd[r]);
+                }
+            }
+            b += 2;
+        }
+        if b < nb {
+            let w0 = load(b);
+            let abs0 = _mm256_sign_epi8(w0, w0);
+            // SAFETY: b < nb.
+            let s0 = unsafe { *ws.add(b) };
+            for r in 0..R {
+                // SAFETY: b < nb.
+                unsafe {
+                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
+                    let d0 = *d_ptr[r].add(b);
+                    let p0 = block_us(abs0, _mm256_sign_epi8(a0, w0));
+                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), p0, even[r]);
+                }
+            }
+        }
+        for r in 0..R {
+            out[r] = hsum(_mm256_add_ps(even[r], odd[r]));
         }
     }
 }
@@ -510,7 +841,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
             lanes[l] += x[l] * y[l];
         }
     }
-    let mut sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    let mut sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     for (x, y) in ra.iter().zip(rb) {
         sum += x * y;
     }
@@ -519,8 +851,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Module};
     use candle_core::quantized::QMatMul;
+    use candle_core::{Device, Module};
 
     use super::*;
 
@@ -537,8 +869,20 @@ mod tests {
         let reference = QMatMul::from_qtensor(q).unwrap();
         for n in [1, 3, 4, 7] {
             let x = Tensor::randn(0f32, 1.0, (n, 128), &device).unwrap();
-            let got: Vec<f32> = fast.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-            let want: Vec<f32> = reference.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let got: Vec<f32> = fast
+                .forward(&x)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let want: Vec<f32> = reference
+                .forward(&x)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() <= MAX_REL_ERROR * scale, "n={n}: {g} vs {w}");
@@ -551,8 +895,21 @@ mod tests {
         let device = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (8, 64), &device).unwrap();
         let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
-        let ours: Vec<f32> = FastLinear::from_qtensor(&q).unwrap().dequantize().unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let theirs: Vec<f32> = q.dequantize(&device).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let ours: Vec<f32> = FastLinear::from_qtensor(&q)
+            .unwrap()
+            .dequantize()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let theirs: Vec<f32> = q
+            .dequantize(&device)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_eq!(ours, theirs);
     }
 
@@ -563,14 +920,26 @@ mod tests {
             let w = Tensor::randn(0f32, 1.0, (1, 256), &device).unwrap();
             let q = QTensor::quantize(&w, dtype).unwrap();
             let fast = FastLinear::from_qtensor(&q).unwrap();
-            let x: Vec<f32> = (0..256 * 3).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
-            let rows: Vec<ActRow> = x.chunks_exact(256).map(|r| quantize_row(r, dtype == GgmlDType::Q4_1)).collect();
-            let w = WeightRow { quants: &fast.quants, scales: &fast.scales, mins: &fast.mins };
+            let x: Vec<f32> = (0..256 * 3)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                .collect();
+            let rows: Vec<ActRow> = x
+                .chunks_exact(256)
+                .map(|r| quantize_row(r, dtype == GgmlDType::Q4_1))
+                .collect();
+            let w = WeightRow {
+                quants: &fast.quants,
+                scales: &fast.scales,
+                mins: &fast.mins,
+            };
             let (mut a, mut b) = ([0f32; 3], [0f32; 3]);
             dot_tile(fast.kind, &w, &rows, &mut a);
             dot_tile_scalar(fast.kind, &w, &rows, &mut b);
             for (x, y) in a.iter().zip(&b) {
-                assert!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{dtype:?}: {x} vs {y}");
+                assert!(
+                    (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                    "{dtype:?}: {x} vs {y}"
+                );
             }
         }
     }
@@ -583,8 +952,20 @@ mod tests {
         let fast = FastLinear::from_qtensor(&q).unwrap();
         let reference = QMatMul::from_qtensor(q).unwrap();
         let x = Tensor::randn(0f32, 1.0, (5, 128), &device).unwrap();
-        let got: Vec<f32> = fast.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-        let want: Vec<f32> = reference.forward(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = fast
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let want: Vec<f32> = reference
+            .forward(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         for (g, w) in got.iter().zip(&want) {
             assert!((g - w).abs() <= 1e-3 * w.abs().max(1.0), "{g} vs {w}");
         }
@@ -593,13 +974,40 @@ mod tests {
     #[test]
     fn rows_do_not_depend_on_the_batch() {
         let device = Device::Cpu;
-        let w = Tensor::randn(0f32, 1.0, (64, 256), &device).unwrap();
-        let fast = FastLinear::from_qtensor(&QTensor::quantize(&w, GgmlDType::Q4_1).unwrap()).unwrap();
-        let x = Tensor::randn(0f32, 1.0, (9, 256), &device).unwrap();
-        let all: Vec<Vec<f32>> = fast.forward(&x).unwrap().to_vec2().unwrap();
-        for (i, row) in all.iter().enumerate() {
-            let one: Vec<Vec<f32>> = fast.forward(&x.narrow(0, i, 1).unwrap()).unwrap().to_vec2().unwrap();
-            assert_eq!(&one[0], row, "row {i}");
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            // 67 outputs: the four-at-a-time decode path plus a remainder.
+            let w = Tensor::randn(0f32, 1.0, (67, 256), &device).unwrap();
+            let fast = FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (9, 256), &device).unwrap();
+            let all: Vec<Vec<f32>> = fast.forward(&x).unwrap().to_vec2().unwrap();
+            for (i, row) in all.iter().enumerate() {
+                let one: Vec<Vec<f32>> = fast
+                    .forward(&x.narrow(0, i, 1).unwrap())
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap();
+                assert_eq!(&one[0], row, "{dtype:?} row {i}");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_minimum_term_equals_the_scalar_one() {
+        if !std::is_x86_feature_detected!("avx2") || !std::is_x86_feature_detected!("fma") {
+            return;
+        }
+        for n in [1, 7, 8, 18, 23, 48] {
+            let m: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.013)
+                .collect();
+            let s: Vec<f32> = (0..n)
+                .map(|i| ((i * 11 % 13) as f32 - 6.0) * 0.77)
+                .collect();
+            #[expect(unsafe_code, reason = "AVX2 and FMA were checked above")]
+            // SAFETY: checked above.
+            let simd = unsafe { avx2::mins_dot(&m, &s) };
+            assert_eq!(simd.to_bits(), mins_dot(&m, &s).to_bits(), "n = {n}");
         }
     }
 
@@ -609,7 +1017,9 @@ mod tests {
             let x = i as f32 / 20.0;
             assert_eq!(round_ties_even(x), x.round_ties_even(), "{x}");
         }
-        for x in [0.5f32, 1.5, 2.5, -0.5, -1.5, 126.5, -127.0, 0.49999997, 1e-8] {
+        for x in [
+            0.5f32, 1.5, 2.5, -0.5, -1.5, 126.5, -127.0, 0.49999997, 1e-8,
+        ] {
             assert_eq!(round_ties_even(x), x.round_ties_even(), "{x}");
         }
     }
@@ -624,8 +1034,21 @@ mod tests {
         let full = attention(&q, &k, &v, s, heads, kv_heads, hd, 0.25);
         for t in 0..s {
             let kv = (t + 1) * kv_heads * hd;
-            let one = attention(&q[t * heads * hd..(t + 1) * heads * hd], &k[..kv], &v[..kv], 1, heads, kv_heads, hd, 0.25);
-            assert_eq!(one, full[t * heads * hd..(t + 1) * heads * hd], "position {t}");
+            let one = attention(
+                &q[t * heads * hd..(t + 1) * heads * hd],
+                &k[..kv],
+                &v[..kv],
+                1,
+                heads,
+                kv_heads,
+                hd,
+                0.25,
+            );
+            assert_eq!(
+                one,
+                full[t * heads * hd..(t + 1) * heads * hd],
+                "position {t}"
+            );
         }
         // The first position sees only itself: its output is its own value row.
         assert_eq!(&full[..hd], &v[..hd]);

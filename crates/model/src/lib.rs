@@ -149,15 +149,22 @@ impl LanguageModel {
 
     fn load_hf(dir: &Path, form: WeightForm) -> Result<Self> {
         let files = hf::read_files(dir)?;
-        let tokenizer =
-            Tokenizer::from_hf_file(&files.tokenizer_json, &files.tokenizer_config, &files.model_config)?;
+        let tokenizer = Tokenizer::from_hf_file(
+            &files.tokenizer_json,
+            &files.tokenizer_config,
+            &files.model_config,
+        )?;
         let source = hf::chat_template(&files.tokenizer_config);
         let piece = |id: Option<u32>| {
             id.and_then(|id| tokenizer.piece(id))
                 .unwrap_or_default()
                 .to_owned()
         };
-        let template = ChatTemplate::new(source.as_deref(), &piece(tokenizer.bos()), &piece(tokenizer.eos()))?;
+        let template = ChatTemplate::new(
+            source.as_deref(),
+            &piece(tokenizer.bos()),
+            &piece(tokenizer.eos()),
+        )?;
         let tensors = hf::load_tensors(dir)?;
         let mut parameters_by_type = std::collections::BTreeMap::new();
         let mut tensor_types = std::collections::BTreeMap::new();
@@ -170,11 +177,19 @@ impl LanguageModel {
         }
         let tied_embeddings = !tensors.contains_key("lm_head.weight");
         let file_bytes = std::fs::read_dir(dir)
-            .map(|entries| entries.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum())
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
             .unwrap_or(0);
         let info = ModelInfo {
             path: dir.to_path_buf(),
-            name: dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            name: dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
             file_bytes,
             vocab_size: files.config.vocab_size,
             config: files.config.clone(),

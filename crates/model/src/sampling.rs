@@ -65,7 +65,11 @@ impl SamplingParams {
             )))
         };
         if !(self.temperature.is_finite() && (0.0..=100.0).contains(&self.temperature)) {
-            return fail("temperature", "between 0 and 100", self.temperature.to_string());
+            return fail(
+                "temperature",
+                "between 0 and 100",
+                self.temperature.to_string(),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return fail("top_p", "in (0, 1]", self.top_p.to_string());
@@ -196,10 +200,12 @@ impl Sampler {
         } else {
             self.draw(&mut work)
         }
-        .ok_or_else(|| {
-            ModelError::InvalidRequest("no token is allowed at this position".into())
-        })?;
-        let top = if top_n > 0 { top_logprobs(&logprobs, top_n) } else { Vec::new() };
+        .ok_or_else(|| ModelError::InvalidRequest("no token is allowed at this position".into()))?;
+        let top = if top_n > 0 {
+            top_logprobs(&logprobs, top_n)
+        } else {
+            Vec::new()
+        };
         Ok(Sampled {
             token: TokenLogprob {
                 id,
@@ -276,10 +282,7 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
         .copied()
         .filter(|v| v.is_finite())
         .fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits
-        .iter()
-        .map(|&l| f64::from(l - max).exp())
-        .sum();
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
     let log_sum = sum.ln() as f32;
     logits.iter().map(|&l| l - max - log_sum).collect()
 }
@@ -307,7 +310,12 @@ pub fn top_logprobs(logprobs: &[f32], n: usize) -> Vec<TokenLogprob> {
 /// Finds a loop at the end of `tokens`: a block of at most `max_period` tokens repeated
 /// back to back at least `min_repeats` times, covering at least `min_span` tokens.
 /// Returns the period.
-pub fn detect_loop(tokens: &[u32], max_period: usize, min_repeats: usize, min_span: usize) -> Option<usize> {
+pub fn detect_loop(
+    tokens: &[u32],
+    max_period: usize,
+    min_repeats: usize,
+    min_span: usize,
+) -> Option<usize> {
     (1..=max_period).find(|&period| {
         let span = (period * min_repeats).max(min_span.div_ceil(period) * period);
         if span > tokens.len() {
@@ -333,10 +341,17 @@ mod tests {
     #[test]
     fn same_seed_same_tokens() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
-        let params = SamplingParams { seed: Some(7), top_k: 20, top_p: 0.9, ..Default::default() };
+        let params = SamplingParams {
+            seed: Some(7),
+            top_k: 20,
+            top_p: 0.9,
+            ..Default::default()
+        };
         let run = || {
             let mut s = Sampler::new(params.clone(), &[]);
-            (0..20).map(|_| s.sample(&logits, None, 0).unwrap().token.id).collect::<Vec<_>>()
+            (0..20)
+                .map(|_| s.sample(&logits, None, 0).unwrap().token.id)
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(), run());
     }
@@ -344,7 +359,11 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy() {
         let logits = [0.1, 0.5, 2.0, 0.3];
-        let params = SamplingParams { top_k: 1, seed: Some(1), ..Default::default() };
+        let params = SamplingParams {
+            top_k: 1,
+            seed: Some(1),
+            ..Default::default()
+        };
         let mut s = Sampler::new(params, &[]);
         for _ in 0..10 {
             assert_eq!(s.sample(&logits, None, 0).unwrap().token.id, 2);
@@ -362,10 +381,21 @@ mod tests {
 
     #[test]
     fn invalid_values_are_named() {
-        let bad = SamplingParams { top_p: 0.0, ..Default::default() };
+        let bad = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        };
         assert!(bad.validate().unwrap_err().to_string().contains("top_p"));
-        let bad = SamplingParams { temperature: -1.0, ..Default::default() };
-        assert!(bad.validate().unwrap_err().to_string().contains("temperature"));
+        let bad = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("temperature")
+        );
     }
 
     #[test]

@@ -89,12 +89,7 @@ fn pre_tokenizer_regexes(pre: &str) -> Result<&'static [&'static str]> {
         "gpt-2" | "gpt2" | "mpt" | "olmo" | "jais" | "trillion" => &[GPT2],
         "llama3" | "llama-bpe" | "llama-v3" | "falcon3" | "pixtral" | "smaug-bpe" => &[LLAMA3],
         "qwen2" | "qwen" | "stablelm2" | "hunyuan" | "deepseek-r1-qwen" => &[QWEN2],
-        "default" => &[
-            r"[\p{P}\$\+<=>\^~\|]+",
-            GPT2,
-            r"\p{N}+",
-            "[0-9][0-9][0-9]",
-        ],
+        "default" => &[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
         other => {
             return Err(ModelError::Tokenizer(format!(
                 "pre-tokenizer `{other}` is not supported yet (supported: smollm, gpt2, llama3, qwen2 and their aliases)"
@@ -241,7 +236,13 @@ impl Tokenizer {
             .to_string()
             .parse()
             .map_err(|e| ModelError::Tokenizer(format!("cannot build BPE from GGUF: {e}")))?;
-        Ok(Self::assemble(inner, pieces, kinds, true, (bos, eos, eot, add_bos)))
+        Ok(Self::assemble(
+            inner,
+            pieces,
+            kinds,
+            true,
+            (bos, eos, eot, add_bos),
+        ))
     }
 
     /// Loads a Hugging Face `tokenizer.json` (byte-level BPE, or SentencePiece-style with
@@ -264,12 +265,25 @@ impl Tokenizer {
         let vocab = spec
             .pointer("/model/vocab")
             .and_then(Json::as_object)
-            .ok_or_else(|| ModelError::Tokenizer("tokenizer.json has no model.vocab map (only BPE tokenizers are supported)".into()))?;
-        let added = spec.get("added_tokens").and_then(Json::as_array).cloned().unwrap_or_default();
+            .ok_or_else(|| {
+                ModelError::Tokenizer(
+                    "tokenizer.json has no model.vocab map (only BPE tokenizers are supported)"
+                        .into(),
+                )
+            })?;
+        let added = spec
+            .get("added_tokens")
+            .and_then(Json::as_array)
+            .cloned()
+            .unwrap_or_default();
         let size = vocab
             .values()
             .filter_map(Json::as_u64)
-            .chain(added.iter().filter_map(|t| t.get("id").and_then(Json::as_u64)))
+            .chain(
+                added
+                    .iter()
+                    .filter_map(|t| t.get("id").and_then(Json::as_u64)),
+            )
             .max()
             .map_or(0, |m| m as usize + 1);
         let mut pieces = vec![String::new(); size];
@@ -281,11 +295,18 @@ impl Tokenizer {
             }
         }
         for token in &added {
-            let (Some(id), Some(content)) = (token.get("id").and_then(Json::as_u64), token.get("content").and_then(Json::as_str)) else {
+            let (Some(id), Some(content)) = (
+                token.get("id").and_then(Json::as_u64),
+                token.get("content").and_then(Json::as_str),
+            ) else {
                 continue;
             };
             pieces[id as usize] = content.to_owned();
-            kinds[id as usize] = if token.get("special").and_then(Json::as_bool).unwrap_or(false) {
+            kinds[id as usize] = if token
+                .get("special")
+                .and_then(Json::as_bool)
+                .unwrap_or(false)
+            {
                 TokenKind::Control
             } else {
                 TokenKind::UserDefined
@@ -296,12 +317,26 @@ impl Tokenizer {
             crate::hf::special_token(tokenizer_config, key)
                 .and_then(|piece| pieces.iter().position(|p| *p == piece))
                 .map(|i| i as u32)
-                .or_else(|| model_config.get(id_key).and_then(Json::as_u64).map(|v| v as u32))
+                .or_else(|| {
+                    model_config
+                        .get(id_key)
+                        .and_then(Json::as_u64)
+                        .map(|v| v as u32)
+                })
         };
         let bos = lookup("bos_token", "bos_token_id");
         let eos = lookup("eos_token", "eos_token_id");
-        let add_bos = tokenizer_config.get("add_bos_token").and_then(Json::as_bool).unwrap_or(false);
-        Ok(Self::assemble(inner, pieces, kinds, byte_level, (bos, eos, None, add_bos)))
+        let add_bos = tokenizer_config
+            .get("add_bos_token")
+            .and_then(Json::as_bool)
+            .unwrap_or(false);
+        Ok(Self::assemble(
+            inner,
+            pieces,
+            kinds,
+            byte_level,
+            (bos, eos, None, add_bos),
+        ))
     }
 
     fn assemble(
@@ -327,8 +362,11 @@ impl Tokenizer {
                         .map(|c| table.get(&c).copied())
                         .collect::<Option<Vec<u8>>>()
                         .unwrap_or_else(|| piece.as_bytes().to_vec())
-                } else if let Some(hex) = piece.strip_prefix("<0x").and_then(|p| p.strip_suffix('>')) {
-                    u8::from_str_radix(hex, 16).map_or_else(|_| piece.as_bytes().to_vec(), |b| vec![b])
+                } else if let Some(hex) =
+                    piece.strip_prefix("<0x").and_then(|p| p.strip_suffix('>'))
+                {
+                    u8::from_str_radix(hex, 16)
+                        .map_or_else(|_| piece.as_bytes().to_vec(), |b| vec![b])
                 } else {
                     piece.replace('\u{2581}', " ").into_bytes()
                 }
@@ -403,9 +441,7 @@ impl Tokenizer {
 
     /// Whether `id` is a special (control, user-defined, unknown or unused) token.
     pub fn is_special(&self, id: u32) -> bool {
-        self.kinds
-            .get(id as usize)
-            .is_some_and(|k| k.is_special())
+        self.kinds.get(id as usize).is_some_and(|k| k.is_special())
     }
 
     /// The kind of token `id`.

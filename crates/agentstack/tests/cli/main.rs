@@ -362,8 +362,16 @@ fn usage_errors_exit_1_and_help_exits_0() {
 
 #[test]
 fn model_commands_reject_bad_references_with_a_hint() {
-    insta::assert_snapshot!(snapshot(&agentstack(&["model", "info", "no-such-model.gguf"])));
-    insta::assert_snapshot!(snapshot(&agentstack(&["model", "pull", "pip:pkg/file.gguf"])));
+    insta::assert_snapshot!(snapshot(&agentstack(&[
+        "model",
+        "info",
+        "no-such-model.gguf"
+    ])));
+    insta::assert_snapshot!(snapshot(&agentstack(&[
+        "model",
+        "pull",
+        "pip:pkg/file.gguf"
+    ])));
 }
 
 #[test]
@@ -373,14 +381,21 @@ fn model_info_rejects_a_file_that_is_not_gguf() {
     std::fs::write(&path, b"this is not a model").unwrap();
     let out = agentstack(&["model", "info", path.to_str().unwrap()]);
     assert_eq!(out.code, 1, "{}", out.stderr);
-    assert!(out.stderr.contains("not a readable GGUF file"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("not a readable GGUF file"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[test]
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
 fn model_info_and_generate_on_the_test_model() {
     let model = std::env::var("AGENTSTACK_TEST_MODEL").unwrap_or_else(|_| {
-        format!("{}/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf", std::env::var("HOME").unwrap())
+        format!(
+            "{}/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
     });
     let info = agentstack(&["model", "info", &model, "--json"]);
     assert_eq!(info.code, 0, "{}", info.stderr);
@@ -388,9 +403,24 @@ fn model_info_and_generate_on_the_test_model() {
     assert_eq!(info["config"]["architecture"], "llama");
     assert_eq!(info["config"]["layers"], 30);
     assert_eq!(info["tensor_types"]["Q4_1"], 210);
-    let out = agentstack(&["model", "generate", &model, "Say hi.", "--max-tokens", "8", "--threads", "1", "--tokens", "-q"]);
+    let out = agentstack(&[
+        "model",
+        "generate",
+        &model,
+        "Say hi.",
+        "--max-tokens",
+        "8",
+        "--threads",
+        "1",
+        "--tokens",
+        "-q",
+    ]);
     assert_eq!(out.code, 0, "{}", out.stderr);
-    let lines: Vec<serde_json::Value> = out.stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = out
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert!(!lines.is_empty() && lines.len() <= 8);
     assert!(lines.iter().all(|l| l["logprob"].as_f64().unwrap() <= 0.0));
 }

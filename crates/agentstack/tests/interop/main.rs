@@ -109,7 +109,11 @@ fn test_model() -> PathBuf {
         Some(path) if !path.is_empty() => PathBuf::from(path),
         _ => cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
     };
-    assert!(path.is_file(), "{} is missing\nhint: run scripts/fetch-model", path.display());
+    assert!(
+        path.is_file(),
+        "{} is missing\nhint: run scripts/fetch-model",
+        path.display()
+    );
     path
 }
 

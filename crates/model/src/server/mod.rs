@@ -59,7 +59,11 @@ pub struct AppState {
 impl AppState {
     /// State for serving `engine`. `constraints` enables `response_format` and
     /// constrained tool calls (build it once per model; it indexes the vocabulary).
-    pub fn new(engine: Engine, constraints: Option<ConstraintCompiler>, config: ServerConfig) -> Self {
+    pub fn new(
+        engine: Engine,
+        constraints: Option<ConstraintCompiler>,
+        config: ServerConfig,
+    ) -> Self {
         Self {
             engine,
             constraints,
@@ -90,17 +94,24 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app(state).into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener,
+        app(state).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
-async fn health(axum::extract::State(state): axum::extract::State<AppState>) -> Json<serde_json::Value> {
+async fn health(
+    axum::extract::State(state): axum::extract::State<AppState>,
+) -> Json<serde_json::Value> {
     let (waiting, running) = state.engine.load();
     Json(json!({"status": "ok", "waiting": waiting, "running": running}))
 }
 
-async fn models(axum::extract::State(state): axum::extract::State<AppState>) -> Json<serde_json::Value> {
+async fn models(
+    axum::extract::State(state): axum::extract::State<AppState>,
+) -> Json<serde_json::Value> {
     let info = state.engine.model().info();
     Json(json!({
         "object": "list",
@@ -120,7 +131,10 @@ async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "not_found_error",
-        format!("no route {}; see /v1/chat/completions, /v1/completions, /v1/models, /generate, /tokenize, /detokenize, /health", uri.path()),
+        format!(
+            "no route {}; see /v1/chat/completions, /v1/completions, /v1/models, /generate, /tokenize, /detokenize, /health",
+            uri.path()
+        ),
     )
 }
 
@@ -169,12 +183,18 @@ impl From<ModelError> for ApiError {
             ModelError::InvalidRequest(_)
             | ModelError::ContextOverflow { .. }
             | ModelError::Template(_)
-            | ModelError::Tokenizer(_) => {
-                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", error.to_string())
-            }
+            | ModelError::Tokenizer(_) => Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                error.to_string(),
+            ),
             _ => {
                 tracing::error!(error = %error, "internal error");
-                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal error; see the server log")
+                Self::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "internal error; see the server log",
+                )
             }
         }
     }

@@ -3,10 +3,10 @@
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use axum::Json;
 use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use futures_util::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{Value as Json_, json};
@@ -15,7 +15,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::{ApiError, ApiJson, AppState};
 use crate::chat::{FunctionCall, Message, ToolCall};
-use crate::constraint::{Constraint, parse_tool_calls};
+use crate::constraint::{Constraint, ToolChoice, parse_tool_calls};
 use crate::engine::Event;
 use crate::generate::{FinishReason, GenerateOutput, GenerateRequest, TokenEvent};
 use crate::sampling::{SamplingParams, TokenLogprob};
@@ -82,7 +82,11 @@ impl SamplingFields {
             prompt,
             max_tokens,
             sampling: self.params(choice),
-            stop: self.stop.clone().map(StopField::into_vec).unwrap_or_default(),
+            stop: self
+                .stop
+                .clone()
+                .map(StopField::into_vec)
+                .unwrap_or_default(),
             stop_tokens: self.stop_token_ids.clone().unwrap_or_default(),
             ignore_eos: self.ignore_eos.unwrap_or(false),
             top_logprobs,
@@ -149,6 +153,8 @@ pub(super) struct ChatRequest {
     top_logprobs: Option<usize>,
     tools: Option<Vec<Json_>>,
     tool_choice: Option<Json_>,
+    /// Several tool calls in one turn (OpenAI's default: true).
+    parallel_tool_calls: Option<bool>,
     response_format: Option<Json_>,
     /// Extension: a Lark grammar (llguidance dialect) the output must match.
     grammar: Option<String>,
@@ -273,26 +279,38 @@ fn chat_constraint(
     response_format: Option<&Json_>,
     tools: &[Json_],
     tool_choice: Option<&Json_>,
+    parallel: bool,
 ) -> Result<Option<Constraint>, ApiError> {
     let compiler = || {
         state.constraints.as_ref().ok_or_else(|| {
-            ApiError::invalid("response_format", "constrained decoding is disabled on this server")
+            ApiError::invalid(
+                "response_format",
+                "constrained decoding is disabled on this server",
+            )
         })
     };
     if let Some(grammar) = grammar {
-        return Ok(Some(compiler()?.lark(grammar).map_err(|e| ApiError::invalid("grammar", e.to_string()))?));
+        return Ok(Some(
+            compiler()?
+                .lark(grammar)
+                .map_err(|e| ApiError::invalid("grammar", e.to_string()))?,
+        ));
     }
     if let Some(format) = response_format {
         match format.get("type").and_then(Json_::as_str) {
             Some("text") | None if format.get("type").is_some() => {}
             Some("json_object") => {
-                return Ok(Some(compiler()?.json_object().map_err(|e| ApiError::invalid("response_format", e.to_string()))?));
+                return Ok(Some(compiler()?.json_object().map_err(|e| {
+                    ApiError::invalid("response_format", e.to_string())
+                })?));
             }
             Some("json_schema") => {
                 let schema = format
                     .pointer("/json_schema/schema")
                     .ok_or_else(|| ApiError::invalid("response_format.json_schema.schema", "missing; give {\"type\": \"json_schema\", \"json_schema\": {\"name\": …, \"schema\": {…}}}"))?;
-                return Ok(Some(compiler()?.json_schema(schema).map_err(|e| ApiError::invalid("response_format.json_schema.schema", e.to_string()))?));
+                return Ok(Some(compiler()?.json_schema(schema).map_err(|e| {
+                    ApiError::invalid("response_format.json_schema.schema", e.to_string())
+                })?));
             }
             _ => {
                 return Err(ApiError::invalid(
@@ -319,13 +337,15 @@ fn chat_constraint(
             let tool = tools
                 .iter()
                 .find(|t| t.pointer("/function/name").and_then(Json_::as_str) == Some(name))
-                .ok_or_else(|| ApiError::invalid("tool_choice", format!("no tool named `{name}` in tools")))?;
+                .ok_or_else(|| {
+                    ApiError::invalid("tool_choice", format!("no tool named `{name}` in tools"))
+                })?;
             (vec![tool.clone()], true)
         }
     };
     Ok(Some(
         compiler()?
-            .tool_calls(&selected, required)
+            .tool_calls(&selected, ToolChoice { required, parallel })
             .map_err(|e| ApiError::invalid("tools", e.to_string()))?,
     ))
 }
@@ -340,18 +360,24 @@ fn top_n(logprobs: bool, top: Option<usize>) -> Result<usize, ApiError> {
     match (logprobs, top) {
         (_, Some(n)) if n > crate::sampling::MAX_TOP_LOGPROBS => Err(ApiError::invalid(
             "top_logprobs",
-            format!("must be between 0 and {}", crate::sampling::MAX_TOP_LOGPROBS),
+            format!(
+                "must be between 0 and {}",
+                crate::sampling::MAX_TOP_LOGPROBS
+            ),
         )),
-        (false, Some(n)) if n > 0 => Err(ApiError::invalid(
-            "top_logprobs",
-            "requires logprobs: true",
-        )),
+        (false, Some(n)) if n > 0 => {
+            Err(ApiError::invalid("top_logprobs", "requires logprobs: true"))
+        }
         (_, Some(n)) => Ok(n),
         _ => Ok(0),
     }
 }
 
-fn max_tokens_for(state: &AppState, prompt: usize, asked: Option<usize>) -> Result<usize, ApiError> {
+fn max_tokens_for(
+    state: &AppState,
+    prompt: usize,
+    asked: Option<usize>,
+) -> Result<usize, ApiError> {
     let context = state.engine.model().model().max_positions();
     let room = context.saturating_sub(prompt);
     if room == 0 {
@@ -438,6 +464,7 @@ pub(super) async fn chat_completions(
         top_logprobs,
         tools,
         tool_choice,
+        parallel_tool_calls,
         response_format,
         grammar,
         sampling,
@@ -445,7 +472,10 @@ pub(super) async fn chat_completions(
     sampling.check()?;
     let n = n.unwrap_or(1);
     if n == 0 || n > state.config.max_n {
-        return Err(ApiError::invalid("n", format!("must be between 1 and {}", state.config.max_n)));
+        return Err(ApiError::invalid(
+            "n",
+            format!("must be between 1 and {}", state.config.max_n),
+        ));
     }
     let want_logprobs = logprobs;
     let top_logprobs = top_n(want_logprobs, top_logprobs)?;
@@ -460,7 +490,8 @@ pub(super) async fn chat_completions(
     if !native_tools {
         messages = lower_tools(messages, if template.is_fallback() { &[] } else { &tools });
     }
-    let tools_arg = (!tools.is_empty() && (native_tools || template.is_fallback())).then_some(tools.as_slice());
+    let tools_arg =
+        (!tools.is_empty() && (native_tools || template.is_fallback())).then_some(tools.as_slice());
     let prompt_text = template
         .render(&messages, tools_arg, true)
         .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
@@ -472,27 +503,50 @@ pub(super) async fn chat_completions(
         response_format.as_ref(),
         &tools,
         tool_choice.as_ref(),
+        parallel_tool_calls.unwrap_or(true),
     )?;
     let mut receivers = StreamMap::new();
     for i in 0..n {
-        let request = sampling.request(prompt.clone(), max_tokens, top_logprobs, constraint.clone(), i);
+        let request = sampling.request(
+            prompt.clone(),
+            max_tokens,
+            top_logprobs,
+            constraint.clone(),
+            i,
+        );
         let rx = state.engine.submit(request)?;
         receivers.insert(i, UnboundedReceiverStream::new(rx));
     }
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = model.unwrap_or_else(|| state.config.model_name.clone());
-    let has_tools = !tools.is_empty() && !matches!(&tool_choice, Some(Json_::String(s)) if s == "none");
+    let has_tools =
+        !tools.is_empty() && !matches!(&tool_choice, Some(Json_::String(s)) if s == "none");
     if stream {
         let include_usage = stream_options.as_ref().is_some_and(|o| o.include_usage);
-        let stream = chat_stream(state.clone(), receivers, id, model, want_logprobs, has_tools, include_usage, prompt.len());
-        return Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response());
+        let stream = chat_stream(
+            state.clone(),
+            receivers,
+            id,
+            model,
+            want_logprobs,
+            has_tools,
+            include_usage,
+            prompt.len(),
+        );
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
     }
     let outputs = collect(receivers, n, state.config.request_timeout).await?;
     let mut choices = Vec::with_capacity(n);
     let mut completion_tokens = 0;
     for (index, out) in outputs.into_iter().enumerate() {
         completion_tokens += out.tokens.len();
-        let (calls, text) = if has_tools { parse_tool_calls(&out.text) } else { (Vec::new(), out.text.clone()) };
+        let (calls, text) = if has_tools {
+            parse_tool_calls(&out.text)
+        } else {
+            (Vec::new(), out.text.clone())
+        };
         let logprobs = want_logprobs.then(|| {
             let content: Vec<Json_> = out
                 .tokens
@@ -589,13 +643,23 @@ fn chat_stream(
         let mut completion_tokens = 0;
         while let Some((index, event)) = receivers.next().await {
             if started.insert(index) {
-                let first = chunk(index, json!({"role": "assistant", "content": ""}), Json_::Null, Json_::Null);
+                let first = chunk(
+                    index,
+                    json!({"role": "assistant", "content": ""}),
+                    Json_::Null,
+                    Json_::Null,
+                );
                 if tx.send(first).is_err() {
                     return;
                 }
             }
             match event {
-                Event::Token(TokenEvent { token, top, text, finish }) => {
+                Event::Token(TokenEvent {
+                    token,
+                    top,
+                    text,
+                    finish,
+                }) => {
                     completion_tokens += 1;
                     let lp = if logprobs {
                         json!({"content": [chat_logprob_entry(&state, &token, &top)]})
@@ -611,7 +675,9 @@ fn chat_stream(
                         text
                     };
                     if (!content.is_empty() || logprobs)
-                        && tx.send(chunk(index, json!({"content": content}), lp, Json_::Null)).is_err()
+                        && tx
+                            .send(chunk(index, json!({"content": content}), lp, Json_::Null))
+                            .is_err()
                     {
                         return;
                     }
@@ -620,7 +686,8 @@ fn chat_stream(
                 Event::Done(out) => {
                     let mut calls = Vec::new();
                     if has_tools {
-                        let (c, rest) = parse_tool_calls(held.get(&index).map(String::as_str).unwrap_or(""));
+                        let (c, rest) =
+                            parse_tool_calls(held.get(&index).map(String::as_str).unwrap_or(""));
                         calls = c;
                         let delta = if calls.is_empty() {
                             json!({"content": held.remove(&index).unwrap_or_default()})
@@ -635,17 +702,26 @@ fn chat_stream(
                                 .collect();
                             json!({"content": if rest.is_empty() { Json_::Null } else { Json_::String(rest) }, "tool_calls": calls_json})
                         };
-                        if tx.send(chunk(index, delta, Json_::Null, Json_::Null)).is_err() {
+                        if tx
+                            .send(chunk(index, delta, Json_::Null, Json_::Null))
+                            .is_err()
+                        {
                             return;
                         }
                     }
-                    let last = chunk(index, json!({}), Json_::Null, json!(finish_str(out.finish, !calls.is_empty())));
+                    let last = chunk(
+                        index,
+                        json!({}),
+                        Json_::Null,
+                        json!(finish_str(out.finish, !calls.is_empty())),
+                    );
                     if tx.send(last).is_err() {
                         return;
                     }
                 }
                 Event::Error(e) => {
-                    let _ = tx.send(json!({"error": {"message": e.to_string(), "type": "server_error"}}));
+                    let _ = tx
+                        .send(json!({"error": {"message": e.to_string(), "type": "server_error"}}));
                     return;
                 }
             }
@@ -721,11 +797,17 @@ pub(super) async fn completions(
 ) -> Result<Response, ApiError> {
     req.sampling.check()?;
     if req.echo {
-        return Err(ApiError::invalid("echo", "echo is not supported; use /generate with the prompt's tokens"));
+        return Err(ApiError::invalid(
+            "echo",
+            "echo is not supported; use /generate with the prompt's tokens",
+        ));
     }
     let n = req.n.unwrap_or(1);
     if n == 0 || n > state.config.max_n {
-        return Err(ApiError::invalid("n", format!("must be between 1 and {}", state.config.max_n)));
+        return Err(ApiError::invalid(
+            "n",
+            format!("must be between 1 and {}", state.config.max_n),
+        ));
     }
     let top = req.logprobs.unwrap_or(0);
     if top > 5 {
@@ -734,7 +816,10 @@ pub(super) async fn completions(
     let lm = state.engine.model();
     let prompts: Vec<Vec<u32>> = match req.prompt {
         PromptField::Text(t) => vec![lm.tokenizer().encode(&t, false)?],
-        PromptField::Texts(ts) => ts.iter().map(|t| lm.tokenizer().encode(t, false)).collect::<Result<_, _>>()?,
+        PromptField::Texts(ts) => ts
+            .iter()
+            .map(|t| lm.tokenizer().encode(t, false))
+            .collect::<Result<_, _>>()?,
         PromptField::Tokens(ids) => vec![ids],
         PromptField::TokenLists(lists) => lists,
     };
@@ -742,7 +827,10 @@ pub(super) async fn completions(
         return Err(ApiError::invalid("prompt", "the prompt must not be empty"));
     }
     if prompts.len() * n > state.config.max_n.max(1) * 4 {
-        return Err(ApiError::invalid("prompt", "too many prompts × n in one request"));
+        return Err(ApiError::invalid(
+            "prompt",
+            "too many prompts × n in one request",
+        ));
     }
     let mut receivers = StreamMap::new();
     let mut index = 0;
@@ -751,14 +839,19 @@ pub(super) async fn completions(
         prompt_tokens += prompt.len();
         let max_tokens = max_tokens_for(&state, prompt.len(), Some(req.max_tokens.unwrap_or(16)))?;
         for i in 0..n {
-            let request = req.sampling.request(prompt.clone(), max_tokens, top, None, i);
+            let request = req
+                .sampling
+                .request(prompt.clone(), max_tokens, top, None, i);
             let rx = state.engine.submit(request)?;
             receivers.insert(index, UnboundedReceiverStream::new(rx));
             index += 1;
         }
     }
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
-    let model = req.model.clone().unwrap_or_else(|| state.config.model_name.clone());
+    let model = req
+        .model
+        .clone()
+        .unwrap_or_else(|| state.config.model_name.clone());
     if req.stream {
         let st = state.clone();
         let stream = async_stream(move |tx| async move {
@@ -766,10 +859,18 @@ pub(super) async fn completions(
             let mut receivers = receivers;
             while let Some((index, event)) = receivers.next().await {
                 let (text, finish, lp) = match event {
-                    Event::Token(ev) => (ev.text.clone(), Json_::Null, (top > 0).then(|| completion_logprobs(&st, &[ev.token.id], &[ev.token.logprob], &[ev.top]))),
+                    Event::Token(ev) => (
+                        ev.text.clone(),
+                        Json_::Null,
+                        (top > 0).then(|| {
+                            completion_logprobs(&st, &[ev.token.id], &[ev.token.logprob], &[ev.top])
+                        }),
+                    ),
                     Event::Done(out) => (String::new(), json!(finish_str(out.finish, false)), None),
                     Event::Error(e) => {
-                        let _ = tx.send(json!({"error": {"message": e.to_string(), "type": "server_error"}}));
+                        let _ = tx.send(
+                            json!({"error": {"message": e.to_string(), "type": "server_error"}}),
+                        );
                         return;
                     }
                 };
@@ -783,7 +884,9 @@ pub(super) async fn completions(
                 }
             }
         });
-        return Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response());
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
     }
     let outputs = collect(receivers, index, state.config.request_timeout).await?;
     let mut completion_tokens = 0;
@@ -808,7 +911,12 @@ pub(super) async fn completions(
     .into_response())
 }
 
-fn completion_logprobs(state: &AppState, tokens: &[u32], logprobs: &[f32], top: &[Vec<TokenLogprob>]) -> Json_ {
+fn completion_logprobs(
+    state: &AppState,
+    tokens: &[u32],
+    logprobs: &[f32],
+    top: &[Vec<TokenLogprob>],
+) -> Json_ {
     let mut offset = 0;
     let mut offsets = Vec::new();
     let mut texts = Vec::new();
@@ -820,7 +928,11 @@ fn completion_logprobs(state: &AppState, tokens: &[u32], logprobs: &[f32], top: 
         texts.push(text);
         let map: serde_json::Map<String, Json_> = top
             .get(k)
-            .map(|alts| alts.iter().map(|t| (token_text(state, t.id).0, json!(t.logprob))).collect())
+            .map(|alts| {
+                alts.iter()
+                    .map(|t| (token_text(state, t.id).0, json!(t.logprob)))
+                    .collect()
+            })
             .unwrap_or_default();
         tops.push(Json_::Object(map));
     }

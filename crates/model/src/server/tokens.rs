@@ -6,8 +6,8 @@
 
 use axum::Json;
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
 use axum::response::sse::{KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value as Json_, json};
@@ -83,14 +83,18 @@ pub(super) async fn generate(
                         "finish_reason": ev.finish,
                     }),
                     Event::Done(_) => continue,
-                    Event::Error(e) => json!({"error": {"message": e.to_string(), "type": "server_error"}}),
+                    Event::Error(e) => {
+                        json!({"error": {"message": e.to_string(), "type": "server_error"}})
+                    }
                 };
                 if tx.send(value).is_err() {
                     return;
                 }
             }
         });
-        return Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response());
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
     }
     let mut events = UnboundedReceiverStream::new(receiver);
     let work = async {
@@ -147,10 +151,17 @@ pub(super) async fn tokenize(
             .template()
             .render(&messages, None, body.add_generation_prompt)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?,
-        _ => return Err(ApiError::invalid("text", "give exactly one of text or messages")),
+        _ => {
+            return Err(ApiError::invalid(
+                "text",
+                "give exactly one of text or messages",
+            ));
+        }
     };
     let tokens = lm.tokenizer().encode(&text, body.parse_special)?;
-    Ok(Json(json!({"tokens": tokens, "count": tokens.len(), "max_model_len": lm.model().max_positions()})))
+    Ok(Json(
+        json!({"tokens": tokens, "count": tokens.len(), "max_model_len": lm.model().max_positions()}),
+    ))
 }
 
 #[derive(Debug, Deserialize)]
@@ -166,11 +177,20 @@ pub(super) async fn detokenize(
 ) -> Result<Json<Json_>, ApiError> {
     let tokenizer = state.engine.model().tokenizer();
     let vocab = tokenizer.vocab_size();
-    if let Some((i, bad)) = body.tokens.iter().enumerate().find(|(_, t)| **t as usize >= vocab) {
+    if let Some((i, bad)) = body
+        .tokens
+        .iter()
+        .enumerate()
+        .find(|(_, t)| **t as usize >= vocab)
+    {
         return Err(ApiError::invalid(
             &format!("tokens[{i}]"),
-            format!("token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"),
+            format!(
+                "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
+            ),
         ));
     }
-    Ok(Json(json!({"text": tokenizer.decode(&body.tokens, body.skip_special_tokens)})))
+    Ok(Json(
+        json!({"text": tokenizer.decode(&body.tokens, body.skip_special_tokens)}),
+    ))
 }

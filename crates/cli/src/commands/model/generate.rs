@@ -13,15 +13,22 @@ use crate::args::GenerateArgs;
 pub async fn run(args: GenerateArgs) -> Result<(), Exit> {
     let lm = super::load(&args.run.model, args.run.threads).await?;
     let prompt = if args.raw {
-        lm.tokenizer().encode(&args.prompt, false).map_err(anyhow::Error::from)?
+        lm.tokenizer()
+            .encode(&args.prompt, false)
+            .map_err(anyhow::Error::from)?
     } else {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
             messages.push(Message::new("system", system.clone()));
         }
         messages.push(Message::new("user", args.prompt.clone()));
-        let text = lm.template().render(&messages, None, true).map_err(anyhow::Error::from)?;
-        lm.tokenizer().encode(&text, true).map_err(anyhow::Error::from)?
+        let text = lm
+            .template()
+            .render(&messages, None, true)
+            .map_err(anyhow::Error::from)?;
+        lm.tokenizer()
+            .encode(&text, true)
+            .map_err(anyhow::Error::from)?
     };
     let request = GenerateRequest {
         sampling: SamplingParams {

@@ -12,23 +12,43 @@ pub async fn run(args: InfoArgs) -> Result<(), Exit> {
     let file = GgufFile::open(&path).context("could not open the model")?;
     let info = ModelInfo::from_gguf(&file).context("could not read the model's metadata")?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&info).map_err(anyhow::Error::from)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&info).map_err(anyhow::Error::from)?
+        );
         return Ok(());
     }
     let c = &info.config;
     println!("name          {}", info.name);
-    println!("file          {} ({:.1} MiB)", info.path.display(), info.file_bytes as f64 / 1048576.0);
+    println!(
+        "file          {} ({:.1} MiB)",
+        info.path.display(),
+        info.file_bytes as f64 / 1048576.0
+    );
     println!("architecture  {}", c.architecture.as_str());
     println!("parameters    {:.1} M", info.parameters as f64 / 1e6);
     println!("layers        {}", c.layers);
     println!("hidden        {}", c.hidden_size);
-    println!("heads         {} (kv {}, head width {})", c.heads, c.kv_heads, c.head_dim);
+    println!(
+        "heads         {} (kv {}, head width {})",
+        c.heads, c.kv_heads, c.head_dim
+    );
     println!("ffn           {}", c.ffn_size);
     println!("vocabulary    {}", info.vocab_size);
     println!("context       {}", c.context_length);
     println!("rope theta    {}", c.rope_theta);
-    println!("tied output   {}", if info.tied_embeddings { "yes" } else { "no" });
-    println!("chat template {}", if info.has_chat_template { "from the file" } else { "none (ChatML fallback)" });
+    println!(
+        "tied output   {}",
+        if info.tied_embeddings { "yes" } else { "no" }
+    );
+    println!(
+        "chat template {}",
+        if info.has_chat_template {
+            "from the file"
+        } else {
+            "none (ChatML fallback)"
+        }
+    );
     println!("tensor types");
     for (dtype, count) in &info.tensor_types {
         let params = info.parameters_by_type.get(dtype).copied().unwrap_or(0);

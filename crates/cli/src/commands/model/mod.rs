@@ -25,8 +25,10 @@ pub(crate) async fn resolve(reference: &str) -> anyhow::Result<PathBuf> {
         return Ok(dest);
     }
     let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{msg} {bar:30} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_message(format!("pulling {reference}"));
     bar.enable_steady_tick(Duration::from_millis(200));

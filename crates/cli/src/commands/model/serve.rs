@@ -49,7 +49,10 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
     let address = listener.local_addr().context("reading the bound address")?;
     {
         let mut stdout = std::io::stdout().lock();
-        let _ = writeln!(stdout, "listening on http://{address}\n  model {name}\n  OpenAI base URL http://{address}/v1");
+        let _ = writeln!(
+            stdout,
+            "listening on http://{address}\n  model {name}\n  OpenAI base URL http://{address}/v1"
+        );
         let _ = stdout.flush();
     }
     serve(state, listener, super::super::env::serve::shutdown_signal())

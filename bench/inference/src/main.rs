@@ -1,0 +1,518 @@
+//! Side-by-side inference benchmark of `agentstack-model` against llama.cpp, in one
+//! run, on one GGUF file:
+//!
+//! 1. **Prefill and decode** (`pp`, `tg`) at each thread count, llama-bench's
+//!    protocol: `llama-bench -m MODEL -p 64 -n 128 -t T -r 3 -o json` against the
+//!    same tests on our `Model::forward`, in a child process per thread count (see
+//!    [`in_process`]).
+//! 2. **Aggregate throughput** of concurrent requests: `llama-server -np 8` against
+//!    `agentstack model serve`, both started with the same thread count, both
+//!    answering rounds of 8 concurrent `/v1/completions` requests (greedy,
+//!    `max_tokens` 128, `ignore_eos`) from one load generator on 127.0.0.1.
+//! 3. **Cost floor**: $ per million generated tokens at an assumed machine price.
+//!
+//! Progress goes to stderr, the tables (markdown) to stdout, every figure to a JSON
+//! file, and with `--write-results` the tables are appended to `bench/RESULTS.md`.
+//! See `bench/README.md`.
+
+mod in_process;
+mod llama_bench;
+mod load;
+mod report;
+mod servers;
+mod settings;
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use in_process::MeasureArgs;
+use report::{Concurrent, PpTg, Rate, Results, RoundRecord, ServerFigures, Versions};
+use servers::{Engine, Server};
+use settings::{Phase, Settings, UserError};
+
+/// How often the spinners redraw.
+const SPINNER_TICK: Duration = Duration::from_millis(120);
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "agentstack-bench-inference",
+    about = "Benchmark agentstack-model against llama.cpp on the same GGUF file: prefill, decode, concurrent requests, cost floor",
+    args_conflicts_with_subcommands = true
+)]
+struct Args {
+    /// The GGUF file [default: $AGENTSTACK_TEST_MODEL, else
+    /// ~/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf].
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Folder with llama-bench and llama-server [default: $AGENTSTACK_LLAMACPP_BIN, else
+    /// ~/.cache/agentstack/llama.cpp-0.3.36/bin].
+    #[arg(long, value_name = "DIR")]
+    llamacpp_bin: Option<PathBuf>,
+    /// The agentstack binary to serve with [default: the newer of target/release/agentstack
+    /// and target/debug/agentstack].
+    #[arg(long, value_name = "PATH")]
+    agentstack: Option<PathBuf>,
+    /// Phases to run [default: pp-tg,concurrent].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    only: Option<Vec<Phase>>,
+    /// Compute thread counts, each measured separately [default: 1,2; quick: 1].
+    #[arg(long, value_delimiter = ',')]
+    threads: Option<Vec<usize>>,
+    /// Prompt tokens of the prefill test (llama-bench -p).
+    #[arg(long, short = 'p', default_value_t = 64)]
+    prompt_tokens: usize,
+    /// Generated tokens of the decode test (llama-bench -n).
+    #[arg(long, short = 'n', default_value_t = 128)]
+    gen_tokens: usize,
+    /// Timed runs of each prefill/decode test (llama-bench -r) [default: 3; quick: 1].
+    #[arg(long, short = 'r')]
+    repetitions: Option<usize>,
+    /// Concurrent requests per round (and llama-server's -np).
+    #[arg(long, default_value_t = 8)]
+    requests: usize,
+    /// max_tokens of each request [default: 128; quick: 32].
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Measured rounds per server and thread count [default: 3; quick: 1].
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Unmeasured rounds first, per server and thread count.
+    #[arg(long, default_value_t = 1)]
+    warmup_rounds: usize,
+    /// The prompt of every request.
+    #[arg(
+        long,
+        default_value = "Write a short story about a robot who learns to paint."
+    )]
+    prompt: String,
+    /// llama-server's -c, the context its slots share.
+    #[arg(long, default_value_t = 8192)]
+    llama_server_ctx: usize,
+    /// Machine price for the cost floor, $ per hour (an assumption; use your own).
+    #[arg(long, default_value_t = 0.10)]
+    price_per_hour: f64,
+    /// Where to write every figure as JSON.
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "target/bench-inference.json"
+    )]
+    json: PathBuf,
+    /// Append the tables, with date, machine and command, to this markdown file.
+    #[arg(long, value_name = "PATH")]
+    write_results: Option<PathBuf>,
+    /// Fewer counts, for a smoke run of a minute or two.
+    #[arg(long)]
+    quick: bool,
+    /// How long each server may take to answer `GET /health`, seconds.
+    #[arg(long, default_value_t = 180)]
+    startup_timeout: u64,
+    /// How long one request may take, seconds.
+    #[arg(long, default_value_t = 600)]
+    request_timeout: u64,
+    #[command(subcommand)]
+    internal: Option<Internal>,
+}
+
+/// Subcommands this binary runs on itself.
+#[derive(Debug, Subcommand)]
+enum Internal {
+    /// Measures our forward pass (run by the benchmark in a child, per thread count).
+    #[command(name = "__measure", hide = true)]
+    Measure(MeasureArgs),
+}
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(args) => args,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    if let Some(Internal::Measure(measure)) = &args.internal {
+        return exit(in_process::measure(measure));
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the tokio runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    exit(runtime.block_on(run(args)))
+}
+
+/// 0 ok, 1 for what the user can fix, 2 for the rest.
+fn exit(result: Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if e.downcast_ref::<UserError>().is_some() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::from(2)
+            }
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
+    let settings = Settings::resolve(&args)?;
+    let plan = &settings.plan;
+    let mut machine = report::Machine::read();
+    let log_dir =
+        std::env::temp_dir().join(format!("agentstack-bench-inference-{}", std::process::id()));
+    std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
+    let mut versions = versions(&settings);
+    eprintln!(
+        "model {}\nllama.cpp tools in {}\nagentstack {}\nlogs in {}\nload average {}",
+        settings.model.display(),
+        settings
+            .llama_bench
+            .parent()
+            .unwrap_or(Path::new(""))
+            .display(),
+        settings.agentstack.display(),
+        log_dir.display(),
+        machine.load_average_start
+    );
+
+    let mut pp_tg = Vec::new();
+    if plan.phases.contains(&Phase::PpTg) {
+        eprintln!(
+            "prefill/decode: pp{} and tg{}, {} runs after a warm-up, at {:?} thread(s)",
+            plan.prompt_tokens, plan.gen_tokens, plan.repetitions, plan.threads
+        );
+        for &threads in &plan.threads {
+            let spinner = spinner(format!("llama-bench -t {threads}"));
+            let log = log_dir.join(format!("llama-bench-t{threads}.stderr"));
+            let theirs =
+                llama_bench::run(&settings.llama_bench, &settings.model, plan, threads, &log).await;
+            spinner.finish_and_clear();
+            let theirs = theirs?;
+            eprintln!(
+                "  llama.cpp,  {threads} thread(s): pp {:.0} tok/s, tg {:.1} tok/s",
+                theirs.pp.mean, theirs.tg.mean
+            );
+            if !versions.llamacpp.contains(&theirs.build_commit) {
+                let _ = write!(
+                    versions.llamacpp,
+                    " (llama-bench build {})",
+                    theirs.build_commit
+                );
+            }
+            let ours = in_process::run_child(&settings.model, plan, threads).await?;
+            eprintln!(
+                "  agentstack, {threads} thread(s): pp {:.0} tok/s, tg {:.1} tok/s (model loaded in {:.2} s)",
+                ours.pp.mean, ours.tg.mean, ours.load_seconds
+            );
+            pp_tg.push(PpTg {
+                threads,
+                llamacpp_command: format!(
+                    "{} {}",
+                    settings.llama_bench.display(),
+                    llama_bench::arguments(&settings.model, plan, threads).join(" ")
+                ),
+                pp_ratio: report::ratio(ours.pp.mean, theirs.pp.mean),
+                tg_ratio: report::ratio(ours.tg.mean, theirs.tg.mean),
+                agentstack_pp: ours.pp,
+                agentstack_tg: ours.tg,
+                agentstack_load_seconds: ours.load_seconds,
+                llamacpp_pp: theirs.pp,
+                llamacpp_tg: theirs.tg,
+            });
+        }
+    }
+
+    let mut concurrent = Vec::new();
+    if plan.phases.contains(&Phase::Concurrent) {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(settings.request_timeout)
+            .build()
+            .context("building the HTTP client")?;
+        eprintln!(
+            "concurrent: {} requests × {} tokens at once, {} warm-up + {} measured rounds per server, at {:?} thread(s)",
+            plan.requests, plan.max_tokens, plan.warmup_rounds, plan.rounds, plan.threads
+        );
+        for &threads in &plan.threads {
+            concurrent.push(concurrent_phase(&settings, &http, threads, &log_dir).await?);
+        }
+    }
+
+    machine.load_average_end = report::load_average();
+    let cost = report::costs(plan, &pp_tg, &concurrent);
+    let results = Results {
+        benchmark: "inference",
+        date: report::utc_now(),
+        command: settings::command_line(),
+        machine,
+        model: settings.model.display().to_string(),
+        versions,
+        plan: plan.clone(),
+        pp_tg,
+        concurrent,
+        cost,
+    };
+    let table = report::table(&results);
+    let cost_table = report::cost_table(&results);
+    println!("{table}\n{cost_table}");
+
+    if let Some(parent) = settings.json.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    let json = serde_json::to_string_pretty(&results)?;
+    std::fs::write(&settings.json, json + "\n")
+        .with_context(|| format!("writing {}", settings.json.display()))?;
+    eprintln!("wrote every figure to {}", settings.json.display());
+    if let Some(path) = &settings.write_results {
+        append_results(path, &results, &table, &cost_table)?;
+        eprintln!("appended the results to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Both servers at one thread count: started together, rounds alternating between
+/// them so that background load falls on both alike, then stopped.
+async fn concurrent_phase(
+    settings: &Settings,
+    http: &reqwest::Client,
+    threads: usize,
+    log_dir: &Path,
+) -> Result<Concurrent> {
+    let plan = &settings.plan;
+    let mut running = Vec::new();
+    for engine in [Engine::LlamaCpp, Engine::Agentstack] {
+        let spinner = spinner(format!("starting the {engine} server, {threads} thread(s)"));
+        let command = servers::command(settings, engine, threads)?;
+        let log = log_dir.join(format!(
+            "{}-server-t{threads}.log",
+            engine.to_string().replace('.', "")
+        ));
+        let server = Server::start(engine, command, log, settings.startup_timeout, http).await;
+        spinner.finish_and_clear();
+        let server = server?;
+        eprintln!(
+            "  {engine} server on port {}: {}",
+            server.port, server.command
+        );
+        running.push(server);
+    }
+
+    let per_round = plan.requests as u64;
+    let bar = ProgressBar::new(
+        (plan.warmup_rounds + plan.rounds) as u64 * running.len() as u64 * per_round,
+    );
+    bar.set_style(
+        ProgressStyle::with_template("  {prefix} [{bar:30}] {pos}/{len} requests, {elapsed} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("concurrent, {threads} thread(s)"));
+    let mut rounds: Vec<Vec<RoundRecord>> = vec![Vec::new(); running.len()];
+    let outcome: Result<()> = async {
+        for round in 0..plan.warmup_rounds + plan.rounds {
+            let warmup = round < plan.warmup_rounds;
+            for (i, server) in running.iter_mut().enumerate() {
+                bar.set_message(if warmup {
+                    format!("{} warm-up", server.engine)
+                } else {
+                    format!("{} round {}/{}", server.engine, round - plan.warmup_rounds + 1, plan.rounds)
+                });
+                let body = load::body(plan, server.engine);
+                let result = load::round(http, server, &body, plan.requests, plan.max_tokens, &bar).await;
+                server.ensure_running()?;
+                let result = result?;
+                if result.short_answers > 0 {
+                    note(&bar, format!(
+                        "  warning: {} of the {} answers from {} had fewer than {} tokens",
+                        result.short_answers, plan.requests, server.engine, plan.max_tokens
+                    ));
+                }
+                if !warmup {
+                    note(&bar, format!(
+                        "  {:<10} {threads} thread(s), round {}: {} tokens in {:.2} s = {:.1} tok/s",
+                        server.engine.to_string(),
+                        round - plan.warmup_rounds + 1,
+                        result.tokens,
+                        result.wall.as_secs_f64(),
+                        result.tokens_per_second()
+                    ));
+                    rounds[i].push(RoundRecord {
+                        wall_seconds: result.wall.as_secs_f64(),
+                        tokens: result.tokens,
+                        short_answers: result.short_answers,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+    .await;
+    bar.finish_and_clear();
+    let mut figures = Vec::new();
+    for (server, rounds) in running.into_iter().zip(rounds) {
+        figures.push(ServerFigures {
+            command: server.command.clone(),
+            tokens_per_second: Rate::of(
+                rounds
+                    .iter()
+                    .map(|r| r.tokens as f64 / r.wall_seconds)
+                    .collect(),
+            ),
+            rounds,
+        });
+        server.stop().await;
+    }
+    outcome?;
+    let agentstack = figures.pop().context("no agentstack figures")?;
+    let llamacpp = figures.pop().context("no llama.cpp figures")?;
+    Ok(Concurrent {
+        threads,
+        ratio: report::ratio(
+            agentstack.tokens_per_second.mean,
+            llamacpp.tokens_per_second.mean,
+        ),
+        agentstack,
+        llamacpp,
+    })
+}
+
+/// A line above the progress bar, or plainly on stderr when the bar is hidden (stderr
+/// is not a terminal), where indicatif would drop it.
+fn note(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
+fn spinner(message: String) -> ProgressBar {
+    let spinner = ProgressBar::new_spinner();
+    spinner.set_style(
+        ProgressStyle::with_template("  {spinner} {msg}, {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    spinner.set_message(message);
+    spinner.enable_steady_tick(SPINNER_TICK);
+    spinner
+}
+
+/// What ran: agentstack's version and git commit, llama.cpp's version.
+fn versions(settings: &Settings) -> Versions {
+    let output = |program: &Path, args: &[&str]| {
+        std::process::Command::new(program)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let git = Path::new("git");
+    let dir = manifest_dir.to_string_lossy();
+    let commit = output(git, &["-C", &dir, "rev-parse", "--short", "HEAD"])
+        .unwrap_or_else(|| "unknown".into());
+    let dirty = output(
+        git,
+        &["-C", &dir, "status", "--porcelain", "--", "../../crates"],
+    )
+    .is_some_and(|s| !s.is_empty());
+    let agentstack_version =
+        output(&settings.agentstack, &["--version"]).unwrap_or_else(|| "version unknown".into());
+    let llamacpp = settings
+        .llama_bench
+        .parent()
+        .and_then(Path::parent)
+        .and_then(|dir| std::fs::read_to_string(dir.join("VERSION")).ok())
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_else(|| {
+            format!(
+                "tools in {}",
+                settings
+                    .llama_bench
+                    .parent()
+                    .unwrap_or(Path::new(""))
+                    .display()
+            )
+        });
+    Versions {
+        agentstack: format!(
+            "{agentstack_version} ({}; in-process: this benchmark's build) at git {commit}{}",
+            settings.agentstack.display(),
+            if dirty {
+                " plus uncommitted changes in crates/"
+            } else {
+                ""
+            }
+        ),
+        llamacpp,
+    }
+}
+
+fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str) -> Result<()> {
+    let plan = &results.plan;
+    let m = &results.machine;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n## inference: agentstack-model vs llama.cpp, {}\n",
+        results.date
+    );
+    let _ = writeln!(
+        s,
+        "- Machine: {} × {}, {:.1} GiB RAM; load average {} at start, {} at end.",
+        m.cpus, m.cpu_model, m.memory_gib, m.load_average_start, m.load_average_end
+    );
+    let _ = writeln!(s, "- Command: `{}`", results.command);
+    let _ = writeln!(s, "- Model: `{}`.", results.model);
+    let _ = writeln!(s, "- agentstack: {}.", results.versions.agentstack);
+    let _ = writeln!(s, "- llama.cpp: {}.", results.versions.llamacpp);
+    let _ = writeln!(
+        s,
+        "- Prefill/decode: llama-bench's protocol on both sides (`llama-bench -p {} -n {} -r {} -t T -o json`; ours: \
+         `Model::forward` in a child process with RAYON_NUM_THREADS=CANDLE_NUM_THREADS=T, a {}-token prompt in one call \
+         on a fresh cache, then {} one-token calls on another, random token ids, one warm-up).",
+        plan.prompt_tokens, plan.gen_tokens, plan.repetitions, plan.prompt_tokens, plan.gen_tokens
+    );
+    let _ = writeln!(
+        s,
+        "- Concurrent: `llama-server -t T -np {} -c {}` and `agentstack model serve --threads T`, both on 127.0.0.1; \
+         {} rounds of {} concurrent `/v1/completions` (prompt {:?}, max_tokens {}, temperature 0, ignore_eos; \
+         agentstack also detect_loops false) after {} warm-up round(s), alternating between the servers; \
+         aggregate = generated tokens / wall time of the round. The load generator shares the cores.",
+        plan.requests,
+        plan.llama_server_ctx,
+        plan.rounds,
+        plan.requests,
+        plan.prompt,
+        plan.max_tokens,
+        plan.warmup_rounds
+    );
+    let _ = writeln!(s, "\n{table}\n{cost_table}");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    file.write_all(s.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}

@@ -1,0 +1,441 @@
+//! Figures, the tables printed, and the JSON written: all plain data, no I/O.
+
+use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::settings::Plan;
+
+/// A throughput over several runs, tok/s.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Rate {
+    /// Mean of the runs.
+    pub mean: f64,
+    /// Sample standard deviation of the runs (0 for one run), as llama-bench's.
+    pub stddev: f64,
+    /// Each run.
+    pub samples: Vec<f64>,
+}
+
+impl Rate {
+    /// The mean and sample standard deviation of `samples`.
+    pub fn of(samples: Vec<f64>) -> Self {
+        let n = samples.len() as f64;
+        let mean = if samples.is_empty() {
+            0.0
+        } else {
+            samples.iter().sum::<f64>() / n
+        };
+        let stddev = if samples.len() < 2 {
+            0.0
+        } else {
+            (samples.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+        };
+        Self {
+            mean,
+            stddev,
+            samples,
+        }
+    }
+}
+
+/// The machine, at the start of the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    /// Logical CPUs.
+    pub cpus: usize,
+    /// `model name` from `/proc/cpuinfo`.
+    pub cpu_model: String,
+    /// `MemTotal`, GiB.
+    pub memory_gib: f64,
+    /// `/proc/loadavg`'s three averages at the start.
+    pub load_average_start: String,
+    /// And at the end.
+    pub load_average_end: String,
+}
+
+impl Machine {
+    /// Reads `/proc`; what it cannot read stays empty.
+    pub fn read() -> Self {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu_model = cpuinfo
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix("model name")?
+                    .split_once(':')
+                    .map(|(_, v)| v.trim().to_owned())
+            })
+            .unwrap_or_else(|| "unknown CPU".to_owned());
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let mem_kib: f64 = meminfo
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix("MemTotal:")?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0.0);
+        Self {
+            cpus: std::thread::available_parallelism().map_or(0, usize::from),
+            cpu_model,
+            memory_gib: mem_kib / (1024.0 * 1024.0),
+            load_average_start: load_average(),
+            load_average_end: String::new(),
+        }
+    }
+}
+
+/// The 1, 5 and 15 minute load averages.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// What was run, for the record.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Versions {
+    /// `agentstack --version` and the git commit.
+    pub agentstack: String,
+    /// llama.cpp's version and commit.
+    pub llamacpp: String,
+}
+
+/// Prefill and decode at one thread count, both engines.
+#[derive(Debug, Clone, Serialize)]
+pub struct PpTg {
+    /// Compute threads.
+    pub threads: usize,
+    /// The llama-bench command.
+    pub llamacpp_command: String,
+    /// Ours: prefill, tok/s.
+    pub agentstack_pp: Rate,
+    /// Ours: decode, tok/s.
+    pub agentstack_tg: Rate,
+    /// Ours: seconds to load the model.
+    pub agentstack_load_seconds: f64,
+    /// llama.cpp: prefill, tok/s.
+    pub llamacpp_pp: Rate,
+    /// llama.cpp: decode, tok/s.
+    pub llamacpp_tg: Rate,
+    /// Ours / llama.cpp, prefill means.
+    pub pp_ratio: f64,
+    /// Ours / llama.cpp, decode means.
+    pub tg_ratio: f64,
+}
+
+/// One measured round of one server.
+#[derive(Debug, Clone, Serialize)]
+pub struct RoundRecord {
+    /// Wall seconds.
+    pub wall_seconds: f64,
+    /// Tokens generated.
+    pub tokens: u64,
+    /// Answers shorter than `max_tokens`.
+    pub short_answers: usize,
+}
+
+/// One server's rounds.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServerFigures {
+    /// How it was started.
+    pub command: String,
+    /// Aggregate tok/s over the rounds.
+    pub tokens_per_second: Rate,
+    /// Each round.
+    pub rounds: Vec<RoundRecord>,
+}
+
+/// Concurrent requests at one thread count, both servers.
+#[derive(Debug, Clone, Serialize)]
+pub struct Concurrent {
+    /// Compute threads of both servers.
+    pub threads: usize,
+    /// `agentstack model serve`.
+    pub agentstack: ServerFigures,
+    /// `llama-server`.
+    pub llamacpp: ServerFigures,
+    /// Ours / llama.cpp, aggregate tok/s means.
+    pub ratio: f64,
+}
+
+/// The cost floor of one throughput.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cost {
+    /// Which throughput.
+    pub basis: String,
+    /// Ours, $ per million generated tokens.
+    pub agentstack_usd_per_million: f64,
+    /// llama.cpp's.
+    pub llamacpp_usd_per_million: f64,
+    /// Ours / llama.cpp (below 1: we are cheaper).
+    pub ratio: f64,
+}
+
+/// Everything, as written to the JSON file.
+#[derive(Debug, Clone, Serialize)]
+pub struct Results {
+    /// `inference`.
+    pub benchmark: &'static str,
+    /// When, UTC.
+    pub date: String,
+    /// The command that produced them.
+    pub command: String,
+    /// Where.
+    pub machine: Machine,
+    /// The GGUF file.
+    pub model: String,
+    /// What ran.
+    pub versions: Versions,
+    /// The counts.
+    pub plan: Plan,
+    /// Prefill and decode, per thread count.
+    pub pp_tg: Vec<PpTg>,
+    /// Concurrent requests, per thread count.
+    pub concurrent: Vec<Concurrent>,
+    /// The cost floor, from `plan.price_per_hour`.
+    pub cost: Vec<Cost>,
+}
+
+/// $ per million tokens of a machine costing `price_per_hour` that generates
+/// `tokens_per_second` and does nothing else.
+pub fn usd_per_million(price_per_hour: f64, tokens_per_second: f64) -> f64 {
+    price_per_hour / (tokens_per_second * 3600.0) * 1e6
+}
+
+/// Ours / theirs, or NaN when theirs is 0.
+pub fn ratio(ours: f64, theirs: f64) -> f64 {
+    if theirs > 0.0 {
+        ours / theirs
+    } else {
+        f64::NAN
+    }
+}
+
+/// The cost rows for the decode and concurrent figures measured.
+pub fn costs(plan: &Plan, pp_tg: &[PpTg], concurrent: &[Concurrent]) -> Vec<Cost> {
+    let row = |basis: String, ours: f64, theirs: f64| {
+        let ours = usd_per_million(plan.price_per_hour, ours);
+        let theirs = usd_per_million(plan.price_per_hour, theirs);
+        Cost {
+            basis,
+            agentstack_usd_per_million: ours,
+            llamacpp_usd_per_million: theirs,
+            ratio: ratio(ours, theirs),
+        }
+    };
+    let mut rows = Vec::new();
+    for r in pp_tg {
+        rows.push(row(
+            format!(
+                "tg{}, {}, one sequence",
+                plan.gen_tokens,
+                threads(r.threads)
+            ),
+            r.agentstack_tg.mean,
+            r.llamacpp_tg.mean,
+        ));
+    }
+    for c in concurrent {
+        rows.push(row(
+            format!(
+                "{} concurrent requests, {}",
+                plan.requests,
+                threads(c.threads)
+            ),
+            c.agentstack.tokens_per_second.mean,
+            c.llamacpp.tokens_per_second.mean,
+        ));
+    }
+    rows
+}
+
+fn threads(n: usize) -> String {
+    if n == 1 {
+        "1 thread".into()
+    } else {
+        format!("{n} threads")
+    }
+}
+
+/// The main table: throughput of both engines with the ratio.
+pub fn table(results: &Results) -> String {
+    let plan = &results.plan;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| Throughput, tok/s (mean ± sd of {} runs; {} rounds for concurrent) | agentstack | llama.cpp | agentstack / llama.cpp (above 1× is faster) |",
+        plan.repetitions, plan.rounds
+    );
+    let _ = writeln!(out, "|---|--:|--:|--:|");
+    for r in &results.pp_tg {
+        let _ = writeln!(
+            out,
+            "| pp{}, {}: prefill | {} | {} | {} |",
+            plan.prompt_tokens,
+            threads(r.threads),
+            fmt_rate(&r.agentstack_pp),
+            fmt_rate(&r.llamacpp_pp),
+            fmt_ratio(r.pp_ratio)
+        );
+        let _ = writeln!(
+            out,
+            "| tg{}, {}: decode | {} | {} | {} |",
+            plan.gen_tokens,
+            threads(r.threads),
+            fmt_rate(&r.agentstack_tg),
+            fmt_rate(&r.llamacpp_tg),
+            fmt_ratio(r.tg_ratio)
+        );
+    }
+    for c in &results.concurrent {
+        let _ = writeln!(
+            out,
+            "| {} concurrent × {} tokens, {}: aggregate | {} | {} | {} |",
+            plan.requests,
+            plan.max_tokens,
+            threads(c.threads),
+            fmt_rate(&c.agentstack.tokens_per_second),
+            fmt_rate(&c.llamacpp.tokens_per_second),
+            fmt_ratio(c.ratio)
+        );
+    }
+    out
+}
+
+/// The cost-floor table.
+pub fn cost_table(results: &Results) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| Cost floor, $ per 1M generated tokens at ${:.2}/h (an assumed machine price) | agentstack | llama.cpp | agentstack / llama.cpp (below 1× is cheaper) |",
+        results.plan.price_per_hour
+    );
+    let _ = writeln!(out, "|---|--:|--:|--:|");
+    for c in &results.cost {
+        let _ = writeln!(
+            out,
+            "| {} | ${} | ${} | {} |",
+            c.basis,
+            fmt_significant(c.agentstack_usd_per_million),
+            fmt_significant(c.llamacpp_usd_per_million),
+            fmt_ratio(c.ratio)
+        );
+    }
+    out
+}
+
+fn fmt_rate(rate: &Rate) -> String {
+    if rate.samples.len() < 2 {
+        fmt_significant(rate.mean)
+    } else {
+        format!(
+            "{} ± {}",
+            fmt_significant(rate.mean),
+            fmt_significant(rate.stddev)
+        )
+    }
+}
+
+fn fmt_ratio(ratio: f64) -> String {
+    if ratio.is_finite() {
+        format!("{ratio:.2}×")
+    } else {
+        "—".into()
+    }
+}
+
+/// Three significant digits, no exponent; whole numbers from 100 up.
+fn fmt_significant(x: f64) -> String {
+    if !x.is_finite() {
+        return "—".into();
+    }
+    let magnitude = if x == 0.0 {
+        0
+    } else {
+        x.abs().log10().floor() as i32
+    };
+    let decimals = (2 - magnitude).clamp(0, 9) as usize;
+    format!("{x:.decimals$}")
+}
+
+/// Now, as `YYYY-MM-DD HH:MM UTC`.
+pub fn utc_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let days = i64::try_from(secs / 86_400).unwrap_or(0);
+    let (year, month, day) = civil_from_days(days);
+    let in_day = secs % 86_400;
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
+        in_day / 3600,
+        in_day % 3600 / 60
+    )
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (
+        year,
+        u32::try_from(month).unwrap_or(1),
+        u32::try_from(day).unwrap_or(1),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tolerance of the float comparisons below.
+    const TOLERANCE: f64 = 1e-9;
+
+    #[test]
+    fn rate_is_mean_and_sample_stddev() {
+        let rate = Rate::of(vec![2.0, 4.0, 6.0]);
+        assert!((rate.mean - 4.0).abs() < TOLERANCE);
+        assert!((rate.stddev - 2.0).abs() < TOLERANCE);
+        assert!(Rate::of(vec![5.0]).stddev.abs() < TOLERANCE);
+        assert!(Rate::of(Vec::new()).mean.abs() < TOLERANCE);
+    }
+
+    #[test]
+    fn cost_floor_of_one_token_per_second_at_a_dollar_an_hour() {
+        // 3600 tokens an hour for $1: a million cost 1e6 / 3600 dollars.
+        assert!((usd_per_million(1.0, 1.0) - 1e6 / 3600.0).abs() < TOLERANCE);
+        // The brief's example: $0.10/h at 100 tok/s.
+        assert!((usd_per_million(0.10, 100.0) - 0.277_777_777_8).abs() < 1e-6);
+    }
+
+    #[test]
+    fn numbers_print_with_three_significant_digits() {
+        assert_eq!(fmt_significant(1234.4), "1234");
+        assert_eq!(fmt_significant(123.45), "123");
+        assert_eq!(fmt_significant(12.345), "12.3");
+        assert_eq!(fmt_significant(0.012345), "0.0123");
+        assert_eq!(fmt_significant(0.0), "0.00");
+        assert_eq!(fmt_ratio(f64::NAN), "—");
+        assert_eq!(fmt_ratio(0.5), "0.50×");
+    }
+
+    #[test]
+    fn dates_from_days() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
+    }
+}
