@@ -158,10 +158,26 @@ fn valid(schema: &Value, value: &Value) -> bool {
 struct Tally {
     valid: usize,
     malformed: usize,
+    /// Calls cut off by `max_tokens` (finish reason `length`) before they closed.
+    truncated: usize,
     text: usize,
 }
 
+/// `valid`, `malformed`, `truncated` (an attempt cut off by `max_tokens`), or `text`.
 fn classify(answer: &Value, tools: &[Value]) -> (&'static str, String) {
+    let (kind, shown) = classify_text(answer, tools);
+    let cut = answer["choices"][0]["finish_reason"] == "length";
+    (
+        if kind == "malformed" && cut {
+            "truncated"
+        } else {
+            kind
+        },
+        shown,
+    )
+}
+
+fn classify_text(answer: &Value, tools: &[Value]) -> (&'static str, String) {
     let message = &answer["choices"][0]["message"];
     let content = message["content"].as_str().unwrap_or("");
     if let Some(calls) = message["tool_calls"].as_array().filter(|c| !c.is_empty()) {
@@ -242,25 +258,28 @@ async fn main() -> anyhow::Result<()> {
             match kind {
                 "valid" => tally.valid += 1,
                 "malformed" => tally.malformed += 1,
+                "truncated" => tally.truncated += 1,
                 _ => tally.text += 1,
             }
             samples.push(json!({"prompt": prompt, "kind": kind, "answer": shown}));
             bar.inc(1);
         }
         let n = PROMPTS.len() as f64;
-        let tried = (tally.valid + tally.malformed).max(1) as f64;
+        let tried = (tally.valid + tally.malformed + tally.truncated).max(1) as f64;
         lines.push(format!(
-            "{mode:<9} valid {:>2}/{}  malformed {:>2} ({:>5.1}% of all, {:>5.1}% of attempts)  plain text {:>2}",
+            "{mode:<9} valid {:>2}/{}  malformed {:>2} ({:>5.1}% of all, {:>5.1}% of attempts)  cut off by max_tokens {:>2} ({:>5.1}% of attempts)  plain text {:>2}",
             tally.valid,
             PROMPTS.len(),
             tally.malformed,
             100.0 * tally.malformed as f64 / n,
             100.0 * tally.malformed as f64 / tried,
+            tally.truncated,
+            100.0 * tally.truncated as f64 / tried,
             tally.text
         ));
         results.insert(
             mode.to_owned(),
-            json!({"valid": tally.valid, "malformed": tally.malformed, "text": tally.text, "prompts": PROMPTS.len(), "samples": samples}),
+            json!({"valid": tally.valid, "malformed": tally.malformed, "truncated": tally.truncated, "text": tally.text, "prompts": PROMPTS.len(), "samples": samples}),
         );
     }
     bar.finish_and_clear();

@@ -23,6 +23,8 @@ impl Cli {
         match &self.command {
             Command::Model(ModelCommand::Generate(args)) => args.run.threads,
             Command::Model(ModelCommand::Serve(args)) => args.run.threads,
+            Command::Eval(args) if args.command.is_none() => args.run.threads,
+            Command::Quickstart(args) => args.threads,
             _ => None,
         }
     }
@@ -48,6 +50,152 @@ pub enum Command {
     /// Models: pull, info, generate, serve.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Evaluate a model on an environment (or compare finished runs).
+    Eval(Box<EvalArgs>),
+    /// Evaluate the local model on the built-in environments and show the results.
+    Quickstart(QuickstartArgs),
+}
+
+/// `eval`.
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct EvalArgs {
+    /// `eval compare`.
+    #[command(subcommand)]
+    pub command: Option<EvalCommand>,
+    /// The run.
+    #[command(flatten)]
+    pub run: EvalRunArgs,
+}
+
+/// `eval` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum EvalCommand {
+    /// Compare finished runs: a table, and a PNG chart of mean reward with 95% CIs.
+    Compare(CompareArgs),
+}
+
+/// `eval compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Run directories (or run ids under the runs directory).
+    #[arg(value_name = "RUN", required = true)]
+    pub runs: Vec<String>,
+    /// Where to write the chart.
+    #[arg(long, default_value = "compare.png")]
+    pub png: PathBuf,
+    /// The runs directory that run ids are looked up in.
+    #[arg(long)]
+    pub runs_dir: Option<PathBuf>,
+}
+
+/// `eval` (a run).
+#[derive(Debug, Args)]
+pub struct EvalRunArgs {
+    /// A built-in environment, an OpenEnv server URL, an OpenEnv package directory, or
+    /// a quoted command line that serves one.
+    #[arg(long, value_name = "ENV", required = true)]
+    pub env: Option<String>,
+    /// A model reference or GGUF file (run in process), or the base URL of an
+    /// OpenAI-compatible server (`http://host:port/v1`).
+    #[arg(long, value_name = "MODEL", required = true)]
+    pub model: Option<String>,
+    /// The model name to send to an OpenAI-compatible server (default: its first
+    /// model).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// The environment variable holding the server's API key.
+    #[arg(long, default_value = "OPENAI_API_KEY")]
+    pub api_key_env: String,
+    /// Tasks to play.
+    #[arg(long, default_value_t = 20)]
+    pub episodes: usize,
+    /// Episodes per task, for pass@k (use a temperature above 0).
+    #[arg(long, default_value_t = 1)]
+    pub samples: usize,
+    /// Episodes played at once.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// The run's seed: tasks and sampling follow from it.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Most model turns per episode.
+    #[arg(long, default_value_t = 16)]
+    pub max_turns: usize,
+    /// Most tokens per model turn.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Context budget per turn, prompt plus answer, in tokens.
+    #[arg(long)]
+    pub context_tokens: Option<usize>,
+    /// Beyond the budget: stop the episode, truncate old turns, or compact them into a
+    /// summary.
+    #[arg(long, default_value = "stop")]
+    pub overflow: String,
+    /// Strip earlier <think>…</think> blocks from the history.
+    #[arg(long)]
+    pub strip_thinking: bool,
+    /// Constrain JSON actions to the action schema (in-process and agentstack
+    /// servers).
+    #[arg(long)]
+    pub constrain: bool,
+    /// Reset options for every episode, as a JSON object (e.g. '{"difficulty": 2}').
+    #[arg(long)]
+    pub options: Option<String>,
+    /// Take tasks from this split of the environment's task list.
+    #[arg(long)]
+    pub split: Option<String>,
+    /// A prompt profile (JSON: system, user, action, answer_pattern).
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// Reward at or above which an episode counts as a success.
+    #[arg(long)]
+    pub success_threshold: Option<f64>,
+    /// The run's id (default: env, model and a hash of the configuration, so that the
+    /// same command resumes the same run).
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Where runs are kept (default: the data directory's runs/).
+    #[arg(long)]
+    pub runs_dir: Option<PathBuf>,
+    /// Discard an existing run with the same id and start over.
+    #[arg(long)]
+    pub fresh: bool,
+    /// Compute threads for an in-process model.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// The Python interpreter for OpenEnv package directories.
+    #[arg(long)]
+    pub python: Option<String>,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `quickstart`.
+#[derive(Debug, Args)]
+pub struct QuickstartArgs {
+    /// The model (default: SmolLM2-135M-Instruct, fetched once).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Tasks per environment.
+    #[arg(long, default_value_t = 20)]
+    pub episodes: usize,
+    /// Episodes played at once.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Compute threads.
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Where runs are kept (default: the data directory's runs/).
+    #[arg(long)]
+    pub runs_dir: Option<PathBuf>,
 }
 
 /// `agentstack model ...`
@@ -161,6 +309,10 @@ pub struct ModelServeArgs {
     /// Tokens per forward pass at most.
     #[arg(long, default_value_t = 512)]
     pub max_batch_tokens: usize,
+    /// MiB of finished requests' KV caches kept so that the next turn of a
+    /// conversation reuses its prefix (0 = off).
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_cache_mib: usize,
     /// Turn off grammar-constrained decoding (response_format, constrained tool calls).
     #[arg(long)]
     pub no_constraints: bool,

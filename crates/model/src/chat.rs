@@ -217,6 +217,61 @@ fn describe(error: &minijinja::Error) -> String {
     text
 }
 
+/// For templates that know nothing of tools (SmolLM2's): describe the tools in the
+/// system prompt and write calls and results in the Hermes convention the model was
+/// tuned on, as plain text the template can render.
+pub(crate) fn lower_tools(messages: Vec<Message>, tools: &[Json]) -> Vec<Message> {
+    let mut description = String::from(
+        "You may call one or more functions to assist with the user query. You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+    );
+    for tool in tools {
+        description.push_str(&tool.to_string());
+        description.push('\n');
+    }
+    description.push_str("</tools>\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
+    let mut out = Vec::with_capacity(messages.len() + 1);
+    let mut rest = messages.into_iter().peekable();
+    if tools.is_empty() {
+        // Only the lowering of calls and results below.
+    } else if rest.peek().is_some_and(|m| m.role == "system") {
+        let mut system = rest.next().expect("peeked");
+        let text = system.content.take().unwrap_or_default();
+        system.content = Some(format!("{text}\n\n{description}").trim_start().to_owned());
+        out.push(system);
+    } else {
+        out.push(Message::new("system", description));
+    }
+    for mut m in rest {
+        if let Some(calls) = m.tool_calls.take() {
+            let mut text = m.content.take().unwrap_or_default();
+            for call in calls {
+                if !text.is_empty() {
+                    text.push('\n');
+                }
+                text.push_str(&format!(
+                    "<tool_call>\n{{\"name\": {}, \"arguments\": {}}}\n</tool_call>",
+                    Json::String(call.function.name),
+                    call.function.arguments
+                ));
+            }
+            m.content = Some(text);
+        }
+        if m.role == "tool" {
+            m.role = "user".into();
+            m.content = Some(format!(
+                "<tool_response>\n{}\n</tool_response>",
+                m.content.unwrap_or_default()
+            ));
+            m.tool_call_id = None;
+        }
+        if m.content.is_none() {
+            m.content = Some(String::new());
+        }
+        out.push(m);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

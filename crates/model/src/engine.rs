@@ -15,6 +15,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::LanguageModel;
 use crate::error::{ModelError, Result};
 use crate::generate::{GenerateOutput, GenerateRequest, Sequence, TokenEvent};
+use crate::model::SeqCache;
 
 /// Limits of the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,10 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Tokens per forward pass at most (decode tokens plus prompt chunks).
     pub max_batch_tokens: usize,
+    /// Bytes of finished sequences' KV caches kept for reuse (prefix caching); 0 turns
+    /// it off. A request whose prompt starts with a kept sequence's tokens (the next
+    /// turn of a conversation) runs only the rest through the model.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineConfig {
@@ -33,6 +38,73 @@ impl Default for EngineConfig {
             max_running: 16,
             max_waiting: 256,
             max_batch_tokens: 512,
+            prefix_cache_bytes: 1 << 30,
+        }
+    }
+}
+
+/// Finished sequences' caches, most recently used last, within a byte budget.
+struct PrefixPool {
+    entries: Vec<(Vec<u32>, SeqCache)>,
+    bytes: usize,
+    budget: usize,
+}
+
+/// Shorter shared prefixes are not worth a cache's memory.
+const MIN_PREFIX_TOKENS: usize = 16;
+
+impl PrefixPool {
+    fn new(budget: usize) -> Self {
+        Self {
+            entries: Vec::new(),
+            bytes: 0,
+            budget,
+        }
+    }
+
+    /// Takes the entry sharing the longest prefix with `prompt`, if any is worth it.
+    fn take(&mut self, prompt: &[u32]) -> Option<(Vec<u32>, SeqCache)> {
+        let (best, shared) = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, (tokens, _))| {
+                (
+                    i,
+                    tokens
+                        .iter()
+                        .zip(prompt)
+                        .take_while(|(a, b)| a == b)
+                        .count(),
+                )
+            })
+            .max_by_key(|&(i, shared)| (shared, i))?;
+        if shared < MIN_PREFIX_TOKENS {
+            return None;
+        }
+        let entry = self.entries.remove(best);
+        self.bytes -= entry.1.bytes();
+        Some(entry)
+    }
+
+    fn put(&mut self, tokens: Vec<u32>, cache: SeqCache) {
+        let bytes = cache.bytes();
+        if tokens.len() < MIN_PREFIX_TOKENS || bytes > self.budget {
+            return;
+        }
+        // A longer continuation of the same conversation makes its prefix redundant.
+        self.entries.retain(|(t, c)| {
+            let redundant = t.len() <= tokens.len() && tokens.starts_with(t);
+            if redundant {
+                self.bytes -= c.bytes();
+            }
+            !redundant
+        });
+        self.bytes += bytes;
+        self.entries.push((tokens, cache));
+        while self.bytes > self.budget && !self.entries.is_empty() {
+            let (_, evicted) = self.entries.remove(0);
+            self.bytes -= evicted.bytes();
         }
     }
 }
@@ -201,6 +273,7 @@ fn run(
     running_count: &AtomicUsize,
 ) {
     let mut running: Vec<Running> = Vec::new();
+    let mut pool = PrefixPool::new(config.prefix_cache_bytes);
     loop {
         // Admit new work: block when idle, otherwise take what is there.
         while running.len() < config.max_running.max(1) {
@@ -220,10 +293,16 @@ fn run(
                 Ok(seq) if seq.is_finished() => {
                     let _ = job.events.send(Event::Done(seq.output()));
                 }
-                Ok(seq) => running.push(Running {
-                    seq,
-                    events: job.events,
-                }),
+                Ok(mut seq) => {
+                    if let Some((tokens, cache)) = pool.take(seq.prompt()) {
+                        let reused = seq.reuse_prefix(cache, &tokens);
+                        tracing::debug!(reused, "prefix cache hit");
+                    }
+                    running.push(Running {
+                        seq,
+                        events: job.events,
+                    });
+                }
                 Err(e) => {
                     let _ = job.events.send(Event::Error(e));
                 }
@@ -245,7 +324,15 @@ fn run(
                     ))));
             }
         }
-        running.retain(|r| !r.seq.is_finished());
+        let (done, still): (Vec<Running>, Vec<Running>) =
+            running.into_iter().partition(|r| r.seq.is_finished());
+        running = still;
+        if config.prefix_cache_bytes > 0 {
+            for r in done {
+                let (cache, tokens) = r.seq.into_cache();
+                pool.put(tokens, cache);
+            }
+        }
         running_count.store(running.len(), Ordering::Relaxed);
     }
 }

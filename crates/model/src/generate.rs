@@ -74,6 +74,17 @@ pub enum FinishReason {
     Cancelled,
 }
 
+impl FinishReason {
+    /// The OpenAI API's name for it (`loop` is this server's addition).
+    pub fn openai_name(self) -> &'static str {
+        match self {
+            Self::Stop | Self::Grammar | Self::Cancelled => "stop",
+            Self::Length => "length",
+            Self::Loop => "loop",
+        }
+    }
+}
+
 /// One generated token, as streamed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
@@ -212,6 +223,44 @@ impl Sequence {
     /// The cache, for forking.
     pub fn cache(&self) -> &SeqCache {
         &self.cache
+    }
+
+    /// The prompt's token ids.
+    pub fn prompt(&self) -> &[u32] {
+        &self.all_tokens[..self.prompt_len]
+    }
+
+    /// Starts from a cache that already holds `tokens` (an earlier sequence's), reusing
+    /// the part that is a prefix of this prompt: only the rest is run through the
+    /// model. The kernels give every position the same values however the sequence is
+    /// split into passes, so the result is bit-identical to a fresh start. Returns the
+    /// positions reused (0 when nothing could be, and the cache is left unused).
+    pub fn reuse_prefix(&mut self, mut cache: SeqCache, tokens: &[u32]) -> usize {
+        if !self.cache.is_empty() || self.pending.len() != self.prompt_len {
+            return 0;
+        }
+        let usable = tokens.len().min(cache.len());
+        let mut common = tokens[..usable]
+            .iter()
+            .zip(&self.pending)
+            .take_while(|(a, b)| a == b)
+            .count();
+        // At least one prompt token must go through the model, for its logits.
+        common = common.min(self.prompt_len.saturating_sub(1));
+        if common == 0 || !cache.truncate(common) {
+            return 0;
+        }
+        self.cache = cache;
+        self.pending.drain(..common);
+        common
+    }
+
+    /// The cache and the tokens it holds, once the sequence is over (for reuse by a
+    /// later request that continues the same conversation).
+    pub fn into_cache(self) -> (SeqCache, Vec<u32>) {
+        let mut tokens = self.all_tokens;
+        tokens.truncate(self.cache.len());
+        (self.cache, tokens)
     }
 
     /// Takes up to `budget` pending tokens as this sequence's part of a forward pass.

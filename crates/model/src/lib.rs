@@ -223,6 +223,30 @@ impl LanguageModel {
         &self.template
     }
 
+    /// The prompt token ids of a chat, ready for generation: `messages` rendered with
+    /// the chat template and its generation prompt. `tools` (OpenAI tool definitions)
+    /// go to the template when it renders tools itself; otherwise they, and earlier
+    /// calls and results, are written into the messages in the Hermes convention
+    /// (`<tools>`, `<tool_call>`, `<tool_response>`). `model serve` builds its chat
+    /// prompts here, so an in-process caller gets the very same tokens.
+    pub fn chat_prompt(
+        &self,
+        messages: Vec<Message>,
+        tools: &[serde_json::Value],
+    ) -> Result<Vec<u32>> {
+        let template = &self.template;
+        let native_tools = template.handles_tools() && !template.is_fallback();
+        let messages = if native_tools {
+            messages
+        } else {
+            chat::lower_tools(messages, if template.is_fallback() { &[] } else { tools })
+        };
+        let tools_arg =
+            (!tools.is_empty() && (native_tools || template.is_fallback())).then_some(tools);
+        let text = template.render(&messages, tools_arg, true)?;
+        self.tokenizer.encode(&text, true)
+    }
+
     /// The file's description.
     pub fn info(&self) -> &ModelInfo {
         &self.info

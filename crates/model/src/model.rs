@@ -198,6 +198,24 @@ impl SeqCache {
         })
     }
 
+    /// Keeps the first `len` positions and forgets the rest, so that a cached prefix
+    /// can be continued differently. Only the quantized form's cache can be cut; false
+    /// (and unchanged) for the dense form's.
+    pub fn truncate(&mut self, len: usize) -> bool {
+        if !self.layers.is_empty() || len > self.len {
+            return false;
+        }
+        if let Some((k, _)) = self.raw.first() {
+            let width = k.len().checked_div(self.len).unwrap_or(0);
+            for (k, v) in &mut self.raw {
+                k.truncate(len * width);
+                v.truncate(len * width);
+            }
+        }
+        self.len = len;
+        true
+    }
+
     /// Bytes held by the cache.
     pub fn bytes(&self) -> usize {
         let raw: usize = self

@@ -424,3 +424,77 @@ fn model_info_and_generate_on_the_test_model() {
     assert!(!lines.is_empty() && lines.len() <= 8);
     assert!(lines.iter().all(|l| l["logprob"].as_f64().unwrap() <= 0.0));
 }
+
+#[test]
+fn eval_rejects_bad_input_before_loading_anything() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["eval", "--env", "chess", "--model", "m.gguf"],
+            "'chess' is not a built-in environment",
+        ),
+        (
+            &[
+                "eval",
+                "--env",
+                "arithmetic",
+                "--model",
+                "m.gguf",
+                "--options",
+                "[1]",
+            ],
+            "--options must be a JSON object",
+        ),
+        (
+            &[
+                "eval",
+                "--env",
+                "arithmetic",
+                "--model",
+                "m.gguf",
+                "--overflow",
+                "squeeze",
+            ],
+            "unknown overflow policy `squeeze`",
+        ),
+        (
+            &[
+                "eval",
+                "--env",
+                "arithmetic",
+                "--model",
+                "m.gguf",
+                "--context-tokens",
+                "100",
+            ],
+            "--context-tokens (100) must be larger than --max-tokens (256)",
+        ),
+        (
+            &[
+                "eval",
+                "--env",
+                "arithmetic",
+                "--model",
+                "m.gguf",
+                "--episodes",
+                "0",
+            ],
+            "must be at least 1",
+        ),
+        (
+            &["eval", "compare", "/nonexistent/run"],
+            "is not a finished run",
+        ),
+    ];
+    for (args, wanted) in cases {
+        let out = agentstack(args);
+        assert_eq!(out.code, 1, "{args:?}\n{}", snapshot(&out));
+        assert!(
+            out.stderr.contains(wanted),
+            "{args:?}: wanted {wanted:?}\n{}",
+            out.stderr
+        );
+    }
+    // Both --env and --model are required for a run.
+    let out = agentstack(&["eval", "--env", "arithmetic"]);
+    assert_eq!(out.code, 1, "{}", snapshot(&out));
+}

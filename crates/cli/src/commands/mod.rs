@@ -1,7 +1,9 @@
 //! One module per command group, one file per verb.
 
 pub mod env;
+pub mod eval;
 pub mod model;
+pub mod quickstart;
 
 use crate::Exit;
 use crate::args::{Cli, Command, EnvCommand, ModelCommand};
@@ -22,5 +24,7 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
             ModelCommand::Generate(args) => model::generate::run(args).await,
             ModelCommand::Serve(args) => model::serve::run(args).await,
         },
+        Command::Eval(args) => eval::run(*args).await,
+        Command::Quickstart(args) => quickstart::run(args).await,
     }
 }

@@ -158,6 +158,11 @@ pub(super) struct ChatRequest {
     response_format: Option<Json_>,
     /// Extension: a Lark grammar (llguidance dialect) the output must match.
     grammar: Option<String>,
+    /// Extension (vLLM's name): also return the prompt's token ids
+    /// (`prompt_token_ids`) and each choice's generated ids (`choices[].token_ids`),
+    /// so that a trainer gets the exact tokens without re-tokenizing. Not streamed.
+    #[serde(default)]
+    return_token_ids: bool,
     #[serde(flatten)]
     sampling: SamplingFields,
 }
@@ -215,61 +220,6 @@ fn convert_messages(messages: Vec<InMessage>) -> Result<Vec<Message>, ApiError> 
             })
         })
         .collect()
-}
-
-/// For templates that know nothing of tools (SmolLM2's): describe the tools in the
-/// system prompt and write calls and results in the Hermes convention the model was
-/// tuned on, as plain text the template can render.
-fn lower_tools(messages: Vec<Message>, tools: &[Json_]) -> Vec<Message> {
-    let mut description = String::from(
-        "You may call one or more functions to assist with the user query. You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
-    );
-    for tool in tools {
-        description.push_str(&tool.to_string());
-        description.push('\n');
-    }
-    description.push_str("</tools>\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
-    let mut out = Vec::with_capacity(messages.len() + 1);
-    let mut rest = messages.into_iter().peekable();
-    if tools.is_empty() {
-        // Only the lowering of calls and results below.
-    } else if rest.peek().is_some_and(|m| m.role == "system") {
-        let mut system = rest.next().expect("peeked");
-        let text = system.content.take().unwrap_or_default();
-        system.content = Some(format!("{text}\n\n{description}").trim_start().to_owned());
-        out.push(system);
-    } else {
-        out.push(Message::new("system", description));
-    }
-    for mut m in rest {
-        if let Some(calls) = m.tool_calls.take() {
-            let mut text = m.content.take().unwrap_or_default();
-            for call in calls {
-                if !text.is_empty() {
-                    text.push('\n');
-                }
-                text.push_str(&format!(
-                    "<tool_call>\n{{\"name\": {}, \"arguments\": {}}}\n</tool_call>",
-                    Json_::String(call.function.name),
-                    call.function.arguments
-                ));
-            }
-            m.content = Some(text);
-        }
-        if m.role == "tool" {
-            m.role = "user".into();
-            m.content = Some(format!(
-                "<tool_response>\n{}\n</tool_response>",
-                m.content.unwrap_or_default()
-            ));
-            m.tool_call_id = None;
-        }
-        if m.content.is_none() {
-            m.content = Some(String::new());
-        }
-        out.push(m);
-    }
-    out
 }
 
 /// Which constraint a chat request asks for.
@@ -424,11 +374,7 @@ fn finish_str(reason: FinishReason, has_calls: bool) -> &'static str {
     if has_calls {
         return "tool_calls";
     }
-    match reason {
-        FinishReason::Stop | FinishReason::Grammar | FinishReason::Cancelled => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Loop => "loop",
-    }
+    reason.openai_name()
 }
 
 fn tool_calls_json(calls: &[(String, String)]) -> Vec<Json_> {
@@ -467,9 +413,16 @@ pub(super) async fn chat_completions(
         parallel_tool_calls,
         response_format,
         grammar,
+        return_token_ids,
         sampling,
     } = req;
     sampling.check()?;
+    if stream && return_token_ids {
+        return Err(ApiError::invalid(
+            "return_token_ids",
+            "is not available with stream: true; use /generate to stream token ids",
+        ));
+    }
     let n = n.unwrap_or(1);
     if n == 0 || n > state.config.max_n {
         return Err(ApiError::invalid(
@@ -484,18 +437,11 @@ pub(super) async fn chat_completions(
         check_tools(&tools)?;
     }
     let lm = state.engine.model();
-    let mut messages = convert_messages(messages)?;
-    let template = lm.template();
-    let native_tools = template.handles_tools() && !template.is_fallback();
-    if !native_tools {
-        messages = lower_tools(messages, if template.is_fallback() { &[] } else { &tools });
-    }
-    let tools_arg =
-        (!tools.is_empty() && (native_tools || template.is_fallback())).then_some(tools.as_slice());
-    let prompt_text = template
-        .render(&messages, tools_arg, true)
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    let prompt = lm.tokenizer().encode(&prompt_text, true)?;
+    let messages = convert_messages(messages)?;
+    let prompt = lm.chat_prompt(messages, &tools).map_err(|e| match e {
+        crate::ModelError::Template(m) => ApiError::invalid("messages", m),
+        other => other.into(),
+    })?;
     let max_tokens = max_tokens_for(&state, prompt.len(), max_completion_tokens.or(max_tokens))?;
     let constraint = chat_constraint(
         &state,
@@ -564,14 +510,18 @@ pub(super) async fn chat_completions(
         if !calls.is_empty() {
             message["tool_calls"] = Json_::Array(tool_calls_json(&calls));
         }
-        choices.push(json!({
+        let mut choice = json!({
             "index": index,
             "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_str(out.finish, !calls.is_empty()),
-        }));
+        });
+        if return_token_ids {
+            choice["token_ids"] = json!(out.tokens);
+        }
+        choices.push(choice);
     }
-    Ok(Json(json!({
+    let mut body = json!({
         "id": id,
         "object": "chat.completion",
         "created": now(),
@@ -582,8 +532,11 @@ pub(super) async fn chat_completions(
             "completion_tokens": completion_tokens,
             "total_tokens": prompt.len() + completion_tokens,
         },
-    }))
-    .into_response())
+    });
+    if return_token_ids {
+        body["prompt_token_ids"] = json!(prompt);
+    }
+    Ok(Json(body).into_response())
 }
 
 /// Waits for all choices; a timeout cancels them (dropping the receivers).

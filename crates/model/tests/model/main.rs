@@ -138,6 +138,47 @@ async fn the_engine_batches_concurrent_requests_without_changing_them() {
     }
 }
 
+/// The next turn of a conversation reuses the previous turn's cache and gets exactly
+/// what a fresh start gets, sampled or greedy.
+#[tokio::test]
+#[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
+async fn prefix_caching_reuses_a_conversation_without_changing_it() {
+    let lm = lm();
+    let cached = Engine::start(lm.clone(), EngineConfig::default());
+    let fresh = Engine::start(
+        lm.clone(),
+        EngineConfig {
+            prefix_cache_bytes: 0,
+            ..Default::default()
+        },
+    );
+    let sampled = |prompt: Vec<u32>, seed| GenerateRequest {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            seed: Some(seed),
+            ..Default::default()
+        },
+        ..GenerateRequest::greedy(prompt, 24)
+    };
+    let mut prompt = chat(&lm, "Name three colours.");
+    for turn in 0..3u64 {
+        let request = sampled(prompt.clone(), turn);
+        let a = cached.generate(request.clone()).await.unwrap();
+        let b = fresh.generate(request).await.unwrap();
+        assert_eq!(a, b, "turn {turn}");
+        // The next turn: this answer, then a new user message.
+        prompt.extend(&a.tokens);
+        let more = lm
+            .tokenizer()
+            .encode(
+                "<|im_end|>\n<|im_start|>user\nAnd one more?<|im_end|>\n<|im_start|>assistant\n",
+                true,
+            )
+            .unwrap();
+        prompt.extend(more);
+    }
+}
+
 #[tokio::test]
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
 async fn a_dropped_receiver_cancels_and_a_full_queue_refuses() {
@@ -148,6 +189,7 @@ async fn a_dropped_receiver_cancels_and_a_full_queue_refuses() {
             max_running: 1,
             max_waiting: 1,
             max_batch_tokens: 64,
+            prefix_cache_bytes: 0,
         },
     );
     let long = GenerateRequest {

@@ -33,6 +33,7 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
             max_running: args.max_running.max(1),
             max_waiting: args.max_waiting.max(1),
             max_batch_tokens: args.max_batch_tokens.max(1),
+            prefix_cache_bytes: args.prefix_cache_mib << 20,
         },
     );
     let state = AppState::new(

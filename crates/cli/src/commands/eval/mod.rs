@@ -1,0 +1,301 @@
+//! `agentstack eval`: evaluate a model on an environment; `eval compare`.
+
+pub mod compare;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentstack_env::client::ClientConfig;
+use agentstack_env::foreign::ForeignEnv;
+use agentstack_harness::context::{ContextPolicy, Overflow};
+use agentstack_harness::episode::LoopConfig;
+use agentstack_harness::model::Sampling;
+use agentstack_harness::{EnvHandle, EvalConfig, ModelClient, Profile, Run, Summary};
+use agentstack_model::engine::{Engine, EngineConfig};
+use anyhow::{Context, anyhow, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Map, Value};
+
+use crate::Exit;
+use crate::args::{EvalArgs, EvalCommand, EvalRunArgs};
+use crate::commands::env::serve::{Target, resolve as resolve_env};
+use crate::settings;
+
+/// Runs `eval` or `eval compare`.
+pub async fn run(args: EvalArgs) -> Result<(), Exit> {
+    match args.command {
+        Some(EvalCommand::Compare(args)) => compare::run(args),
+        None => {
+            let json = args.run.json;
+            let (summary, dir) = evaluate(args.run).await?;
+            print_summary(&summary, &dir, json);
+            Ok(())
+        }
+    }
+}
+
+/// The runs directory: the flag, else the data directory's `runs/`.
+pub(crate) fn runs_dir(flag: Option<PathBuf>) -> PathBuf {
+    flag.unwrap_or_else(|| settings::data_dir().join("runs"))
+}
+
+/// An environment opened for a run, and the foreign server behind it (kept alive).
+pub(crate) struct OpenedEnv {
+    pub handle: EnvHandle,
+    _foreign: Option<ForeignEnv>,
+}
+
+/// Opens an environment reference.
+pub(crate) async fn open_env(reference: &str, python: Option<&str>) -> anyhow::Result<OpenedEnv> {
+    if reference.starts_with("hub:") {
+        bail!(
+            "hub references need the environment hub, which is not built yet\nhint: pull the package by hand and pass its directory"
+        );
+    }
+    if reference.starts_with("http://") || reference.starts_with("https://") {
+        let handle = EnvHandle::remote(reference, ClientConfig::default())
+            .await
+            .with_context(|| format!("could not open the environment at {reference}"))?;
+        return Ok(OpenedEnv {
+            handle,
+            _foreign: None,
+        });
+    }
+    match resolve_env(reference, &settings::python(python))? {
+        Target::Builtin(spec) => Ok(OpenedEnv {
+            handle: EnvHandle::local(*spec).map_err(|e| anyhow!("{e}"))?,
+            _foreign: None,
+        }),
+        Target::Foreign(command) => {
+            let foreign = ForeignEnv::start(command, Duration::from_secs(120))
+                .await
+                .context("starting the environment")?;
+            let handle = EnvHandle::remote(foreign.url(), ClientConfig::default())
+                .await
+                .context("opening the environment")?;
+            Ok(OpenedEnv {
+                handle,
+                _foreign: Some(foreign),
+            })
+        }
+    }
+}
+
+/// Opens a model reference: an OpenAI-compatible base URL, or a local model run by the
+/// in-process engine.
+pub(crate) async fn open_model(
+    reference: &str,
+    name: Option<&str>,
+    api_key_env: &str,
+    threads: Option<usize>,
+) -> anyhow::Result<ModelClient> {
+    if reference.starts_with("http://") || reference.starts_with("https://") {
+        let api_key = std::env::var(api_key_env).ok().filter(|k| !k.is_empty());
+        let base = reference.trim_end_matches('/');
+        let name = match name {
+            Some(name) => name.to_owned(),
+            None => first_model(base, api_key.as_deref()).await?,
+        };
+        return Ok(ModelClient::openai(
+            base,
+            &name,
+            api_key,
+            Duration::from_secs(600),
+        ));
+    }
+    let lm = Arc::new(crate::commands::model::load(reference, threads).await?);
+    let name = name
+        .map(str::to_owned)
+        .unwrap_or_else(|| lm.info().name.clone());
+    let engine = Engine::start(lm, EngineConfig::default());
+    Ok(ModelClient::engine(engine, &name))
+}
+
+/// The first model a server lists at `/models`.
+async fn first_model(base: &str, api_key: Option<&str>) -> anyhow::Result<String> {
+    let url = format!("{base}/models");
+    let mut request = reqwest::Client::new()
+        .get(&url)
+        .timeout(Duration::from_secs(30));
+    if let Some(key) = api_key {
+        request = request.bearer_auth(key);
+    }
+    let reply: Value = request
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .with_context(|| format!("could not list the models at {url}\nhint: pass --model-name"))?
+        .json()
+        .await
+        .with_context(|| format!("{url} did not answer with JSON"))?;
+    reply
+        .pointer("/data/0/id")
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| anyhow!("{url} lists no models\nhint: pass --model-name"))
+}
+
+fn parse_options(text: Option<&str>) -> anyhow::Result<Map<String, Value>> {
+    match text {
+        None => Ok(Map::new()),
+        Some(text) => match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(map)) => Ok(map),
+            _ => bail!(
+                "--options must be a JSON object, got {text}\nhint: e.g. --options '{{\"difficulty\": 3}}'"
+            ),
+        },
+    }
+}
+
+fn read_profile(path: Option<&PathBuf>, env: &str) -> anyhow::Result<Profile> {
+    let Some(path) = path else {
+        return Ok(Profile::for_env(env));
+    };
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("could not read the profile {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a prompt profile\nhint: a JSON object with system, user (minijinja templates), and optionally action and answer_pattern",
+            path.display()
+        )
+    })
+}
+
+/// Plays a run to completion (resuming it if it exists) and returns its summary and
+/// directory.
+pub(crate) async fn evaluate(args: EvalRunArgs) -> Result<(Summary, PathBuf), Exit> {
+    let env_ref = args
+        .env
+        .clone()
+        .ok_or_else(|| anyhow!("--env is required"))?;
+    let model_ref = args
+        .model
+        .clone()
+        .ok_or_else(|| anyhow!("--model is required"))?;
+    if args.episodes == 0 || args.samples == 0 || args.concurrency == 0 || args.max_turns == 0 {
+        return Err(Exit::user(anyhow!(
+            "--episodes, --samples, --concurrency and --max-turns must be at least 1"
+        )));
+    }
+    if args.max_tokens == 0 {
+        return Err(Exit::user(anyhow!("--max-tokens must be at least 1")));
+    }
+    let overflow: Overflow = args.overflow.parse().map_err(|e: String| anyhow!(e))?;
+    if let Some(budget) = args.context_tokens
+        && budget <= args.max_tokens
+    {
+        return Err(Exit::user(anyhow!(
+            "--context-tokens ({budget}) must be larger than --max-tokens ({}): the budget holds the prompt and the answer",
+            args.max_tokens
+        )));
+    }
+    let reset_options = parse_options(args.options.as_deref())?;
+    let env = open_env(&env_ref, args.python.as_deref()).await?;
+    let profile = read_profile(args.profile.as_ref(), env.handle.name())?;
+    let success_threshold = args.success_threshold.unwrap_or(1.0);
+    let model = open_model(
+        &model_ref,
+        args.model_name.as_deref(),
+        &args.api_key_env,
+        args.threads,
+    )
+    .await?;
+    let config = EvalConfig {
+        env: env_ref,
+        model: model_ref,
+        tasks: args.episodes,
+        samples: args.samples,
+        seed: args.seed,
+        split: args.split.clone(),
+        reset_options,
+        play: LoopConfig {
+            max_turns: args.max_turns,
+            sampling: Sampling {
+                temperature: args.temperature,
+                top_p: args.top_p,
+                max_tokens: args.max_tokens,
+            },
+            context: ContextPolicy {
+                max_tokens: args.context_tokens,
+                overflow,
+                keep_thinking: !args.strip_thinking,
+            },
+            constrain: args.constrain,
+        },
+        profile,
+        success_threshold,
+    };
+    let dir = runs_dir(args.runs_dir.clone()).join(
+        args.run_id
+            .clone()
+            .unwrap_or_else(|| config.default_run_id()),
+    );
+    let run = Run::open(&dir, config, args.concurrency, args.fresh).map_err(|e| anyhow!(e))?;
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template(
+            "{msg:>12} {bar:30} {pos}/{len} episodes  {elapsed_precise} eta {eta}  mean reward {prefix}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(env.handle.name().to_owned());
+    bar.enable_steady_tick(Duration::from_millis(250));
+    let summary = run
+        .play(&model, &env.handle, |p| {
+            bar.set_length(p.total as u64);
+            bar.set_position(p.done as u64);
+            if p.mean_reward.is_finite() {
+                bar.set_prefix(format!("{:.3}", p.mean_reward));
+            }
+        })
+        .await;
+    bar.finish_and_clear();
+    let summary = summary.map_err(|e| {
+        anyhow!(e).context(format!(
+            "the run in {} stopped; rerun the same command to resume it",
+            dir.display()
+        ))
+    })?;
+    Ok((summary, dir))
+}
+
+/// Prints a run's summary.
+pub(crate) fn print_summary(summary: &Summary, dir: &std::path::Path, json: bool) {
+    let mut out = std::io::stdout().lock();
+    if json {
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(summary).unwrap_or_default()
+        );
+        return;
+    }
+    let pass: Vec<String> = summary
+        .pass_at_k
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.3}"))
+        .collect();
+    let _ = writeln!(
+        out,
+        "{env} × {model}: mean reward {mean:.3} ± {se:.3} (95% CI {lo:.3}–{hi:.3}) over {n} episodes\n  success {success:.1}%  {pass}  turns/episode {turns:.1}  parse errors/turn {parse:.3}  invalid actions/turn {invalid:.3}\n  tokens: {prompt} prompt, {completion} generated  wall {wall:.1} s  ({eps:.2} episodes/s, model idle {idle:.0}%)\n  results: {dir}",
+        env = summary.env,
+        model = summary.model,
+        mean = summary.mean_reward,
+        se = summary.stderr,
+        lo = summary.ci95.0,
+        hi = summary.ci95.1,
+        n = summary.episodes,
+        success = 100.0 * summary.success_rate,
+        pass = pass.join("  "),
+        turns = summary.mean_turns,
+        parse = summary.parse_error_rate,
+        invalid = summary.invalid_action_rate,
+        prompt = summary.prompt_tokens,
+        completion = summary.completion_tokens,
+        wall = summary.wall_s,
+        eps = summary.episodes_per_s,
+        idle = 100.0 * summary.model_idle_fraction,
+        dir = dir.display(),
+    );
+}

@@ -1,0 +1,508 @@
+//! The model side of the loop: the in-process engine, or any OpenAI-compatible
+//! server (`agentstack model serve`, vLLM, llama-server, a hosted API).
+//!
+//! Both take the same [`ChatRequest`] and give the same [`ChatResponse`]. Token ids
+//! and logprobs come back whenever the model side has them: always in process, and
+//! from servers that support the `return_token_ids` extension (ours and vLLM's).
+//! Against `agentstack model serve` both sides build the prompt with
+//! [`LanguageModel::chat_prompt`] and sample with the same seeded sampler, so an
+//! evaluation gives the same tokens in process and over HTTP.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use agentstack_model::chat::{FunctionCall, Message, ToolCall};
+use agentstack_model::constraint::{ConstraintCompiler, parse_tool_calls};
+use agentstack_model::engine::{Engine, Event};
+use agentstack_model::generate::GenerateRequest;
+use agentstack_model::{LanguageModel, SamplingParams};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+/// Why the model side failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The in-process model refused the request or failed.
+    #[error(transparent)]
+    Local(#[from] agentstack_model::ModelError),
+    /// The engine would not take the request.
+    #[error("the engine refused the request: {0}")]
+    Engine(String),
+    /// The HTTP request failed.
+    #[error("request to {url} failed: {source}")]
+    Http {
+        /// Where.
+        url: String,
+        /// Why.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// The server answered with an error status.
+    #[error("{url} answered HTTP {status}: {body}")]
+    Status {
+        /// Where.
+        url: String,
+        /// The status code.
+        status: u16,
+        /// The body (an OpenAI-shaped error, usually).
+        body: String,
+    },
+    /// The server's answer is not a chat completion.
+    #[error("{url} sent a reply that is not a chat completion: {message}")]
+    Reply {
+        /// Where.
+        url: String,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// How to sample one turn. Recorded with every result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    /// Softmax temperature; 0 is greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    pub top_p: f32,
+    /// Most tokens per turn.
+    pub max_tokens: usize,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            max_tokens: 256,
+        }
+    }
+}
+
+/// One call of the model.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    /// The conversation so far.
+    pub messages: Vec<Message>,
+    /// OpenAI tool definitions the model may call; empty for none.
+    pub tools: Vec<Value>,
+    /// How to sample.
+    pub sampling: Sampling,
+    /// The sampling seed of this call.
+    pub seed: u64,
+    /// A JSON Schema the answer must match (constrained decoding), when the model side
+    /// supports it.
+    pub json_schema: Option<Value>,
+}
+
+/// What the model answered.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatResponse {
+    /// The text (without tool calls).
+    pub text: String,
+    /// Tool calls, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// OpenAI's finish reason: `stop`, `length`, `tool_calls`, ….
+    pub finish_reason: String,
+    /// The prompt's token ids, when the model side gives them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// The generated token ids, exactly as sampled, when the model side gives them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_ids: Option<Vec<u32>>,
+    /// The log-probability of each generated token, when the model side gives them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<f32>>,
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+}
+
+/// Where the model runs, and a clock of when it has work.
+#[derive(Clone)]
+pub struct ModelClient {
+    backend: Backend,
+    activity: Activity,
+}
+
+#[derive(Clone)]
+enum Backend {
+    Engine(Arc<EngineModel>),
+    OpenAi(Arc<OpenAiModel>),
+}
+
+impl std::fmt::Debug for ModelClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.backend {
+            Backend::Engine(m) => write!(f, "Engine({})", m.name),
+            Backend::OpenAi(m) => write!(f, "OpenAi({} at {})", m.model, m.base_url),
+        }
+    }
+}
+
+/// When the model had no call in flight: the harness's measure of an idle model.
+#[derive(Clone)]
+pub struct Activity(Arc<Mutex<ActivityState>>);
+
+struct ActivityState {
+    in_flight: usize,
+    started: Instant,
+    since: Instant,
+    idle: Duration,
+}
+
+impl Activity {
+    fn new() -> Self {
+        let now = Instant::now();
+        Self(Arc::new(Mutex::new(ActivityState {
+            in_flight: 0,
+            started: now,
+            since: now,
+            idle: Duration::ZERO,
+        })))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ActivityState> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts measuring afresh (keeping calls in flight); returns the clock.
+    pub fn restart(&self) -> Self {
+        let mut s = self.lock();
+        let now = Instant::now();
+        s.started = now;
+        s.since = now;
+        s.idle = Duration::ZERO;
+        drop(s);
+        self.clone()
+    }
+
+    fn enter(&self) -> InFlight<'_> {
+        let mut s = self.lock();
+        if s.in_flight == 0 {
+            let gap = s.since.elapsed();
+            s.idle += gap;
+        }
+        s.in_flight += 1;
+        InFlight(self)
+    }
+
+    /// The fraction of the time since the last restart with no call in flight.
+    pub fn idle_fraction(&self) -> f64 {
+        let s = self.lock();
+        let mut idle = s.idle;
+        if s.in_flight == 0 {
+            idle += s.since.elapsed();
+        }
+        let wall = s.started.elapsed().as_secs_f64().max(1e-9);
+        (idle.as_secs_f64() / wall).min(1.0)
+    }
+}
+
+struct InFlight<'a>(&'a Activity);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut s = self.0.lock();
+        s.in_flight -= 1;
+        if s.in_flight == 0 {
+            s.since = Instant::now();
+        }
+    }
+}
+
+/// The in-process engine and what it needs to build prompts and constraints.
+pub struct EngineModel {
+    engine: Engine,
+    compiler: Option<ConstraintCompiler>,
+    name: String,
+}
+
+/// An OpenAI-compatible server.
+pub struct OpenAiModel {
+    http: reqwest::Client,
+    base_url: String,
+    model: String,
+    api_key: Option<String>,
+}
+
+impl ModelClient {
+    /// The in-process engine over `engine`'s model, called `name` in results.
+    pub fn engine(engine: Engine, name: &str) -> Self {
+        let compiler = ConstraintCompiler::new(engine.model().tokenizer()).ok();
+        Self {
+            backend: Backend::Engine(Arc::new(EngineModel {
+                engine,
+                compiler,
+                name: name.to_owned(),
+            })),
+            activity: Activity::new(),
+        }
+    }
+
+    /// An OpenAI-compatible server at `base_url` (ending in `/v1`), serving `model`;
+    /// `api_key` is sent as a bearer token (never logged).
+    pub fn openai(base_url: &str, model: &str, api_key: Option<String>, timeout: Duration) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .expect("an HTTP client with rustls builds");
+        Self {
+            backend: Backend::OpenAi(Arc::new(OpenAiModel {
+                http,
+                base_url: base_url.trim_end_matches('/').to_owned(),
+                model: model.to_owned(),
+                api_key,
+            })),
+            activity: Activity::new(),
+        }
+    }
+
+    /// The model's name, as results record it.
+    pub fn name(&self) -> &str {
+        match &self.backend {
+            Backend::Engine(m) => &m.name,
+            Backend::OpenAi(m) => &m.model,
+        }
+    }
+
+    /// When the model had work.
+    pub fn activity(&self) -> &Activity {
+        &self.activity
+    }
+
+    /// The in-process model, if the model runs here.
+    pub fn local(&self) -> Option<&LanguageModel> {
+        match &self.backend {
+            Backend::Engine(m) => Some(m.engine.model()),
+            Backend::OpenAi(_) => None,
+        }
+    }
+
+    /// The prompt tokens of `messages`, exactly when the model runs here, else
+    /// estimated at four characters per token.
+    pub fn count_tokens(&self, messages: &[Message], tools: &[Value]) -> usize {
+        if let Some(lm) = self.local()
+            && let Ok(ids) = lm.chat_prompt(messages.to_vec(), tools)
+        {
+            return ids.len();
+        }
+        let chars: usize = messages
+            .iter()
+            .map(|m| m.content.as_deref().map_or(0, str::len) + 16)
+            .sum::<usize>()
+            + tools.iter().map(|t| t.to_string().len()).sum::<usize>();
+        chars.div_ceil(4)
+    }
+
+    /// Asks the model for the next assistant turn.
+    pub async fn chat(&self, request: &ChatRequest) -> Result<ChatResponse, ModelError> {
+        let _in_flight = self.activity.enter();
+        match &self.backend {
+            Backend::Engine(m) => m.chat(request).await,
+            Backend::OpenAi(m) => m.chat(request).await,
+        }
+    }
+}
+
+impl EngineModel {
+    async fn chat(&self, request: &ChatRequest) -> Result<ChatResponse, ModelError> {
+        let lm = self.engine.model();
+        let prompt = lm.chat_prompt(request.messages.clone(), &request.tools)?;
+        let constraint = match (&request.json_schema, &self.compiler) {
+            (Some(schema), Some(compiler)) => Some(compiler.json_schema(schema)?),
+            _ => None,
+        };
+        let generate = GenerateRequest {
+            prompt: prompt.clone(),
+            max_tokens: request.sampling.max_tokens,
+            sampling: SamplingParams {
+                temperature: request.sampling.temperature,
+                top_p: request.sampling.top_p,
+                seed: Some(request.seed),
+                ..SamplingParams::default()
+            },
+            stop: Vec::new(),
+            stop_tokens: Vec::new(),
+            ignore_eos: false,
+            top_logprobs: 0,
+            // As `model serve`'s chat endpoint does by default.
+            detect_loops: true,
+            constraint,
+        };
+        let mut events = self
+            .engine
+            .submit(generate)
+            .map_err(|e| ModelError::Engine(e.to_string()))?;
+        while let Some(event) = events.recv().await {
+            match event {
+                Event::Token(_) => {}
+                Event::Error(e) => return Err(ModelError::Engine(e.to_string())),
+                Event::Done(out) => {
+                    let (calls, text) = if request.tools.is_empty() {
+                        (Vec::new(), out.text.clone())
+                    } else {
+                        parse_tool_calls(&out.text)
+                    };
+                    let tool_calls: Vec<ToolCall> = calls
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, (name, arguments))| ToolCall {
+                            id: format!("call_{i}"),
+                            kind: "function".into(),
+                            function: FunctionCall { name, arguments },
+                        })
+                        .collect();
+                    let finish_reason = if tool_calls.is_empty() {
+                        out.finish.openai_name()
+                    } else {
+                        "tool_calls"
+                    }
+                    .to_owned();
+                    return Ok(ChatResponse {
+                        text,
+                        tool_calls,
+                        finish_reason,
+                        prompt_tokens: prompt.len(),
+                        completion_tokens: out.tokens.len(),
+                        prompt_ids: Some(prompt),
+                        completion_ids: Some(out.tokens),
+                        logprobs: Some(out.logprobs),
+                    });
+                }
+            }
+        }
+        Err(ModelError::Engine("the engine stopped".into()))
+    }
+}
+
+impl OpenAiModel {
+    async fn chat(&self, request: &ChatRequest) -> Result<ChatResponse, ModelError> {
+        let url = format!("{}/chat/completions", self.base_url);
+        let mut body = json!({
+            "model": self.model,
+            "messages": request.messages,
+            "max_tokens": request.sampling.max_tokens,
+            "temperature": request.sampling.temperature,
+            "top_p": request.sampling.top_p,
+            "seed": request.seed,
+            "logprobs": true,
+            "return_token_ids": true,
+        });
+        if !request.tools.is_empty() {
+            body["tools"] = Value::Array(request.tools.clone());
+        }
+        if let Some(schema) = &request.json_schema {
+            body["response_format"] =
+                json!({"type": "json_schema", "json_schema": {"name": "action", "schema": schema}});
+        }
+        let mut call = self.http.post(&url).json(&body);
+        if let Some(key) = &self.api_key {
+            call = call.bearer_auth(key);
+        }
+        let response = call.send().await.map_err(|source| ModelError::Http {
+            url: url.clone(),
+            source,
+        })?;
+        let status = response.status();
+        let text = response.text().await.map_err(|source| ModelError::Http {
+            url: url.clone(),
+            source,
+        })?;
+        if !status.is_success() {
+            return Err(ModelError::Status {
+                url,
+                status: status.as_u16(),
+                body: text.chars().take(2000).collect(),
+            });
+        }
+        let reply: Value = serde_json::from_str(&text).map_err(|e| ModelError::Reply {
+            url: url.clone(),
+            message: e.to_string(),
+        })?;
+        parse_completion(&reply).map_err(|message| ModelError::Reply { url, message })
+    }
+}
+
+/// Reads an OpenAI chat completion (first choice), with the `return_token_ids`
+/// extension's fields when present.
+fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
+    let choice = reply
+        .pointer("/choices/0")
+        .ok_or("no choices[0] in the reply")?;
+    let message = choice.get("message").ok_or("choices[0] has no message")?;
+    let text = message
+        .get("content")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let tool_calls: Vec<ToolCall> = match message.get("tool_calls") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(calls) => serde_json::from_value(calls.clone())
+            .map_err(|e| format!("choices[0].message.tool_calls: {e}"))?,
+    };
+    let ids = |v: Option<&Value>| -> Option<Vec<u32>> {
+        v?.as_array()?
+            .iter()
+            .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect()
+    };
+    let logprobs: Option<Vec<f32>> = choice
+        .pointer("/logprobs/content")
+        .and_then(Value::as_array)
+        .and_then(|entries| {
+            entries
+                .iter()
+                .map(|e| e.get("logprob").and_then(Value::as_f64).map(|x| x as f32))
+                .collect()
+        });
+    let usage = |key: &str| {
+        reply
+            .pointer(&format!("/usage/{key}"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize
+    };
+    Ok(ChatResponse {
+        text,
+        tool_calls,
+        finish_reason: choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .unwrap_or("stop")
+            .to_owned(),
+        prompt_ids: ids(reply.get("prompt_token_ids")),
+        completion_ids: ids(choice.get("token_ids")),
+        logprobs,
+        prompt_tokens: usage("prompt_tokens"),
+        completion_tokens: usage("completion_tokens"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_completions_with_and_without_token_ids() {
+        let reply = json!({
+            "choices": [{"message": {"role": "assistant", "content": "42"}, "finish_reason": "stop",
+                         "token_ids": [7, 8], "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.25}]}}],
+            "prompt_token_ids": [1, 2, 3],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        });
+        let r = parse_completion(&reply).unwrap();
+        assert_eq!(r.text, "42");
+        assert_eq!(r.prompt_ids, Some(vec![1, 2, 3]));
+        assert_eq!(r.completion_ids, Some(vec![7, 8]));
+        assert_eq!(r.logprobs, Some(vec![-0.5, -0.25]));
+        let plain = json!({"choices": [{"message": {"content": null, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]});
+        let r = parse_completion(&plain).unwrap();
+        assert_eq!(r.tool_calls[0].function.name, "f");
+        assert_eq!(r.completion_ids, None);
+        assert!(parse_completion(&json!({"error": "x"})).is_err());
+    }
+}
