@@ -6,7 +6,7 @@ use std::time::Instant;
 use agentstack_model::chat::Message;
 use agentstack_protocol::http::ResetRequest;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::context::{self, ContextPolicy, Overflow};
 use crate::env::{EnvError, EnvHandle, StepOutcome};
@@ -86,6 +86,27 @@ pub struct Turn {
     pub prompt_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
+}
+
+impl Turn {
+    /// A model call's record, before any action or step.
+    fn from_reply(kind: TurnKind, reply: crate::model::ChatResponse) -> Self {
+        Self {
+            kind,
+            prompt_ids: reply.prompt_ids,
+            completion_ids: reply.completion_ids,
+            logprobs: reply.logprobs,
+            text: reply.text,
+            tool_calls: reply.tool_calls,
+            finish_reason: reply.finish_reason,
+            action: None,
+            error: None,
+            reward: None,
+            done: false,
+            prompt_tokens: reply.prompt_tokens,
+            completion_tokens: reply.completion_tokens,
+        }
+    }
 }
 
 /// How an episode ended.
@@ -188,7 +209,7 @@ pub async fn play(
         turns: Vec::new(),
         messages: vec![
             Message::new("system", presenter.system()?),
-            Message::new("user", presenter.user(&observation_of(&first))?),
+            Message::new("user", presenter.user(&first.observation)?),
         ],
     };
     let result = act(
@@ -205,10 +226,6 @@ pub async fn play(
     result?;
     timing.total_ms = ms(started);
     Ok((episode, timing))
-}
-
-fn observation_of(step: &agentstack_protocol::ws::StepResult) -> Map<String, Value> {
-    step.observation.clone()
 }
 
 fn ms(since: Instant) -> f64 {
@@ -256,31 +273,19 @@ async fn act(
             }
         }
         episode.messages.push(assistant);
-        let mut turn = Turn {
-            kind: TurnKind::Act,
-            prompt_ids: reply.prompt_ids,
-            completion_ids: reply.completion_ids,
-            logprobs: reply.logprobs,
-            text: reply.text.clone(),
-            tool_calls: reply.tool_calls.clone(),
-            finish_reason: reply.finish_reason,
-            action: None,
-            error: None,
-            reward: None,
-            done: false,
-            prompt_tokens: reply.prompt_tokens,
-            completion_tokens: reply.completion_tokens,
-        };
+        let parsed = presenter.parse(&reply.text, &reply.tool_calls);
+        let call_id = reply.tool_calls.first().map(|call| call.id.clone());
+        let mut turn = Turn::from_reply(TurnKind::Act, reply);
         let feedback_role = |m: &mut Vec<Message>, text: String| {
-            if let Some(call) = reply.tool_calls.first() {
+            if let Some(id) = &call_id {
                 let mut tool = Message::new("tool", text);
-                tool.tool_call_id = Some(call.id.clone());
+                tool.tool_call_id = Some(id.clone());
                 m.push(tool);
             } else {
                 m.push(Message::new("user", text));
             }
         };
-        match presenter.parse(&reply.text, &reply.tool_calls) {
+        match parsed {
             Err(why) => {
                 episode.parse_errors += 1;
                 let text = format!(
@@ -375,21 +380,9 @@ async fn fit(
                 episode
                     .messages
                     .splice(range, [context::summary_message(&reply.text)]);
-                episode.turns.push(Turn {
-                    kind: TurnKind::Compact,
-                    prompt_ids: reply.prompt_ids,
-                    completion_ids: reply.completion_ids,
-                    logprobs: reply.logprobs,
-                    text: reply.text,
-                    tool_calls: Vec::new(),
-                    finish_reason: reply.finish_reason,
-                    action: None,
-                    error: None,
-                    reward: None,
-                    done: false,
-                    prompt_tokens: reply.prompt_tokens,
-                    completion_tokens: reply.completion_tokens,
-                });
+                episode
+                    .turns
+                    .push(Turn::from_reply(TurnKind::Compact, reply));
             }
             Overflow::Truncate | Overflow::Compact => {
                 let Some(range) = context::oldest_exchange(&episode.messages) else {
