@@ -54,6 +54,94 @@ pub enum Command {
     Eval(Box<EvalArgs>),
     /// Evaluate the local model on the built-in environments and show the results.
     Quickstart(QuickstartArgs),
+    /// Run untrusted commands isolated: run, check.
+    #[command(subcommand)]
+    Sandbox(SandboxCommand),
+}
+
+/// `sandbox` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum SandboxCommand {
+    /// Run a command in a fresh sandbox; exits with the command's status (124 when a
+    /// limit stopped it, 127 when it could not start).
+    Run(SandboxRunArgs),
+    /// Check that this machine allows sandboxes, and say what to change if not.
+    Check(SandboxCheckArgs),
+}
+
+/// `sandbox run`.
+#[derive(Debug, Args)]
+pub struct SandboxRunArgs {
+    /// Wall-clock limit in seconds.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub time: f64,
+    /// CPU-time limit in whole seconds (default: the wall-clock limit, rounded up).
+    #[arg(long, value_name = "SECONDS")]
+    pub cpu: Option<u64>,
+    /// Address-space limit per process (e.g. 512M, 2G).
+    #[arg(long, default_value = "512M", value_parser = parse_bytes, value_name = "BYTES")]
+    pub memory: u64,
+    /// Processes and threads at once.
+    #[arg(long, default_value_t = 64)]
+    pub processes: u64,
+    /// Largest file the command may write.
+    #[arg(long, default_value = "16M", value_parser = parse_bytes, value_name = "BYTES")]
+    pub file_size: u64,
+    /// Bytes kept of stdout and of stderr; more stops the command.
+    #[arg(long, default_value = "1M", value_parser = parse_bytes, value_name = "BYTES")]
+    pub output: u64,
+    /// Size of the writable scratch directory, /work.
+    #[arg(long, default_value = "64M", value_parser = parse_bytes, value_name = "BYTES")]
+    pub scratch: u64,
+    /// Copy this directory's files into /work first.
+    #[arg(long, value_name = "DIR")]
+    pub files: Option<PathBuf>,
+    /// Also show this host path, read-only, at the same place (repeatable).
+    #[arg(long = "read-only", value_name = "PATH")]
+    pub read_only: Vec<PathBuf>,
+    /// Set an environment variable in the sandbox (repeatable).
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// Pass this process's stdin to the command.
+    #[arg(long)]
+    pub stdin: bool,
+    /// Print one JSON object (end, stdout, stderr, usage) instead of the raw output.
+    #[arg(long)]
+    pub json: bool,
+    /// Run without any isolation, as a plain child process. For development only:
+    /// the command sees your files and network.
+    #[arg(long)]
+    pub unsafe_no_isolation: bool,
+    /// The command and its arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// `sandbox check`.
+#[derive(Debug, Args)]
+pub struct SandboxCheckArgs {
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses a byte size: a number with an optional K, M, G or T suffix (powers of 1024).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (digits, shift) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 10),
+        Some('M') => (&t[..t.len() - 1], 20),
+        Some('G') => (&t[..t.len() - 1], 30),
+        Some('T') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let value: u64 = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size: use a whole number with an optional K, M, G or T suffix (512M, 2G)"))?;
+    value
+        .checked_mul(1 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
 }
 
 /// `eval`.

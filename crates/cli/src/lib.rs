@@ -46,6 +46,9 @@ impl From<anyhow::Error> for Exit {
 
 /// Runs the CLI with the process arguments and returns the exit code.
 pub fn main() -> ExitCode {
+    // A sandbox's init process is this executable started again; it must run before
+    // any thread starts (see agentstack-sandbox).
+    agentstack_sandbox::run_if_init();
     let cli = match args::Cli::try_parse() {
         Ok(cli) => cli,
         // Usage errors are user errors (exit 1, not clap's 2); --help and --version

@@ -320,7 +320,12 @@ mod tests {
                 true,
             )
             .unwrap();
-        assert!(text.contains("<tools>\n{\"function\":"), "{text}");
+        // Keys keep the order the caller gave them, as Python's `json.dumps` does in the
+        // reference renderer (not sorted).
+        assert!(
+            text.contains("<tools>\n{\"type\":\"function\",\"function\":"),
+            "{text}"
+        );
         assert!(text.contains("<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1}}\n</tool_call><|im_end|>"), "{text}");
         assert!(
             text.contains("<tool_response>\n2\n</tool_response>"),

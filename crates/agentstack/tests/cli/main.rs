@@ -498,3 +498,50 @@ fn eval_rejects_bad_input_before_loading_anything() {
     let out = agentstack(&["eval", "--env", "arithmetic"]);
     assert_eq!(out.code, 1, "{}", snapshot(&out));
 }
+
+#[test]
+fn sandbox_run_mirrors_the_command_and_refuses_bad_limits() {
+    let out = agentstack(&["sandbox", "run", "--", "sh", "-c", "echo hi; exit 3"]);
+    assert_eq!(out.code, 3, "{}", out.stderr);
+    assert_eq!(out.stdout, "hi\n");
+    assert!(
+        out.stderr.contains("exited with status 3"),
+        "{}",
+        out.stderr
+    );
+    let out = agentstack(&["sandbox", "run", "--time", "1", "--", "sleep", "5"]);
+    assert_eq!(out.code, 124, "{}", out.stderr);
+    assert!(out.stderr.contains("wall-time limit"), "{}", out.stderr);
+    let out = agentstack(&[
+        "sandbox", "run", "--json", "--", "python3", "-c", "print(2)",
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let json: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(json["stdout"], "2\n");
+    assert_eq!(json["end"]["kind"], "exited");
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["sandbox", "run", "--memory", "5Q", "--", "true"],
+            "is not a size",
+        ),
+        (
+            &["sandbox", "run", "--memory", "1M", "--", "true"],
+            "memory must be at least 16 MiB",
+        ),
+        (
+            &["sandbox", "run", "--env", "NOEQUALS", "--", "true"],
+            "must be KEY=VALUE",
+        ),
+        (
+            &["sandbox", "run", "--files", "/nonexistent", "--", "true"],
+            "reading --files /nonexistent",
+        ),
+    ];
+    for (args, message) in cases {
+        let out = agentstack(args);
+        assert_eq!(out.code, 1, "{args:?}: {}", out.stderr);
+        assert!(out.stderr.contains(message), "{args:?}: {}", out.stderr);
+    }
+    let out = agentstack(&["sandbox", "check"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+}

@@ -4,9 +4,10 @@ pub mod env;
 pub mod eval;
 pub mod model;
 pub mod quickstart;
+pub mod sandbox;
 
 use crate::Exit;
-use crate::args::{Cli, Command, EnvCommand, ModelCommand};
+use crate::args::{Cli, Command, EnvCommand, ModelCommand, SandboxCommand};
 
 /// Runs the parsed command.
 pub async fn run(cli: Cli) -> Result<(), Exit> {
@@ -26,5 +27,9 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
         },
         Command::Eval(args) => eval::run(*args).await,
         Command::Quickstart(args) => quickstart::run(args).await,
+        Command::Sandbox(command) => match command {
+            SandboxCommand::Run(args) => sandbox::run::run(args).await,
+            SandboxCommand::Check(args) => sandbox::check::run(args).await,
+        },
     }
 }

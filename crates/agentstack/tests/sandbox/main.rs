@@ -1,0 +1,476 @@
+//! The sandbox's security suite: from inside a sandbox, try to reach the host's
+//! loopback, see a way out of the network namespace, read and write host files,
+//! exhaust processes, memory, CPU and disk, signal or trace a host process, leave a
+//! process behind, and gain privileges through a setuid binary. Every attempt must
+//! fail, and each test also checks that the host was not affected.
+//!
+//! The sandbox's init process is the real `agentstack` binary. Nothing here sends
+//! traffic anywhere but the host's own loopback (one test listens there and checks
+//! that nothing arrives); routes and interfaces are only inspected.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use agentstack_sandbox::{End, Job, JobFile, LimitKind, Limits, Outcome, Sandbox, SandboxConfig};
+
+fn config() -> SandboxConfig {
+    SandboxConfig {
+        program: Some(PathBuf::from(env!("CARGO_BIN_EXE_agentstack"))),
+        warm: 0,
+        ..SandboxConfig::default()
+    }
+}
+
+async fn sandbox() -> Sandbox {
+    Sandbox::start(config())
+        .await
+        .expect("this machine allows sandboxes")
+}
+
+/// Runs a Python program with `limits`.
+async fn python(sandbox: &Sandbox, code: &str, limits: Limits) -> Outcome {
+    let mut job = Job::new(["python3", "attack.py"]);
+    job.files.push(JobFile::new("attack.py", code));
+    job.limits = limits;
+    let outcome = sandbox.run(&job).await.expect("the sandbox ran the job");
+    eprintln!(
+        "end: {}\nstdout: {}\nstderr: {}",
+        outcome.end,
+        outcome.stdout_text(),
+        outcome.stderr_text()
+    );
+    outcome
+}
+
+fn short() -> Limits {
+    Limits {
+        wall: Duration::from_secs(5),
+        cpu: Duration::from_secs(5),
+        ..Limits::default()
+    }
+}
+
+/// Processes on the host whose command line contains `marker`.
+fn host_processes_with(marker: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
+            let text = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            if text.contains(marker) {
+                found.push(format!("{}: {text}", entry.file_name().to_string_lossy()));
+            }
+        }
+    }
+    found
+}
+
+fn host_still_works() {
+    let status = Command::new("true")
+        .status()
+        .expect("the host can start processes");
+    assert!(status.success());
+}
+
+#[tokio::test]
+async fn a_plain_program_runs_and_returns_its_output() {
+    let sandbox = sandbox().await;
+    let outcome = python(
+        &sandbox,
+        "import os, sys\nprint(os.getuid(), os.getcwd(), sys.stdin.read())",
+        short(),
+    )
+    .await;
+    assert_eq!(outcome.end, End::Exited { code: 0 });
+    assert_eq!(outcome.stdout_text(), "1000 /work \n");
+    let mut job = Job::new(["cat"]);
+    job.stdin = b"fed through stdin".to_vec();
+    let outcome = sandbox.run(&job).await.unwrap();
+    assert_eq!(outcome.stdout_text(), "fed through stdin");
+    let outcome = sandbox.run(&Job::new(["no-such-program"])).await.unwrap();
+    assert_eq!(outcome.end, End::NotStarted);
+}
+
+#[tokio::test]
+async fn the_hosts_loopback_is_unreachable() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let sandbox = sandbox().await;
+    let code = format!(
+        r#"
+import socket
+for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect((host, {port}))
+        print("CONNECTED", host)
+    except OSError as e:
+        print("refused", host, type(e).__name__)
+"#
+    );
+    let outcome = python(&sandbox, &code, short()).await;
+    assert!(outcome.end.success());
+    let out = outcome.stdout_text();
+    assert!(!out.contains("CONNECTED"), "{out}");
+    assert_eq!(out.matches("refused").count(), 2, "{out}");
+    // The host's listener saw nothing.
+    assert!(
+        listener.accept().is_err(),
+        "a connection reached the host's listener"
+    );
+}
+
+#[tokio::test]
+async fn only_loopback_exists_and_there_is_no_route_out() {
+    let sandbox = sandbox().await;
+    let code = r#"
+import socket
+print("interfaces", sorted(name for _, name in socket.if_nameindex()))
+routes = open("/proc/net/route").read().splitlines()[1:]
+print("ipv4_routes", len(routes))
+v6 = [line.split()[-1] for line in open("/proc/net/ipv6_route").read().splitlines()]
+print("ipv6_route_devices", sorted(set(v6)))
+"#;
+    let outcome = python(&sandbox, code, short()).await;
+    assert!(outcome.end.success());
+    let out = outcome.stdout_text();
+    assert!(out.contains("interfaces ['lo']"), "{out}");
+    assert!(out.contains("ipv4_routes 0"), "{out}");
+    assert!(
+        out.contains("ipv6_route_devices []") || out.contains("ipv6_route_devices ['lo']"),
+        "{out}"
+    );
+}
+
+#[tokio::test]
+async fn host_files_outside_the_allowed_set_are_invisible() {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let repo = env!("CARGO_MANIFEST_DIR");
+    let sandbox = sandbox().await;
+    let code = format!(
+        r#"
+import os
+for path in ["/etc/shadow", "/etc/passwd-", {home:?}, {repo:?}, {repo:?} + "/Cargo.toml", "/root", "/home", "/var", "/run"]:
+    try:
+        if os.path.isdir(path):
+            print("LISTED", path, os.listdir(path)[:3])
+        else:
+            print("READ", path, open(path, "rb").read(20))
+    except OSError as e:
+        print("denied", path, type(e).__name__)
+"#
+    );
+    let outcome = python(&sandbox, &code, short()).await;
+    assert!(outcome.end.success());
+    let out = outcome.stdout_text();
+    assert!(!out.contains("LISTED") && !out.contains("READ"), "{out}");
+    assert_eq!(out.matches("denied").count(), 9, "{out}");
+    // The host's files are where they were.
+    assert!(Path::new(repo).join("Cargo.toml").is_file());
+}
+
+#[tokio::test]
+async fn nothing_outside_scratch_is_writable() {
+    let sandbox = sandbox().await;
+    let repo = env!("CARGO_MANIFEST_DIR");
+    let code = format!(
+        r#"
+import os
+for path in ["/usr/escape", "/etc/escape", "/escape", "/dev/escape", "/proc/escape", "/bin/escape",
+             "/proc/sys/kernel/hostname", {repo:?} + "/escape"]:
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        print("WROTE", path)
+    except OSError as e:
+        print("denied", path, type(e).__name__)
+with open("/work/ok", "w") as f:
+    f.write("fine")
+with open("/tmp/ok", "w") as f:
+    f.write("fine")
+print("scratch ok")
+"#
+    );
+    let outcome = python(&sandbox, &code, short()).await;
+    assert!(outcome.end.success());
+    let out = outcome.stdout_text();
+    assert!(!out.contains("WROTE"), "{out}");
+    assert_eq!(out.matches("denied").count(), 8, "{out}");
+    assert!(out.contains("scratch ok"));
+    assert!(!Path::new(repo).join("escape").exists());
+    assert!(!Path::new("/escape").exists());
+}
+
+#[tokio::test]
+async fn a_fork_bomb_is_contained() {
+    let sandbox = sandbox().await;
+    let marker = format!("forkbomb-{}", std::process::id());
+    let code = format!(
+        r#"
+import os, time, sys
+sys.argv[0] = {marker:?}
+n = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("stopped after", n, type(e).__name__)
+"#
+    );
+    let limits = Limits {
+        processes: 32,
+        ..short()
+    };
+    let outcome = python(&sandbox, &code, limits).await;
+    let out = outcome.stdout_text();
+    assert!(out.contains("stopped after"), "{out}");
+    let forked: u64 = out.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert!(forked < 32, "{out}");
+    // Its children died with the sandbox.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(host_processes_with("time.sleep(60)").is_empty());
+    host_still_works();
+}
+
+#[tokio::test]
+async fn allocating_10_gb_fails() {
+    let sandbox = sandbox().await;
+    let code = r#"
+try:
+    block = bytearray(10 * 1024**3)
+    print("ALLOCATED", len(block))
+except MemoryError:
+    print("refused")
+"#;
+    let outcome = python(&sandbox, code, short()).await;
+    assert_eq!(outcome.stdout_text().trim(), "refused");
+    assert!(outcome.usage.max_rss_bytes < Limits::default().memory_bytes);
+    host_still_works();
+}
+
+#[tokio::test]
+async fn spinning_forever_is_stopped() {
+    let sandbox = sandbox().await;
+    let limits = Limits {
+        wall: Duration::from_secs(2),
+        cpu: Duration::from_secs(30),
+        ..Limits::default()
+    };
+    let outcome = python(&sandbox, "while True:\n    pass\n", limits).await;
+    assert_eq!(
+        outcome.end,
+        End::Limit {
+            limit: LimitKind::WallTime
+        }
+    );
+    assert!(outcome.usage.wall < Duration::from_secs(4));
+    let limits = Limits {
+        wall: Duration::from_secs(20),
+        cpu: Duration::from_secs(1),
+        ..Limits::default()
+    };
+    let outcome = python(&sandbox, "while True:\n    pass\n", limits).await;
+    assert_eq!(
+        outcome.end,
+        End::Limit {
+            limit: LimitKind::CpuTime
+        }
+    );
+}
+
+#[tokio::test]
+async fn writing_a_10_gb_file_is_stopped() {
+    let sandbox = sandbox().await;
+    let code = r#"
+chunk = b"x" * (1 << 20)
+with open("/work/big", "wb") as f:
+    for _ in range(10 * 1024):
+        f.write(chunk)
+print("WROTE 10 GB")
+"#;
+    // Python ignores SIGXFSZ, so the write fails with EFBIG instead.
+    let outcome = python(&sandbox, code, short()).await;
+    assert!(!outcome.stdout_text().contains("WROTE"));
+    assert_eq!(outcome.end, End::Exited { code: 1 });
+    assert!(outcome.stderr_text().contains("File too large"));
+    // A program that does not is killed, and the run says by which limit.
+    let mut job = Job::new(["sh", "-c", "exec head -c 10G /dev/zero > /work/big"]);
+    job.limits = short();
+    let outcome = sandbox.run(&job).await.unwrap();
+    assert_eq!(
+        outcome.end,
+        End::Limit {
+            limit: LimitKind::FileSize
+        }
+    );
+    // Past the file limit, the scratch size bounds the total.
+    let limits = Limits {
+        file_bytes: 1 << 40,
+        scratch_bytes: 8 << 20,
+        ..short()
+    };
+    let code = r#"
+chunk = b"x" * (1 << 20)
+try:
+    with open("/work/big", "wb") as f:
+        for _ in range(10 * 1024):
+            f.write(chunk)
+    print("WROTE 10 GB")
+except OSError as e:
+    print("refused", e.errno)
+"#;
+    let outcome = python(&sandbox, code, limits).await;
+    assert_eq!(outcome.stdout_text().trim(), "refused 28", "ENOSPC");
+    host_still_works();
+}
+
+#[tokio::test]
+async fn host_processes_cannot_be_signalled_or_traced() {
+    let mut victim = Command::new("sleep").arg("60").spawn().unwrap();
+    let pid = victim.id();
+    let sandbox = sandbox().await;
+    let code = format!(
+        r#"
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+PTRACE_ATTACH = 16
+for target in ({pid}, 1):
+    try:
+        os.kill(target, signal.SIGKILL)
+        print("KILLED", target)
+    except OSError as e:
+        print("kill denied", target, type(e).__name__)
+    if libc.ptrace(PTRACE_ATTACH, target, None, None) == 0:
+        print("TRACED", target)
+    else:
+        print("ptrace denied", target, os.strerror(ctypes.get_errno()))
+try:
+    os.kill(-1, signal.SIGKILL)
+except OSError as e:
+    pass
+print("survived")
+"#
+    );
+    let outcome = python(&sandbox, &code, short()).await;
+    let out = outcome.stdout_text();
+    assert!(!out.contains("TRACED"), "{out}");
+    assert!(!out.contains(&format!("KILLED {pid}")), "{out}");
+    assert_eq!(out.matches("ptrace denied").count(), 2, "{out}");
+    // The host's process is alive.
+    assert!(
+        victim.try_wait().unwrap().is_none(),
+        "the host's process was killed"
+    );
+    victim.kill().unwrap();
+    let _ = victim.wait();
+}
+
+#[tokio::test]
+async fn nothing_is_left_running_after_a_run() {
+    let sandbox = sandbox().await;
+    let marker = format!("4242.{}", std::process::id());
+    let mut job = Job::new([
+        "sh",
+        "-c",
+        &format!(
+            "sleep {marker} & python3 -c 'import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep({marker})' & echo started"
+        ),
+    ]);
+    job.limits = short();
+    let outcome = sandbox.run(&job).await.unwrap();
+    assert!(outcome.end.success());
+    assert_eq!(outcome.stdout_text().trim(), "started");
+    std::thread::sleep(Duration::from_millis(300));
+    let left = host_processes_with(&marker);
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[tokio::test]
+async fn setuid_binaries_do_not_raise_privileges() {
+    // A setuid-root copy of `id` where the sandbox can see it: if the bit worked,
+    // `id` would print an `euid=`.
+    // Not under /tmp or /work (the sandbox's own): /var/tmp.
+    let dir = PathBuf::from("/var/tmp").join(format!("agentstack-setuid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("id");
+    std::fs::copy("/usr/bin/id", &copy).unwrap();
+    let root = nix::unistd::Uid::effective().is_root();
+    if root {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o4755)).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let sandbox = Sandbox::start(SandboxConfig {
+        read_only: vec![dir.clone()],
+        ..config()
+    })
+    .await
+    .unwrap();
+    let mut job = Job::new([copy.to_str().unwrap()]);
+    job.limits = short();
+    let outcome = sandbox.run(&job).await.unwrap();
+    let out = outcome.stdout_text();
+    assert!(outcome.end.success(), "{}", outcome.stderr_text());
+    assert!(out.starts_with("uid=1000(sandbox)"), "{out}");
+    assert!(!out.contains("euid="), "{out}");
+    // The system's own setuid binaries are no better.
+    for su in ["/usr/bin/su", "/bin/su", "/usr/bin/passwd"] {
+        if Path::new(su).exists() {
+            let code = format!(
+                "import os, subprocess\nst = os.stat({su:?})\nprint('setuid bit', bool(st.st_mode & 0o4000))\nr = subprocess.run([{su:?}, '--help'], capture_output=True)\nprint('ran', r.returncode)\nprint('euid', os.geteuid())"
+            );
+            let outcome = python(&sandbox, &code, short()).await;
+            assert!(outcome.stdout_text().contains("euid 1000"));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn bad_jobs_are_refused_before_anything_runs() {
+    let sandbox = sandbox().await;
+    let mut job = Job::new(["cat", "x"]);
+    job.files.push(JobFile::new("../escape", "x"));
+    let err = sandbox.run(&job).await.unwrap_err().to_string();
+    assert!(err.contains("..") && err.contains("invalid job"), "{err}");
+    let mut job = Job::new(["true"]);
+    job.limits.wall = Duration::ZERO;
+    assert!(sandbox.run(&job).await.is_err());
+    let err = Sandbox::start(SandboxConfig {
+        program: Some(PathBuf::from("/bin/true")),
+        ..config()
+    })
+    .await
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("run_if_init"), "{err}");
+}
+
+#[tokio::test]
+async fn the_warm_pool_serves_concurrent_runs() {
+    let sandbox = Sandbox::start(SandboxConfig {
+        warm: 4,
+        max_concurrent: 4,
+        ..config()
+    })
+    .await
+    .unwrap();
+    let runs = (0..12).map(|i| {
+        let sandbox = sandbox.clone();
+        async move {
+            let mut job = Job::new(["python3", "-c", &format!("print({i} * 2)")]);
+            job.limits = short();
+            sandbox.run(&job).await.unwrap()
+        }
+    });
+    let outcomes = futures_util::future::join_all(runs).await;
+    for (i, outcome) in outcomes.iter().enumerate() {
+        assert_eq!(outcome.stdout_text(), format!("{}\n", i * 2));
+    }
+}

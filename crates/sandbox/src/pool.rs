@@ -1,0 +1,424 @@
+//! The host side: a pool of warm sandboxes, a concurrency limit and a bounded queue.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::sync::Semaphore;
+
+use crate::job::{Job, Outcome};
+use crate::wire::{FileHeader, Hello, INIT_ARG, Isolation, JobHeader, Report, Setup};
+
+/// Names the program started as the sandbox's init process, when it is not the
+/// current executable (tests, or a library embedding the sandbox in another binary).
+/// The program must call [`run_if_init`](crate::run_if_init) first thing in `main`.
+pub const INIT_PROGRAM_ENV: &str = "AGENTSTACK_SANDBOX_INIT";
+
+/// How long a sandbox may take to isolate itself.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(20);
+/// Slack over a job's wall-time limit before the host gives up on its init process.
+const REPORT_GRACE: Duration = Duration::from_secs(10);
+
+/// How sandboxes are made and how many run at once.
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// Isolation; [`Isolation::UnsafeNone`] only when asked for explicitly.
+    pub isolation: Isolation,
+    /// The init program; `AGENTSTACK_SANDBOX_INIT` or the current executable if unset.
+    pub program: Option<PathBuf>,
+    /// Sandboxes kept isolated and waiting, so a run starts in milliseconds.
+    pub warm: usize,
+    /// Runs at once; more wait in the queue.
+    pub max_concurrent: usize,
+    /// Runs that may wait; more are refused with [`Error::Busy`].
+    pub max_queued: usize,
+    /// Extra host paths visible read-only at the same place (an interpreter installed
+    /// outside `/usr`, a virtual environment). Not under `/work`, `/tmp`, `/proc`, `/dev`.
+    pub read_only: Vec<PathBuf>,
+    /// The host uid and gid sandboxes run as when the host runs as root (`nobody`).
+    pub unprivileged_id: u32,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self {
+            isolation: Isolation::Namespaces,
+            program: None,
+            warm: 2,
+            max_concurrent: 8,
+            max_queued: 1024,
+            read_only: Vec::new(),
+            unprivileged_id: 65534,
+        }
+    }
+}
+
+/// What can go wrong running a job.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The job is malformed; nothing ran.
+    #[error("invalid job: {0}")]
+    InvalidJob(String),
+    /// The configuration is unusable.
+    #[error("invalid sandbox configuration: {0}")]
+    InvalidConfig(String),
+    /// This machine does not allow the isolation asked for.
+    #[error("sandbox isolation is not available: {step} failed: {message}\nhint: {hint}")]
+    Unavailable {
+        /// The step that failed.
+        step: String,
+        /// The system's error.
+        message: String,
+        /// What to do about it.
+        hint: String,
+    },
+    /// The queue is full.
+    #[error(
+        "the sandbox is busy: {queued} runs are already waiting; retry later or raise the queue size"
+    )]
+    Busy {
+        /// Runs waiting.
+        queued: usize,
+    },
+    /// The init program could not be started.
+    #[error("could not start the sandbox's init program {program}")]
+    Spawn {
+        /// The program.
+        program: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The init process broke off or answered nonsense.
+    #[error("the sandbox's init process failed: {0}")]
+    Init(String),
+}
+
+struct Warm {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: ChildStdout,
+}
+
+struct Inner {
+    config: SandboxConfig,
+    program: PathBuf,
+    setup: String,
+    warm: Mutex<Vec<Warm>>,
+    permits: Semaphore,
+    waiting: AtomicUsize,
+    refilling: AtomicBool,
+}
+
+/// Runs jobs in fresh sandboxes, each used once. Cheap to clone.
+#[derive(Clone)]
+pub struct Sandbox {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Sandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sandbox")
+            .field("isolation", &self.inner.config.isolation)
+            .field("program", &self.inner.program)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sandbox {
+    /// Checks that this machine allows the isolation asked for, by isolating one
+    /// sandbox, and fills the warm pool. Fails with [`Error::Unavailable`] and a hint
+    /// when it does not; never falls back to less isolation.
+    pub async fn start(config: SandboxConfig) -> Result<Self, Error> {
+        if config.max_concurrent == 0 {
+            return Err(Error::InvalidConfig(
+                "max_concurrent must be at least 1".into(),
+            ));
+        }
+        for path in &config.read_only {
+            // The sandbox's own /work, /tmp, /proc and /dev would hide it.
+            let reserved = ["/work", "/tmp", "/proc", "/dev"];
+            if !path.is_absolute()
+                || path == Path::new("/")
+                || reserved.iter().any(|r| path.starts_with(r))
+            {
+                return Err(Error::InvalidConfig(format!(
+                    "read-only path {} must be absolute and not /, nor under {}",
+                    path.display(),
+                    reserved.join(", ")
+                )));
+            }
+        }
+        let program = match &config.program {
+            Some(program) => program.clone(),
+            None => match std::env::var_os(INIT_PROGRAM_ENV) {
+                Some(program) => PathBuf::from(program),
+                None => std::env::current_exe().map_err(|source| Error::Spawn {
+                    program: PathBuf::from("(current executable)"),
+                    source,
+                })?,
+            },
+        };
+        let setup = serde_json::to_string(&Setup {
+            isolation: config.isolation,
+            read_only: config.read_only.clone(),
+            unprivileged_id: config.unprivileged_id,
+        })
+        .expect("the set-up serializes");
+        let inner = Arc::new(Inner {
+            permits: Semaphore::new(config.max_concurrent),
+            config,
+            program,
+            setup,
+            warm: Mutex::new(Vec::new()),
+            waiting: AtomicUsize::new(0),
+            refilling: AtomicBool::new(false),
+        });
+        let first = inner.spawn().await?;
+        inner.warm.lock().expect("pool lock").push(first);
+        Inner::refill(&inner);
+        Ok(Self { inner })
+    }
+
+    /// How this sandbox isolates.
+    pub fn isolation(&self) -> Isolation {
+        self.inner.config.isolation
+    }
+
+    /// Sandboxes isolated and waiting right now.
+    pub fn warm_now(&self) -> usize {
+        self.inner.warm.lock().expect("pool lock").len()
+    }
+
+    /// Runs one job in a fresh sandbox, waiting in the queue if the concurrency limit
+    /// is reached.
+    pub async fn run(&self, job: &Job) -> Result<Outcome, Error> {
+        job.validate().map_err(Error::InvalidJob)?;
+        let inner = &self.inner;
+        let waiting = inner.waiting.fetch_add(1, Ordering::SeqCst);
+        if waiting >= inner.config.max_queued + inner.config.max_concurrent {
+            inner.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::Busy { queued: waiting });
+        }
+        let permit = inner.permits.acquire().await;
+        inner.waiting.fetch_sub(1, Ordering::SeqCst);
+        let _permit = permit.expect("the semaphore is never closed");
+        // A warm sandbox that died while waiting is replaced once.
+        let mut retried = false;
+        loop {
+            let warm = inner.warm.lock().expect("pool lock").pop();
+            let fresh = warm.is_none();
+            let warm = match warm {
+                Some(warm) => warm,
+                None => inner.spawn().await?,
+            };
+            Inner::refill(inner);
+            match inner.exchange(warm, job).await {
+                Err(Exchange::NotDelivered(_)) if !retried && !fresh => retried = true,
+                Err(Exchange::NotDelivered(e) | Exchange::Failed(e)) => return Err(e),
+                Ok(outcome) => return Ok(outcome),
+            }
+        }
+    }
+}
+
+enum Exchange {
+    /// The job never reached the init process.
+    NotDelivered(Error),
+    /// It did, and then something broke.
+    Failed(Error),
+}
+
+impl Inner {
+    async fn spawn(&self) -> Result<Warm, Error> {
+        let mut child = Command::new(&self.program)
+            .arg(INIT_ARG)
+            .arg(&self.setup)
+            // Nothing of the host's environment reaches a sandbox.
+            .env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| Error::Spawn {
+                program: self.program.clone(),
+                source,
+            })?;
+        let stdin = child.stdin.take().expect("piped stdin");
+        let mut stdout = child.stdout.take().expect("piped stdout");
+        let hello = tokio::time::timeout(SETUP_TIMEOUT, read_header::<Hello>(&mut stdout)).await;
+        match hello {
+            Ok(Ok(Some(Hello::Ready))) => Ok(Warm {
+                child,
+                stdin,
+                stdout,
+            }),
+            Ok(Ok(Some(Hello::Failed { step, message }))) => Err(Error::Unavailable {
+                hint: hint_for(&step, &message),
+                step,
+                message,
+            }),
+            Ok(Ok(None) | Err(_)) => {
+                let mut stderr = String::new();
+                if let Some(mut err) = child.stderr.take() {
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(2),
+                        err.read_to_string(&mut stderr),
+                    )
+                    .await;
+                }
+                Err(Error::Init(format!(
+                    "{} did not start as a sandbox init process ({}); it must call agentstack_sandbox::run_if_init() first in main, or set {INIT_PROGRAM_ENV} to the agentstack binary",
+                    self.program.display(),
+                    first_line(&stderr).unwrap_or("no message"),
+                )))
+            }
+            Err(_) => Err(Error::Init(format!(
+                "isolating a sandbox took more than {SETUP_TIMEOUT:?}"
+            ))),
+        }
+    }
+
+    /// Tops the pool up in the background, one sandbox at a time.
+    fn refill(inner: &Arc<Self>) {
+        if inner.config.warm == 0 || inner.refilling.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let inner = Arc::clone(inner);
+        tokio::spawn(async move {
+            while inner.warm.lock().expect("pool lock").len() < inner.config.warm {
+                match inner.spawn().await {
+                    Ok(warm) => inner.warm.lock().expect("pool lock").push(warm),
+                    Err(e) => {
+                        tracing::warn!("could not refill the sandbox pool: {e}");
+                        break;
+                    }
+                }
+            }
+            inner.refilling.store(false, Ordering::SeqCst);
+        });
+    }
+
+    async fn exchange(&self, mut warm: Warm, job: &Job) -> Result<Outcome, Exchange> {
+        let header = JobHeader {
+            argv: job.argv.clone(),
+            env: job.env.clone(),
+            limits: job.limits,
+            stdin_len: job.stdin.len() as u64,
+            files: job
+                .files
+                .iter()
+                .map(|f| FileHeader {
+                    path: f.path.clone(),
+                    len: f.contents.len() as u64,
+                    executable: f.executable,
+                })
+                .collect(),
+        };
+        let not_delivered = |e: std::io::Error| {
+            Exchange::NotDelivered(Error::Init(format!("could not send the job: {e}")))
+        };
+        warm.stdin
+            .write_all(&crate::wire::encode_header(&header))
+            .await
+            .map_err(not_delivered)?;
+        warm.stdin
+            .write_all(&job.stdin)
+            .await
+            .map_err(not_delivered)?;
+        for file in &job.files {
+            warm.stdin
+                .write_all(&file.contents)
+                .await
+                .map_err(not_delivered)?;
+        }
+        warm.stdin.flush().await.map_err(not_delivered)?;
+        let failed = |what: String| Exchange::Failed(Error::Init(what));
+        let deadline = job.limits.wall + REPORT_GRACE;
+        let received = tokio::time::timeout(deadline, async {
+            let report = read_header::<Report>(&mut warm.stdout)
+                .await
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| "it exited without a report".to_owned())?;
+            let mut stdout = vec![0u8; report.stdout_len as usize];
+            let mut stderr = vec![0u8; report.stderr_len as usize];
+            warm.stdout
+                .read_exact(&mut stdout)
+                .await
+                .map_err(|e| e.to_string())?;
+            warm.stdout
+                .read_exact(&mut stderr)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>((report, stdout, stderr))
+        })
+        .await;
+        // The init process exits after its one job; make sure of it.
+        drop(warm.stdin);
+        if tokio::time::timeout(Duration::from_secs(5), warm.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = warm.child.kill().await;
+        }
+        let (report, stdout, stderr) = match received {
+            Ok(Ok(received)) => received,
+            Ok(Err(e)) => return Err(failed(e)),
+            Err(_) => return Err(failed(format!("no report within {deadline:?}"))),
+        };
+        if let Some(error) = report.error {
+            return Err(failed(error));
+        }
+        Ok(Outcome {
+            end: report.end,
+            stdout,
+            stderr,
+            stdout_truncated: report.stdout_truncated,
+            stderr_truncated: report.stderr_truncated,
+            usage: report.usage,
+        })
+    }
+}
+
+async fn read_header<T: serde::de::DeserializeOwned>(
+    input: &mut ChildStdout,
+) -> std::io::Result<Option<T>> {
+    let mut prefix = [0u8; 4];
+    match input.read_exact(&mut prefix).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let mut body = vec![0u8; crate::wire::header_len(prefix)?];
+    input.read_exact(&mut body).await?;
+    serde_json::from_slice(&body)
+        .map(Some)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+fn first_line(text: &str) -> Option<&str> {
+    text.lines().map(str::trim).find(|l| !l.is_empty())
+}
+
+/// What to do when a set-up step fails.
+fn hint_for(step: &str, message: &str) -> String {
+    let dev_only = "for development only, `--unsafe-no-isolation` runs commands without isolation";
+    if step.contains("namespaces") {
+        format!(
+            "this kernel refuses unprivileged user namespaces ({message}). Allow them: `sysctl -w user.max_user_namespaces=15000`, `sysctl -w kernel.unprivileged_userns_clone=1` (Debian), or `sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 24.04+); inside a container, run it with user namespaces allowed (e.g. a seccomp profile that permits unshare). {dev_only}"
+        )
+    } else if step.contains("unprivileged") || step.contains("groups") {
+        format!(
+            "could not drop root privileges to the unprivileged id; pick another with the sandbox configuration. {dev_only}"
+        )
+    } else {
+        format!(
+            "the kernel refused a step of isolation; run with AGENTSTACK_LOG=debug and report it. {dev_only}"
+        )
+    }
+}
