@@ -6,6 +6,7 @@
 //! | [`arithmetic`] | solves generated arithmetic and word problems, answering in free text |
 //! | [`connect_four`] | plays Connect Four against an opponent of adjustable strength |
 //! | [`word_guess`] | finds a five-letter word from per-letter feedback, Wordle-style |
+//! | [`coding`] | writes code (a function, or a fix to a small repository) that passes hidden tests run in a sandbox |
 //!
 //! Each is deterministic given the reset seed (and draws a seed when given none, which
 //! its state reports), takes its settings as reset options, documents its action,
@@ -15,7 +16,7 @@
 //! use agentstack_envs::{builtin, find};
 //!
 //! let names: Vec<_> = builtin().iter().map(|spec| spec.name().to_owned()).collect();
-//! assert_eq!(names, ["echo", "arithmetic", "connect_four", "word_guess"]);
+//! assert_eq!(names, ["echo", "arithmetic", "connect_four", "word_guess", "coding"]);
 //!
 //! let spec = find("connect_four").expect("built in");
 //! assert_eq!(spec.info().reward_range, (-1.0, 1.0));
@@ -24,6 +25,7 @@
 //! ```
 
 pub mod arithmetic;
+pub mod coding;
 pub mod connect_four;
 pub mod echo;
 mod episode;
@@ -33,13 +35,14 @@ pub mod words;
 use agentstack_env::EnvSpec;
 
 /// The specs of every built-in environment: echo, arithmetic, connect_four,
-/// word_guess.
+/// word_guess, coding.
 pub fn builtin() -> Vec<EnvSpec> {
     vec![
         echo::spec(),
         arithmetic::spec(),
         connect_four::spec(),
         word_guess::spec(),
+        coding::spec(),
     ]
 }
 
@@ -50,6 +53,7 @@ pub fn find(name: &str) -> Option<EnvSpec> {
         arithmetic::NAME => Some(arithmetic::spec()),
         connect_four::NAME => Some(connect_four::spec()),
         word_guess::NAME => Some(word_guess::spec()),
+        coding::NAME => Some(coding::spec()),
         _ => None,
     }
 }

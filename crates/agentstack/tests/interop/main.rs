@@ -209,6 +209,32 @@ fn core_0_3_generic_and_mcp_clients() {
 
 #[test]
 #[ignore = "needs the OpenEnv venvs from scripts/install-peers"]
+fn openenv_clients_drive_the_coding_environment() {
+    let python = openenv_python();
+    let mut command = agentstack();
+    command.args(["env", "serve", "coding", "--port", "0"]);
+    let mut server = Server::start(command, SERVER_READY);
+    let url = format!("{}/coding", server.url);
+    let mut command = python_command(&python);
+    command
+        .current_dir(interop_dir())
+        .arg(interop_dir().join("client_coding.py"))
+        .arg(&url);
+    let finished = run_bounded(command, PEER_COMMAND_LIMIT);
+    assert_success(&finished, &mut server, "client_coding.py");
+    println!("{}", finished.stdout);
+    let mut command = python_command(&python);
+    command.args(["-m", "openenv.cli", "validate", "--url", &url, "--json"]);
+    let finished = run_bounded(command, PEER_COMMAND_LIMIT);
+    assert_success(&finished, &mut server, "openenv validate --url (coding)");
+    let report: Value = serde_json::from_str(&finished.stdout).unwrap_or_else(|e| {
+        panic!("openenv validate --json printed no JSON report: {e}\n{finished}")
+    });
+    assert_eq!(report["passed"], true, "{finished}");
+}
+
+#[test]
+#[ignore = "needs the OpenEnv venvs from scripts/install-peers"]
 fn openenv_validate_url_passes_our_echo() {
     let python = openenv_python();
     let mut server = serve_builtins();

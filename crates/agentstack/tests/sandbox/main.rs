@@ -474,3 +474,194 @@ async fn the_warm_pool_serves_concurrent_runs() {
         assert_eq!(outcome.stdout_text(), format!("{}\n", i * 2));
     }
 }
+
+mod coding {
+    //! The `coding` environment, its tests run in real sandboxes: every reference
+    //! solution earns 1.0, a stub does not; a repository snapshot earns strictly
+    //! between 0 and 1, its fix 1.0; the tools work; the conformance checks pass.
+
+    use agentstack_envs::coding::{self, Task, TaskSet};
+    use agentstack_protocol::http::ResetRequest;
+    use serde_json::{Value, json};
+
+    use super::config;
+
+    fn spec() -> agentstack_env::EnvSpec {
+        coding::spec_with(
+            TaskSet::builtin(),
+            agentstack_sandbox::SandboxConfig {
+                warm: 2,
+                max_concurrent: 2,
+                ..config()
+            },
+        )
+    }
+
+    async fn episode(
+        env: &mut Box<dyn agentstack_env::DynEnvironment>,
+        task: &str,
+        actions: &[Value],
+    ) -> (f64, Value) {
+        let reset = ResetRequest {
+            options: json!({"task": task, "max_steps": 50})
+                .as_object()
+                .unwrap()
+                .clone(),
+            ..ResetRequest::default()
+        };
+        env.reset(reset).await.unwrap();
+        let mut last = Value::Null;
+        for action in actions {
+            let raw = serde_json::value::to_raw_value(action).unwrap();
+            let step = env.step(&raw).await.unwrap();
+            last = serde_json::to_value(&step).unwrap();
+        }
+        (last["reward"].as_f64().unwrap_or(0.0), last)
+    }
+
+    #[tokio::test]
+    async fn every_reference_passes_and_stubs_do_not() {
+        let spec = spec();
+        let mut env = spec.instantiate().unwrap();
+        let set = TaskSet::builtin();
+        let mut checked = 0;
+        for task in set.tasks() {
+            match task {
+                Task::Function(t) => {
+                    let (reward, last) =
+                        episode(&mut env, &t.id, &[json!({"code": t.reference})]).await;
+                    assert_eq!(
+                        reward, 1.0,
+                        "{}: the reference scored {reward}: {last}",
+                        t.id
+                    );
+                    let stub =
+                        format!("def {}(*args, **kwargs):\n    return None\n", t.entry_point);
+                    let (reward, _) = episode(&mut env, &t.id, &[json!({"code": stub})]).await;
+                    assert!(reward < 1.0, "{}: a stub scored {reward}", t.id);
+                }
+                Task::Repo(t) => {
+                    let (reward, last) =
+                        episode(&mut env, &t.id, &[json!({"tool": "submit"})]).await;
+                    assert!(
+                        reward > 0.0 && reward < 1.0,
+                        "{}: the snapshot scored {reward}: {last}",
+                        t.id
+                    );
+                    let mut fix: Vec<Value> = t
+                        .solution
+                        .iter()
+                        .map(|(path, content)| json!({"tool": "write_file", "path": path, "content": content}))
+                        .collect();
+                    fix.push(json!({"tool": "submit"}));
+                    let (reward, last) = episode(&mut env, &t.id, &fix).await;
+                    assert_eq!(reward, 1.0, "{}: the fix scored {reward}: {last}", t.id);
+                }
+            }
+            checked += 1;
+        }
+        assert!(checked >= 54);
+    }
+
+    #[tokio::test]
+    async fn editing_the_visible_tests_does_not_raise_the_reward() {
+        let spec = spec();
+        let mut env = spec.instantiate().unwrap();
+        let set = TaskSet::builtin();
+        let Some(Task::Repo(task)) = set.tasks().iter().find(|t| t.kind() == "repo") else {
+            panic!("a repository task is built in")
+        };
+        let (honest, _) = episode(&mut env, &task.id, &[json!({"tool": "submit"})]).await;
+        // Replace every test file with one that passes, and add a passing test.
+        let mut cheat: Vec<Value> = task
+            .repo
+            .keys()
+            .filter(|p| p.starts_with("tests/test"))
+            .map(|p| json!({"tool": "write_file", "path": p, "content": "import unittest\nclass T(unittest.TestCase):\n    def test_ok(self):\n        pass\n"}))
+            .collect();
+        cheat.push(json!({"tool": "write_file", "path": "tests/test_extra.py", "content": "import unittest\nclass E(unittest.TestCase):\n    def test_a(self): pass\n    def test_b(self): pass\n"}));
+        cheat.push(json!({"tool": "submit"}));
+        let (cheated, _) = episode(&mut env, &task.id, &cheat).await;
+        assert_eq!(cheated, honest);
+        // Printing something that looks like results does not help either.
+        let (reward, _) = episode(
+            &mut env,
+            "count_vowels",
+            &[json!({"code": "print('{\"tests\": [{\"passed\": true}]}')\nimport os\nos._exit(0)\n"})],
+        )
+        .await;
+        assert_eq!(reward, 0.0);
+    }
+
+    #[tokio::test]
+    async fn tools_read_edit_and_test_a_repository() {
+        let spec = spec();
+        let mut env = spec.instantiate().unwrap();
+        let names: Vec<String> = env.tools().into_iter().map(|t| t.name).collect();
+        assert_eq!(
+            names,
+            [
+                "write_file",
+                "read_file",
+                "list_files",
+                "run_tests",
+                "submit"
+            ]
+        );
+        let set = TaskSet::builtin();
+        let Some(Task::Repo(task)) = set.get("inventory_stock_checks") else {
+            panic!("built in")
+        };
+        let reset = ResetRequest {
+            options: json!({"task": task.id}).as_object().unwrap().clone(),
+            ..ResetRequest::default()
+        };
+        let first = env.reset(reset).await.unwrap();
+        let first = serde_json::to_value(&first).unwrap();
+        assert!(
+            first["observation"]["prompt"]
+                .as_str()
+                .unwrap()
+                .contains("Inventory")
+        );
+        let call = |name: &str, args: Value| (name.to_owned(), args.as_object().unwrap().clone());
+        let (name, args) = call("list_files", json!({}));
+        let listed = env.call_tool(&name, args).await.unwrap();
+        assert!(
+            serde_json::to_string(&listed)
+                .unwrap()
+                .contains("invtrack/inventory.py")
+        );
+        let (name, args) = call("run_tests", json!({}));
+        let ran = serde_json::to_string(&env.call_tool(&name, args).await.unwrap()).unwrap();
+        assert!(ran.contains("FAILED"), "{ran}");
+        for (path, content) in &task.solution {
+            let (name, args) = call("write_file", json!({"path": path, "content": content}));
+            env.call_tool(&name, args).await.unwrap();
+        }
+        let (name, args) = call("read_file", json!({"path": "nope.py"}));
+        assert!(env.call_tool(&name, args).await.is_err());
+        let (name, args) = call("submit", json!({}));
+        let submitted = serde_json::to_string(&env.call_tool(&name, args).await.unwrap()).unwrap();
+        assert!(
+            submitted.contains("\\\"reward\\\":1.0") || submitted.contains("1.0"),
+            "{submitted}"
+        );
+        let state = env.state().unwrap();
+        assert_eq!(state["hidden_passed"], state["hidden_total"]);
+    }
+
+    #[test]
+    fn env_validate_passes_on_coding() {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_agentstack"))
+            .args(["env", "validate", "coding"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
