@@ -341,65 +341,38 @@ impl CodingEnv {
         Ok(())
     }
 
-    /// The visible tests on the workspace as it is.
-    async fn visible(&self, episode: &Episode) -> Result<TestRun, EnvError> {
-        let sandbox = self.sandbox.get().await?;
-        let run = match episode.task.as_ref() {
-            Task::Function(task) => {
-                grader::run_tests(
-                    sandbox,
-                    &episode.files,
-                    grader::Suite::Snippets(&task.visible_tests),
-                    &episode.marker,
-                )
-                .await
-            }
-            Task::Repo(_) => {
-                grader::run_tests(
-                    sandbox,
-                    &episode.files,
-                    grader::Suite::Unittest,
-                    &episode.marker,
-                )
-                .await
-            }
-        };
-        run.map_err(|e| EnvError::new(format!("running the tests failed: {e}")))
-    }
-
-    /// The hidden tests: for repositories, the shipped `tests/` (agent edits there are
+    /// The visible tests (`hidden` false) or the ones that decide the reward. For
+    /// repositories the latter are the shipped `tests/` (agent edits there are
     /// dropped) plus the hidden files.
-    async fn hidden(&self, episode: &Episode) -> Result<TestRun, EnvError> {
+    async fn tests(&self, episode: &Episode, hidden: bool) -> Result<TestRun, EnvError> {
         let sandbox = self.sandbox.get().await?;
-        let run = match episode.task.as_ref() {
+        let graded;
+        let (files, suite) = match episode.task.as_ref() {
             Task::Function(task) => {
-                grader::run_tests(
-                    sandbox,
-                    &episode.files,
-                    grader::Suite::Snippets(&task.hidden_tests),
-                    &episode.marker,
-                )
-                .await
+                let tests = if hidden {
+                    &task.hidden_tests
+                } else {
+                    &task.visible_tests
+                };
+                (&episode.files, grader::Suite::Snippets(tests))
             }
+            Task::Repo(_) if !hidden => (&episode.files, grader::Suite::Unittest),
             Task::Repo(task) => {
-                let mut files: BTreeMap<String, String> = episode
+                let shipped_tests = task.repo.iter().filter(|(p, _)| p.starts_with("tests/"));
+                graded = episode
                     .files
                     .iter()
                     .filter(|(path, _)| !path.starts_with("tests/"))
-                    .map(|(p, c)| (p.clone(), c.clone()))
-                    .collect();
-                for (path, contents) in task
-                    .repo
-                    .iter()
-                    .filter(|(p, _)| p.starts_with("tests/"))
+                    .chain(shipped_tests)
                     .chain(&task.hidden)
-                {
-                    files.insert(path.clone(), contents.clone());
-                }
-                grader::run_tests(sandbox, &files, grader::Suite::Unittest, &episode.marker).await
+                    .map(|(p, c)| (p.clone(), c.clone()))
+                    .collect::<BTreeMap<_, _>>();
+                (&graded, grader::Suite::Unittest)
             }
         };
-        run.map_err(|e| EnvError::new(format!("running the tests failed: {e}")))
+        grader::run_tests(sandbox, files, suite, &episode.marker)
+            .await
+            .map_err(|e| EnvError::new(format!("running the tests failed: {e}")))
     }
 
     /// Applies one action; `Err` is an error the agent made (reported in the
@@ -448,7 +421,7 @@ impl CodingEnv {
             match action.tool {
                 CodingTool::Submit => {}
                 CodingTool::RunTests => {
-                    let run = self.visible(episode).await?;
+                    let run = self.tests(episode, false).await?;
                     let sources = match episode.task.as_ref() {
                         Task::Function(task) => Some(task.visible_tests.as_slice()),
                         Task::Repo(_) => None,
@@ -479,7 +452,7 @@ impl CodingEnv {
             }
         }
         if action.tool == CodingTool::Submit || last_step {
-            let run = self.hidden(episode).await?;
+            let run = self.tests(episode, true).await?;
             let total = run.tests.len();
             let passed = run.passed();
             let reward = if total == 0 {
