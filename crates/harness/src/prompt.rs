@@ -99,6 +99,18 @@ const HIDDEN_FIELDS: [&str; 3] = ["metadata", "reward", "done"];
 impl Profile {
     /// The tuned profile of a built-in environment, if `env` is one.
     pub fn builtin(env: &str) -> Option<Self> {
+        if env == "coding" {
+            // One fenced block of Python becomes `solution.py`, submitted at once (the
+            // HumanEval way); multi-step repository work takes the JSON or tool forms.
+            return Some(Self {
+                system: "You are an expert Python programmer. Write the complete solution.py the task asks for, in one ```python code block.".into(),
+                user: "{{ observation.prompt }}{% if observation.output %}\n\n{{ observation.output }}{% endif %}".into(),
+                action: Some(ActionFormat::Text {
+                    field: "code".into(),
+                }),
+                answer_pattern: Some(r"(?s)```(?:python|py)?[ \t]*\n(.*?)```".into()),
+            });
+        }
         let (system, user, pattern) = match env {
             "arithmetic" => (
                 "Solve the math problem. Think step by step, then end with: The answer is N.",
@@ -389,6 +401,29 @@ mod tests {
 
     fn schema_column() -> Value {
         json!({"type": "object", "properties": {"column": {"type": "integer"}}, "required": ["column"]})
+    }
+
+    #[test]
+    fn coding_replies_become_the_last_python_block() {
+        let schema = json!({"type": "object", "properties": {"tool": {"type": "string"}, "code": {"type": "string"}}});
+        let p = Presenter::new(Profile::builtin("coding").unwrap(), "", &schema, &[]).unwrap();
+        let reply = "Here it is:\n```python\ndef f():\n    return 1\n```\nDone.";
+        assert_eq!(
+            p.parse(reply, &[]).unwrap(),
+            json!({"code": "def f():\n    return 1\n"})
+        );
+        assert_eq!(
+            p.parse("def g(): pass", &[]).unwrap(),
+            json!({"code": "def g(): pass"})
+        );
+        let user = p
+            .user(
+                json!({"prompt": "Write f.", "output": ""})
+                    .as_object()
+                    .unwrap(),
+            )
+            .unwrap();
+        assert_eq!(user, "Write f.");
     }
 
     #[test]

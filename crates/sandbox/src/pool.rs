@@ -200,7 +200,7 @@ impl Sandbox {
         job.validate().map_err(Error::InvalidJob)?;
         let inner = &self.inner;
         let waiting = inner.waiting.fetch_add(1, Ordering::SeqCst);
-        if waiting >= inner.config.max_queued + inner.config.max_concurrent {
+        if inner.permits.available_permits() == 0 && waiting >= inner.config.max_queued {
             inner.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Busy { queued: waiting });
         }
@@ -420,5 +420,21 @@ fn hint_for(step: &str, message: &str) -> String {
         format!(
             "the kernel refused a step of isolation; run with AGENTSTACK_LOG=debug and report it. {dev_only}"
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_say_what_to_change() {
+        let hint = hint_for(
+            "create user, mount, network, IPC, UTS and cgroup namespaces",
+            "Operation not permitted (os error 1)",
+        );
+        assert!(hint.contains("max_user_namespaces") && hint.contains("--unsafe-no-isolation"));
+        let hint = hint_for("switch to the unprivileged user", "EPERM");
+        assert!(hint.contains("unprivileged id"));
     }
 }

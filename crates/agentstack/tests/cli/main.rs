@@ -544,4 +544,21 @@ fn sandbox_run_mirrors_the_command_and_refuses_bad_limits() {
     }
     let out = agentstack(&["sandbox", "check"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
+    // Development only, and it says so.
+    let out = agentstack(&[
+        "sandbox",
+        "run",
+        "--unsafe-no-isolation",
+        "--",
+        "sh",
+        "-c",
+        "echo $HOME",
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("warning: --unsafe-no-isolation"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.contains("agentstack-sandbox-"), "{}", out.stdout);
 }

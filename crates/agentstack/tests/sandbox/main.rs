@@ -453,6 +453,39 @@ async fn bad_jobs_are_refused_before_anything_runs() {
 }
 
 #[tokio::test]
+async fn a_full_queue_refuses_more_runs() {
+    let sandbox = Sandbox::start(SandboxConfig {
+        max_concurrent: 1,
+        max_queued: 0,
+        ..config()
+    })
+    .await
+    .unwrap();
+    let busy = sandbox.clone();
+    let first = tokio::spawn(async move {
+        let mut job = Job::new(["sleep", "1"]);
+        job.limits = short();
+        busy.run(&job).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let err = sandbox.run(&Job::new(["true"])).await.unwrap_err();
+    assert!(
+        matches!(err, agentstack_sandbox::Error::Busy { .. }),
+        "{err}"
+    );
+    assert!(first.await.unwrap().unwrap().end.success());
+    // With the slot free again, runs are accepted.
+    assert!(
+        sandbox
+            .run(&Job::new(["true"]))
+            .await
+            .unwrap()
+            .end
+            .success()
+    );
+}
+
+#[tokio::test]
 async fn the_warm_pool_serves_concurrent_runs() {
     let sandbox = Sandbox::start(SandboxConfig {
         warm: 4,
