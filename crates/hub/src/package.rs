@@ -421,7 +421,8 @@ pub fn read_packed(bytes: &[u8]) -> Result<(Manifest, Files), PackageError> {
                 .path()
                 .map_err(|e| PackageError::Corrupt(e.to_string()))?,
         )?;
-        let mut contents = Vec::with_capacity(size as usize);
+        // The header's size is untrusted: grow as bytes actually arrive.
+        let mut contents = Vec::with_capacity(size.min(1 << 20) as usize);
         entry
             .read_to_end(&mut contents)
             .map_err(|e| PackageError::Corrupt(format!("{path}: {e}")))?;
