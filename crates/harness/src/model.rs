@@ -8,11 +8,12 @@
 //! [`LanguageModel::chat_prompt`] and sample with the same seeded sampler, so an
 //! evaluation gives the same tokens in process and over HTTP.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agentstack_model::chat::{FunctionCall, Message, ToolCall};
-use agentstack_model::constraint::{ConstraintCompiler, parse_tool_calls};
+use agentstack_model::constraint::{Constraint, ConstraintCompiler, parse_tool_calls};
 use agentstack_model::engine::{Engine, Event};
 use agentstack_model::generate::GenerateRequest;
 use agentstack_model::{LanguageModel, SamplingParams};
@@ -218,8 +219,14 @@ impl Drop for InFlight<'_> {
 pub struct EngineModel {
     engine: Engine,
     compiler: Option<ConstraintCompiler>,
+    /// Compiled, unstarted constraints by schema: every turn of a run asks for the
+    /// same one, and a clone is cheaper than compiling it again.
+    constraints: Mutex<HashMap<String, Constraint>>,
     name: String,
 }
+
+/// The most compiled constraints kept; the cache starts over beyond it.
+const MAX_CACHED_CONSTRAINTS: usize = 64;
 
 /// An OpenAI-compatible server.
 pub struct OpenAiModel {
@@ -237,6 +244,7 @@ impl ModelClient {
             backend: Backend::Engine(Arc::new(EngineModel {
                 engine,
                 compiler,
+                constraints: Mutex::new(HashMap::new()),
                 name: name.to_owned(),
             })),
             activity: Activity::new(),
@@ -309,11 +317,30 @@ impl ModelClient {
 }
 
 impl EngineModel {
+    /// A fresh constraint for `schema`, compiled once per schema.
+    fn constraint_for(
+        &self,
+        compiler: &ConstraintCompiler,
+        schema: &Value,
+    ) -> Result<Constraint, ModelError> {
+        let key = schema.to_string();
+        let mut cache = self.constraints.lock().expect("constraint cache lock");
+        if let Some(compiled) = cache.get(&key) {
+            return Ok(compiled.clone());
+        }
+        let compiled = compiler.json_schema(schema)?;
+        if cache.len() >= MAX_CACHED_CONSTRAINTS {
+            cache.clear();
+        }
+        cache.insert(key, compiled.clone());
+        Ok(compiled)
+    }
+
     async fn chat(&self, request: &ChatRequest) -> Result<ChatResponse, ModelError> {
         let lm = self.engine.model();
         let prompt = lm.chat_prompt(request.messages.clone(), &request.tools)?;
         let constraint = match (&request.json_schema, &self.compiler) {
-            (Some(schema), Some(compiler)) => Some(compiler.json_schema(schema)?),
+            (Some(schema), Some(compiler)) => Some(self.constraint_for(compiler, schema)?),
             _ => None,
         };
         let generate = GenerateRequest {
