@@ -674,6 +674,16 @@ mod coding {
         }
         let (name, args) = call("read_file", json!({"path": "nope.py"}));
         assert!(env.call_tool(&name, args).await.is_err());
+        // A file whose text looks like an error is still just a file.
+        let (name, args) = call(
+            "write_file",
+            json!({"path": "notes.txt", "content": "error: not really"}),
+        );
+        env.call_tool(&name, args).await.unwrap();
+        let (name, args) = call("read_file", json!({"path": "notes.txt"}));
+        let read = env.call_tool(&name, args).await.unwrap();
+        let read = serde_json::to_string(&read).unwrap();
+        assert!(read.contains("error: not really"), "{read}");
         let (name, args) = call("submit", json!({}));
         let submitted = serde_json::to_string(&env.call_tool(&name, args).await.unwrap()).unwrap();
         assert!(

@@ -250,10 +250,6 @@ pub fn spec_with(set: TaskSet, sandbox: SandboxConfig) -> EnvSpec {
     })
 }
 
-fn tool_error(message: impl Into<String>) -> ToolCallError {
-    ToolCallError::InvalidArgs(message.into())
-}
-
 impl CodingEnv {
     fn pick(&self, args: &ResetArgs) -> Result<(Arc<Task>, u64), EnvError> {
         let (seed, mut rng) = episode_rng(args.seed);
@@ -375,9 +371,13 @@ impl CodingEnv {
             .map_err(|e| EnvError::new(format!("running the tests failed: {e}")))
     }
 
-    /// Applies one action; `Err` is an error the agent made (reported in the
-    /// observation, the episode goes on).
-    async fn apply(&mut self, action: CodingAction) -> Result<Step<CodingObservation>, EnvError> {
+    /// Applies one action. `Err` is a failure of the environment; a mistake of the
+    /// agent's (a missing argument, an unknown file) is the returned problem, also
+    /// shown in the observation, and the episode goes on.
+    async fn apply(
+        &mut self,
+        action: CodingAction,
+    ) -> Result<(Step<CodingObservation>, Option<String>), EnvError> {
         let mut episode = self
             .episode
             .take()
@@ -391,7 +391,7 @@ impl CodingEnv {
         &self,
         episode: &mut Episode,
         action: CodingAction,
-    ) -> Result<Step<CodingObservation>, EnvError> {
+    ) -> Result<(Step<CodingObservation>, Option<String>), EnvError> {
         if episode.done {
             return Err(EnvError::new(EPISODE_OVER));
         }
@@ -399,25 +399,16 @@ impl CodingEnv {
         let last_step = episode.steps >= episode.max_steps;
         let mut output = String::new();
         let mut tests = None;
-        let problem = |output: &mut String, message: String| {
-            output.push_str("error: ");
-            output.push_str(&message);
-        };
-        if let Some(code) = action.code.clone() {
-            match action.tool {
-                CodingTool::Submit | CodingTool::RunTests => {
-                    if let Err(e) = Self::write(episode, SOLUTION_FILE, code) {
-                        problem(&mut output, e);
-                    }
-                }
-                _ => problem(
-                    &mut output,
-                    "`code` goes with `submit` or `run_tests`; use `content` with write_file"
-                        .into(),
-                ),
+        let mut problem = match (action.code.clone(), action.tool) {
+            (None, _) => None,
+            (Some(code), CodingTool::Submit | CodingTool::RunTests) => {
+                Self::write(episode, SOLUTION_FILE, code).err()
             }
-        }
-        if output.is_empty() {
+            (Some(_), _) => Some(
+                "`code` goes with `submit` or `run_tests`; use `content` with write_file".into(),
+            ),
+        };
+        if problem.is_none() {
             match action.tool {
                 CodingTool::Submit => {}
                 CodingTool::RunTests => {
@@ -432,24 +423,27 @@ impl CodingEnv {
                 CodingTool::WriteFile => match (&action.path, action.content.clone()) {
                     (Some(path), Some(content)) => match Self::write(episode, path, content) {
                         Ok(()) => output = format!("wrote {path}"),
-                        Err(e) => problem(&mut output, e),
+                        Err(e) => problem = Some(e),
                     },
-                    _ => problem(&mut output, "write_file needs `path` and `content`".into()),
+                    _ => problem = Some("write_file needs `path` and `content`".into()),
                 },
                 CodingTool::ReadFile => match &action.path {
                     Some(path) => match episode.files.get(path) {
                         Some(contents) => output = contents.clone(),
-                        None => problem(
-                            &mut output,
-                            format!("no file {path:?}; list_files shows what exists"),
-                        ),
+                        None => {
+                            problem =
+                                Some(format!("no file {path:?}; list_files shows what exists"))
+                        }
                     },
-                    None => problem(&mut output, "read_file needs `path`".into()),
+                    None => problem = Some("read_file needs `path`".into()),
                 },
                 CodingTool::ListFiles => {
                     output = episode.files.keys().cloned().collect::<Vec<_>>().join("\n");
                 }
             }
+        }
+        if let Some(problem) = &problem {
+            output = format!("error: {problem}");
         }
         if action.tool == CodingTool::Submit || last_step {
             let run = self.tests(episode, true).await?;
@@ -470,13 +464,16 @@ impl CodingEnv {
                 output.push_str(&format!("\nerror: {error}"));
             }
             let observation = Self::observation(episode, String::new(), output, tests);
-            return Ok(Step::new(observation)
+            let step = Step::new(observation)
                 .with_reward(reward)
                 .with_done(true)
                 .with_metadata("hidden_passed", passed)
-                .with_metadata("hidden_total", total));
+                .with_metadata("hidden_total", total);
+            return Ok((step, problem));
         }
-        Ok(Step::new(Self::observation(episode, String::new(), output, tests)).with_reward(0.0))
+        let step =
+            Step::new(Self::observation(episode, String::new(), output, tests)).with_reward(0.0);
+        Ok((step, problem))
     }
 }
 
@@ -551,7 +548,7 @@ impl Environment for CodingEnv {
     }
 
     async fn step(&mut self, action: CodingAction) -> Result<Step<CodingObservation>, EnvError> {
-        self.apply(action).await
+        self.apply(action).await.map(|(step, _)| step)
     }
 
     fn state(&self) -> CodingState {
@@ -613,7 +610,9 @@ impl Environment for CodingEnv {
                 .get(key)
                 .and_then(Value::as_str)
                 .map(str::to_owned)
-                .ok_or_else(|| tool_error(format!("`{key}` (a string) is required")))
+                .ok_or_else(|| {
+                    ToolCallError::InvalidArgs(format!("`{key}` (a string) is required"))
+                })
         };
         let action = match name {
             "write_file" => CodingAction {
@@ -638,16 +637,14 @@ impl Environment for CodingEnv {
             "submit" => CodingAction::default(),
             other => return Err(ToolCallError::NotFound(other.to_owned())),
         };
-        let step = self
+        let (step, problem) = self
             .apply(action)
             .await
             .map_err(|e| ToolCallError::Execution(e.to_string()))?;
-        let observation = step.observation;
-        if observation.output.starts_with("error: ") {
-            return Err(ToolCallError::Execution(
-                observation.output.trim_start_matches("error: ").to_owned(),
-            ));
+        if let Some(problem) = problem {
+            return Err(ToolCallError::Execution(problem));
         }
+        let observation = step.observation;
         Ok(json!({
             "output": observation.output,
             "tests_passed": observation.tests_passed,
