@@ -558,8 +558,9 @@ struct Exec {
     env: Vec<CString>,
     cwd: CString,
     limits: [(Resource, u64, u64); 6],
-    /// Whether the program is a bare name to look up on `PATH`.
-    search: bool,
+    /// The paths to try in order: the program itself, or a bare name looked up on
+    /// the sandbox's `PATH`.
+    candidates: Vec<CString>,
 }
 
 impl Exec {
@@ -574,6 +575,17 @@ impl Exec {
             step: "read the command".into(),
             message: "empty command".into(),
         })?;
+        let candidates = if header.argv[0].contains('/') {
+            vec![program.clone()]
+        } else {
+            SANDBOX_PATH
+                .split(':')
+                .map(|dir| {
+                    CString::new(format!("{dir}/{}", header.argv[0]))
+                        .step("encode the program path")
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
         let home = scratch.to_string_lossy().into_owned();
         let mut env = vec![
             format!("PATH={SANDBOX_PATH}"),
@@ -586,7 +598,7 @@ impl Exec {
         let limits = &header.limits;
         let cpu = limits.cpu.as_secs().max(1);
         Ok(Self {
-            search: !header.argv[0].contains('/'),
+            candidates,
             program,
             argv,
             env: env.iter().map(|e| cstring(e)).collect::<Result<_, _>>()?,
@@ -616,19 +628,6 @@ fn run_job(
     stdin: Vec<u8>,
 ) -> Result<Ran, Failure> {
     let exec = Exec::new(header, scratch)?;
-    let candidates = if exec.search {
-        SANDBOX_PATH
-            .split(':')
-            .map(|dir| {
-                let mut path = dir.as_bytes().to_vec();
-                path.push(b'/');
-                path.extend_from_slice(exec.program.as_bytes());
-                CString::new(path).step("encode the program path")
-            })
-            .collect::<Result<Vec<_>, _>>()?
-    } else {
-        vec![exec.program.clone()]
-    };
     let (out_r, out_w) = pipe2(OFlag::O_CLOEXEC).step("create a pipe")?;
     let (err_r, err_w) = pipe2(OFlag::O_CLOEXEC).step("create a pipe")?;
     let (in_r, in_w) = pipe2(OFlag::O_CLOEXEC).step("create a pipe")?;
@@ -638,7 +637,7 @@ fn run_job(
     let child = match unsafe { fork() }.step("start the command")? {
         ForkResult::Child => {
             drop((out_r, err_r, in_w));
-            let code = command(&exec, &candidates, &in_r, &out_w, &err_w);
+            let code = command(&exec, &in_r, &out_w, &err_w);
             // SAFETY: leaving the forked child without running the parent's destructors.
             unsafe { libc::_exit(code) }
         }
@@ -653,13 +652,7 @@ fn run_job(
 }
 
 /// `C`: the command. Never returns on success.
-fn command(
-    exec: &Exec,
-    candidates: &[CString],
-    stdin: &OwnedFd,
-    stdout: &OwnedFd,
-    stderr: &OwnedFd,
-) -> i32 {
+fn command(exec: &Exec, stdin: &OwnedFd, stdout: &OwnedFd, stderr: &OwnedFd) -> i32 {
     let fail = |what: &[u8]| {
         let _ = nix::unistd::write(stderr, what);
         126
@@ -687,7 +680,7 @@ fn command(
         return fail(b"sandbox: could not enter the scratch directory\n");
     }
     let mut last = Errno::ENOENT;
-    for path in candidates {
+    for path in &exec.candidates {
         match nix::unistd::execve(path, &exec.argv, &exec.env) {
             Err(Errno::ENOENT) | Err(Errno::ENOTDIR) => {}
             Err(e) => last = e,
@@ -841,13 +834,9 @@ fn supervise(
             .collect();
         drop(fds);
         match polled {
-            Ok(0) if status.is_some() || stopped.is_some() => {
-                // Nothing more within the drain window: whatever still holds the pipes
-                // is being killed; stop waiting for it.
-                if status.is_some() {
-                    break;
-                }
-            }
+            // The command has ended and nothing more came within the drain window:
+            // whatever still holds the pipes is being killed; stop waiting for it.
+            Ok(0) if status.is_some() => break,
             Ok(_) | Err(Errno::EINTR) => {}
             Err(_) => break,
         }

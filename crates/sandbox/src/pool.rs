@@ -396,9 +396,7 @@ async fn read_header<T: serde::de::DeserializeOwned>(
     }
     let mut body = vec![0u8; crate::wire::header_len(prefix)?];
     input.read_exact(&mut body).await?;
-    serde_json::from_slice(&body)
-        .map(Some)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    crate::wire::decode_header(&body).map(Some)
 }
 
 fn first_line(text: &str) -> Option<&str> {

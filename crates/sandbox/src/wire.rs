@@ -125,18 +125,14 @@ pub fn read_header<T: DeserializeOwned>(input: &mut impl Read) -> io::Result<Opt
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e),
     }
-    let len = u32::from_le_bytes(len);
-    if len > MAX_HEADER_BYTES {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("header of {len} bytes is over the {MAX_HEADER_BYTES}-byte limit"),
-        ));
-    }
-    let mut body = vec![0u8; len as usize];
+    let mut body = vec![0u8; header_len(len)?];
     input.read_exact(&mut body)?;
-    serde_json::from_slice(&body)
-        .map(Some)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    decode_header(&body).map(Some)
+}
+
+/// Decodes a header's body (after its length prefix).
+pub fn decode_header<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
+    serde_json::from_slice(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// Encodes a header into bytes (for async writers).
