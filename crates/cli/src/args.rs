@@ -57,6 +57,224 @@ pub enum Command {
     /// Run untrusted commands isolated: run, check.
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// The environment hub: serve a registry; push, pull, fork, search, leaderboards.
+    #[command(subcommand)]
+    Hub(HubCommand),
+}
+
+/// `hub` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum HubCommand {
+    /// Run a registry (SQLite and local blobs in the data directory by default).
+    Serve(HubServeArgs),
+    /// Manage the registry's users (run on the hub's machine, against its database).
+    #[command(subcommand)]
+    User(HubUserCommand),
+    /// Create another API token for a user (run on the hub's machine).
+    Token(HubTokenArgs),
+    /// Save a hub URL and token for the other commands.
+    Login(HubLoginArgs),
+    /// Pack an environment directory and push it as owner/name@version.
+    Push(HubPushArgs),
+    /// Download owner/name[@version] into the local cache and print its directory.
+    Pull(HubRefArgs),
+    /// Copy owner/name[@version] into your namespace, recording where it came from.
+    Fork(HubForkArgs),
+    /// Search environments by name, description, tags and README.
+    Search(HubSearchArgs),
+    /// Show a package: versions, tags, validation, lineage.
+    Info(HubRefArgs),
+    /// Show a version's leaderboard.
+    Leaderboard(HubRefArgs),
+    /// Point a tag (e.g. stable) at a version: `hub tag owner/name@1.2.0 stable`.
+    Tag(HubTagArgs),
+    /// Check a registry's storage (run on the hub's machine): rows and blobs agree,
+    /// every blob matches its hash. Exit 1 when something is wrong.
+    Check(HubCheckArgs),
+}
+
+/// `hub check`.
+#[derive(Debug, Args)]
+pub struct HubCheckArgs {
+    /// The hub's database (as for `hub serve`).
+    #[arg(long, value_name = "URL")]
+    pub database: Option<String>,
+    /// The hub's blob directory (as for `hub serve`).
+    #[arg(long, value_name = "DIR")]
+    pub blobs: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where the hub is and who we are.
+#[derive(Debug, Args)]
+pub struct HubClientArgs {
+    /// The hub's URL (default: AGENTSTACK_HUB_URL, then the one saved by `hub login`,
+    /// then http://127.0.0.1:8700).
+    #[arg(long, value_name = "URL")]
+    pub hub: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `hub serve`.
+#[derive(Debug, Args)]
+pub struct HubServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port to listen on (0 picks a free one; the URL is printed).
+    #[arg(long, default_value_t = 8700)]
+    pub port: u16,
+    /// The metadata database: sqlite:///path/hub.db or postgres://user@host/db
+    /// (default: AGENTSTACK_HUB_DATABASE_URL, then hub.db in the data directory).
+    #[arg(long, value_name = "URL")]
+    pub database: Option<String>,
+    /// Where package blobs go (default: blobs/ in the data directory).
+    #[arg(long, value_name = "DIR")]
+    pub blobs: Option<PathBuf>,
+    /// The largest package accepted, in MiB.
+    #[arg(long, default_value_t = 256, value_name = "MIB")]
+    pub max_package_mib: usize,
+    /// Do not start pushed packages to check them (only the static checks run).
+    #[arg(long)]
+    pub no_conformance: bool,
+    /// The Python that serves Python packages during validation (inside the sandbox:
+    /// it must live under /usr or a --validate-read-only path).
+    #[arg(long, default_value = "python3", value_name = "PATH")]
+    pub validate_python: String,
+    /// Extra host paths validation runs may read (a virtual environment).
+    #[arg(long, value_name = "PATH")]
+    pub validate_read_only: Vec<PathBuf>,
+}
+
+/// `hub user`.
+#[derive(Debug, Subcommand)]
+pub enum HubUserCommand {
+    /// Create a user and print their first token (shown once).
+    Create(HubUserCreateArgs),
+}
+
+/// `hub user create`.
+#[derive(Debug, Args)]
+pub struct HubUserCreateArgs {
+    /// The user's name (also their namespace).
+    pub name: String,
+    /// The hub's database (as for `hub serve`).
+    #[arg(long, value_name = "URL")]
+    pub database: Option<String>,
+}
+
+/// `hub token`.
+#[derive(Debug, Args)]
+pub struct HubTokenArgs {
+    /// The user.
+    #[arg(long)]
+    pub user: String,
+    /// A note on what the token is for.
+    #[arg(long, default_value = "cli")]
+    pub label: String,
+    /// The hub's database (as for `hub serve`).
+    #[arg(long, value_name = "URL")]
+    pub database: Option<String>,
+}
+
+/// `hub login`.
+#[derive(Debug, Args)]
+pub struct HubLoginArgs {
+    /// The token (default: read from AGENTSTACK_HUB_TOKEN or one line of stdin).
+    #[arg(long)]
+    pub token: Option<String>,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
+}
+
+/// `hub push`.
+#[derive(Debug, Args)]
+pub struct HubPushArgs {
+    /// The environment directory (with an openenv.yaml).
+    #[arg(default_value = ".")]
+    pub dir: PathBuf,
+    /// The package name (default: openenv.yaml's name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The version (default: openenv.yaml's version).
+    #[arg(long)]
+    pub version: Option<String>,
+    /// Only you can see it.
+    #[arg(long)]
+    pub private: bool,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
+}
+
+/// Commands that take one package reference.
+#[derive(Debug, Args)]
+pub struct HubRefArgs {
+    /// owner/name[@version|@tag] (default tag: latest).
+    #[arg(value_name = "OWNER/NAME[@VERSION]")]
+    pub package: String,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
+}
+
+/// `hub fork`.
+#[derive(Debug, Args)]
+pub struct HubForkArgs {
+    /// owner/name[@version] to fork.
+    #[arg(value_name = "OWNER/NAME[@VERSION]")]
+    pub package: String,
+    /// The new name in your namespace (default: the same name).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
+}
+
+/// `hub search`.
+#[derive(Debug, Args)]
+pub struct HubSearchArgs {
+    /// Words to look for (all of them, as prefixes); none lists everything.
+    pub query: Vec<String>,
+    /// Order.
+    #[arg(long, value_enum, default_value_t = HubSort::Relevance)]
+    pub sort: HubSort,
+    /// At most this many.
+    #[arg(long, default_value_t = 20)]
+    pub limit: u32,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
+}
+
+/// Search order.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum HubSort {
+    /// Best text match.
+    Relevance,
+    /// Most downloaded.
+    Downloads,
+    /// Best leaderboard score.
+    Score,
+}
+
+/// `hub tag`.
+#[derive(Debug, Args)]
+pub struct HubTagArgs {
+    /// owner/name@version to tag.
+    #[arg(value_name = "OWNER/NAME@VERSION")]
+    pub package: String,
+    /// The tag.
+    pub tag: String,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
 }
 
 /// `sandbox` subcommands.
@@ -419,6 +637,9 @@ pub enum EnvCommand {
     Validate(ValidateArgs),
     /// Create a new environment that serves and validates out of the box.
     Init(InitArgs),
+    /// Wrap a verifiers environment (a module with load_environment) as an OpenEnv
+    /// package.
+    Import(ImportArgs),
 }
 
 /// `env list`.
@@ -433,9 +654,10 @@ pub struct ListArgs {
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// What to serve: built-in names (several are served from one process, each under
-    /// /<name>, the first also at /), or one OpenEnv package directory (with an
-    /// openenv.yaml), or one command line (quoted, e.g. "python server.py --port {port}").
-    #[arg(required = true, value_name = "NAME|PATH|COMMAND")]
+    /// /<name>, the first also at /), or one package directory (with an openenv.yaml),
+    /// or one hub package (hub:owner/name[@version], pulled and checked first), or one
+    /// command line (quoted, e.g. "python server.py --port {port}").
+    #[arg(required = true, value_name = "NAME|PATH|hub:REF|COMMAND")]
     pub targets: Vec<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
@@ -507,8 +729,9 @@ pub struct RunArgs {
 /// `env validate`.
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
-    /// A server URL, a built-in environment name, or an OpenEnv package directory.
-    #[arg(value_name = "URL|NAME|PATH")]
+    /// A server URL, a built-in environment name, a package directory, or a hub
+    /// package (hub:owner/name[@version]).
+    #[arg(value_name = "URL|NAME|PATH|hub:REF")]
     pub target: String,
     /// Print the report as JSON.
     #[arg(long)]
@@ -538,4 +761,25 @@ pub struct InitArgs {
     /// Parent directory to create it in.
     #[arg(long, short = 'o', default_value = ".")]
     pub output_dir: PathBuf,
+}
+
+/// `env import`.
+#[derive(Debug, Args)]
+pub struct ImportArgs {
+    /// The verifiers environment: a .py file that defines load_environment, a package
+    /// directory, or a project directory holding such a module.
+    pub path: PathBuf,
+    /// The package directory to create [default: ./NAME].
+    #[arg(long, short = 'o')]
+    pub out: Option<PathBuf>,
+    /// The environment's name (lowercase letters, digits, '_') [default: the module's].
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Keyword arguments for load_environment, as a JSON object.
+    #[arg(long, value_name = "JSON")]
+    pub args: Option<String>,
+    /// Python interpreter with verifiers and openenv, which loads the environment once
+    /// to learn its rubric and examples [env: AGENTSTACK_PYTHON].
+    #[arg(long)]
+    pub python: Option<String>,
 }

@@ -56,3 +56,86 @@ pub fn data_dir() -> std::path::PathBuf {
 pub fn models_dir() -> std::path::PathBuf {
     data_dir().join("models")
 }
+
+/// Where `hub login` keeps the hub URL and token (readable by the user only).
+pub fn hub_credentials_path() -> std::path::PathBuf {
+    data_dir().join("hub").join("credentials.json")
+}
+
+/// What `hub login` saved.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct HubCredentials {
+    /// The hub.
+    pub url: String,
+    /// Its token.
+    pub token: String,
+}
+
+/// Reads the saved credentials, if any.
+pub fn hub_credentials() -> Option<HubCredentials> {
+    let text = std::fs::read_to_string(hub_credentials_path()).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// The hub URL: the flag, then `AGENTSTACK_HUB_URL`, then the saved one, then the
+/// default local hub.
+pub fn hub_url(flag: Option<&str>) -> String {
+    flag.map(str::to_owned)
+        .or_else(|| {
+            std::env::var(env_vars::AGENTSTACK_HUB_URL)
+                .ok()
+                .filter(|v| !v.is_empty())
+        })
+        .or_else(|| hub_credentials().map(|c| c.url))
+        .unwrap_or_else(|| "http://127.0.0.1:8700".to_owned())
+}
+
+/// The hub token: `AGENTSTACK_HUB_TOKEN`, then the one saved for this URL.
+pub fn hub_token(url: &str) -> Option<agentstack_hub::auth::Token> {
+    if let Some(t) = std::env::var(env_vars::AGENTSTACK_HUB_TOKEN)
+        .ok()
+        .filter(|v| !v.is_empty())
+    {
+        return Some(agentstack_hub::auth::Token::new(t));
+    }
+    hub_credentials()
+        .filter(|c| c.url.trim_end_matches('/') == url.trim_end_matches('/'))
+        .map(|c| agentstack_hub::auth::Token::new(c.token))
+}
+
+/// A client for the hub the flags name.
+pub fn hub_client(flag: Option<&str>) -> anyhow::Result<agentstack_hub::client::HubClient> {
+    let url = hub_url(flag);
+    let token = hub_token(&url);
+    Ok(agentstack_hub::client::HubClient::new(&url, token)?)
+}
+
+/// Where pulled packages of the hub at `url` are cached.
+pub fn hub_cache_dir(url: &str) -> std::path::PathBuf {
+    let host: String = url
+        .split("://")
+        .nth(1)
+        .unwrap_or(url)
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    data_dir().join("hub-cache").join(host.trim_matches('_'))
+}
+
+/// The hub's database URL: the flag, then `AGENTSTACK_HUB_DATABASE_URL`, then
+/// `hub.db` in the data directory.
+pub fn hub_database(flag: Option<&str>) -> String {
+    flag.map(str::to_owned)
+        .or_else(|| {
+            std::env::var(env_vars::AGENTSTACK_HUB_DATABASE_URL)
+                .ok()
+                .filter(|v| !v.is_empty())
+        })
+        .unwrap_or_else(|| format!("sqlite://{}", data_dir().join("hub.db").display()))
+}

@@ -108,6 +108,19 @@ pub struct OpenEnvManifest {
     /// `fastapi` for the reference template.
     #[serde(default)]
     pub runtime: Option<String>,
+    /// Our section; `agentstack.serve` is the command that serves a package that is
+    /// not a Python OpenEnv app (`{port}` and `{host}` are replaced).
+    #[serde(default)]
+    pub agentstack: Option<AgentstackKeys>,
+}
+
+/// The keys of `openenv.yaml`'s `agentstack:` section that serving reads (the hub
+/// checks the whole section).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct AgentstackKeys {
+    /// The command line that serves the package, run in its directory.
+    #[serde(default)]
+    pub serve: Option<String>,
 }
 
 impl OpenEnvManifest {
@@ -174,6 +187,25 @@ impl ForeignCommand {
             env: vec![("PYTHONPATH".into(), pythonpath)],
             name: manifest.name,
         })
+    }
+
+    /// The command that serves the package in `dir`: its `agentstack.serve` command
+    /// line (run in `dir`) when it has one, else the Python OpenEnv app served with
+    /// `python` ([`ForeignCommand::python_package`]).
+    pub fn package(dir: &Path, python: &str) -> Result<Self, ForeignError> {
+        let manifest = OpenEnvManifest::read(dir)?;
+        match manifest.agentstack.and_then(|a| a.serve) {
+            Some(line) => {
+                let mut command = Self::command_line(&line)?;
+                command.cwd = Some(dir.canonicalize().map_err(|e| ForeignError::Manifest {
+                    path: dir.to_owned(),
+                    source: Box::new(e),
+                })?);
+                command.name = manifest.name;
+                Ok(command)
+            }
+            None => Self::python_package(dir, python),
+        }
     }
 
     /// A command line split on whitespace (use `{port}` where the port goes, or read

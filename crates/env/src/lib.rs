@@ -23,6 +23,7 @@ pub mod client;
 pub mod conformance;
 pub mod environment;
 pub mod foreign;
+pub mod import;
 pub mod policy;
 pub mod scaffold;
 pub mod server;

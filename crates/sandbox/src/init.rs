@@ -299,6 +299,15 @@ fn build_root(setup: &Setup) -> Result<(), Failure> {
     // The new root is a small tmpfs over /tmp (any directory would do; /tmp exists
     // everywhere). Extra read-only paths are bound before it hides /tmp's contents.
     let root = Path::new("/tmp");
+    // The program is opened by its path in this mount namespace, before the new root
+    // hides /tmp (`/proc/self/exe` itself names a mount of the parent namespace, which
+    // cannot be bound here).
+    let program = if setup.expose_program {
+        let path = fs::read_link("/proc/self/exe").step("find the program")?;
+        Some(fs::File::open(path).step("open the program")?)
+    } else {
+        None
+    };
     mount(
         Some("tmpfs"),
         root,
@@ -312,6 +321,9 @@ fn build_root(setup: &Setup) -> Result<(), Failure> {
     }
     for path in &setup.read_only {
         bind_read_only(path, root)?;
+    }
+    if let Some(program) = &program {
+        bind_program(program, root)?;
     }
     let etc = root.join("etc");
     fs::create_dir_all(&etc).step("create /etc")?;
@@ -400,6 +412,25 @@ fn build_root(setup: &Setup) -> Result<(), Failure> {
     umount2(".", MntFlags::MNT_DETACH).step("detach the old root")?;
     nix::unistd::chdir("/").step("enter /")?;
     Ok(())
+}
+
+/// Binds this process's own executable (opened as `program`) read-only at
+/// [`crate::PROGRAM_IN_SANDBOX`].
+fn bind_program(program: &fs::File, root: &Path) -> Result<(), Failure> {
+    use std::os::fd::AsRawFd;
+    let target = root.join(crate::PROGRAM_IN_SANDBOX.trim_start_matches('/'));
+    if let Some(parent) = target.parent() {
+        fs::create_dir_all(parent).step("create the program's directory")?;
+    }
+    fs::write(&target, b"").step("create the program's mount point")?;
+    let none: Option<&str> = None;
+    let source = format!("/proc/self/fd/{}", program.as_raw_fd());
+    mount(Some(source.as_str()), &target, none, MsFlags::MS_BIND, none).step("bind the program")?;
+    remount_read_only(
+        &target,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_BIND,
+    )
+    .step("make the program read-only")
 }
 
 /// Binds `source` read-only at the same path under `root` (or recreates it as a link).

@@ -36,6 +36,9 @@ pub use job::{End, Job, JobFile, LimitKind, Limits, Outcome, Usage};
 pub use pool::{Error, INIT_PROGRAM_ENV, Sandbox, SandboxConfig};
 pub use wire::Isolation;
 
+/// Where [`SandboxConfig::expose_program`] puts the init program inside a sandbox.
+pub const PROGRAM_IN_SANDBOX: &str = "/opt/agentstack/bin/agentstack";
+
 #[cfg(target_os = "linux")]
 pub use init::{SANDBOX_ID, SCRATCH, run_if_init};
 

@@ -41,6 +41,10 @@ pub struct SandboxConfig {
     pub read_only: Vec<PathBuf>,
     /// The host uid and gid sandboxes run as when the host runs as root (`nobody`).
     pub unprivileged_id: u32,
+    /// Make the init program (this stack's own binary) runnable inside, read-only, at
+    /// [`PROGRAM_IN_SANDBOX`], so a job can use its tools (e.g. validate a package it
+    /// serves) without the host's paths.
+    pub expose_program: bool,
 }
 
 impl Default for SandboxConfig {
@@ -53,6 +57,7 @@ impl Default for SandboxConfig {
             max_queued: 1024,
             read_only: Vec::new(),
             unprivileged_id: 65534,
+            expose_program: false,
         }
     }
 }
@@ -167,6 +172,7 @@ impl Sandbox {
             isolation: config.isolation,
             read_only: config.read_only.clone(),
             unprivileged_id: config.unprivileged_id,
+            expose_program: config.expose_program,
         })
         .expect("the set-up serializes");
         let inner = Arc::new(Inner {

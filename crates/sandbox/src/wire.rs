@@ -45,6 +45,9 @@ pub struct Setup {
     pub read_only: Vec<PathBuf>,
     /// The host uid and gid the sandbox runs as when started by root.
     pub unprivileged_id: u32,
+    /// Bind the init program at [`crate::PROGRAM_IN_SANDBOX`].
+    #[serde(default)]
+    pub expose_program: bool,
 }
 
 /// The init process's first message.

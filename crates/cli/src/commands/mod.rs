@@ -2,12 +2,15 @@
 
 pub mod env;
 pub mod eval;
+pub mod hub;
 pub mod model;
 pub mod quickstart;
 pub mod sandbox;
 
 use crate::Exit;
-use crate::args::{Cli, Command, EnvCommand, ModelCommand, SandboxCommand};
+use crate::args::{
+    Cli, Command, EnvCommand, HubCommand, HubUserCommand, ModelCommand, SandboxCommand,
+};
 
 /// Runs the parsed command.
 pub async fn run(cli: Cli) -> Result<(), Exit> {
@@ -18,6 +21,7 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
             EnvCommand::Run(args) => env::run::run(args).await,
             EnvCommand::Validate(args) => env::validate::run(args).await,
             EnvCommand::Init(args) => env::init::run(args),
+            EnvCommand::Import(args) => env::import::run(args).await,
         },
         Command::Model(command) => match command {
             ModelCommand::Pull(args) => model::pull::run(args).await,
@@ -30,6 +34,20 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
         Command::Sandbox(command) => match command {
             SandboxCommand::Run(args) => sandbox::run::run(args).await,
             SandboxCommand::Check(args) => sandbox::check::run(args).await,
+        },
+        Command::Hub(command) => match command {
+            HubCommand::Serve(args) => hub::serve::run(args).await,
+            HubCommand::User(HubUserCommand::Create(args)) => hub::user::create(args).await,
+            HubCommand::Token(args) => hub::user::token(args).await,
+            HubCommand::Login(args) => hub::login::run(args).await,
+            HubCommand::Push(args) => hub::push::run(args).await,
+            HubCommand::Pull(args) => hub::pull::run(args).await,
+            HubCommand::Fork(args) => hub::fork::run(args).await,
+            HubCommand::Search(args) => hub::search::run(args).await,
+            HubCommand::Info(args) => hub::info::run(args).await,
+            HubCommand::Leaderboard(args) => hub::leaderboard::run(args).await,
+            HubCommand::Tag(args) => hub::tag::run(args).await,
+            HubCommand::Check(args) => hub::check::run(args).await,
         },
     }
 }

@@ -1,5 +1,6 @@
 //! `agentstack env ...`
 
+pub mod import;
 pub mod init;
 pub mod list;
 pub mod run;

@@ -36,9 +36,7 @@ pub(crate) fn resolve(target: &str, python: &str) -> anyhow::Result<Target> {
                 builtin_names()
             );
         }
-        return Ok(Target::Foreign(ForeignCommand::python_package(
-            path, python,
-        )?));
+        return Ok(Target::Foreign(ForeignCommand::package(path, python)?));
     }
     if target.contains(char::is_whitespace) {
         return Ok(Target::Foreign(ForeignCommand::command_line(target)?));
@@ -112,11 +110,11 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
     let python = settings::python(args.python.as_deref());
     let config = settings::server_config(&args);
     raise_open_file_limit(config.max_sessions);
-    let targets = args
-        .targets
-        .iter()
-        .map(|t| resolve(t, &python))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut targets = Vec::new();
+    for target in &args.targets {
+        let target = crate::commands::hub::pull_target(target).await?;
+        targets.push(resolve(&target, &python)?);
+    }
     let mut specs = Vec::new();
     let mut foreign = Vec::new();
     for target in targets {

@@ -21,11 +21,15 @@ fn could_not_run(e: anyhow::Error) -> Exit {
     }
 }
 
-/// The declared reward range from an `openenv.yaml` `validation.reward.range`.
+/// The declared reward range from an `openenv.yaml`: `agentstack.reward_range`, or
+/// `validation.reward.range`.
 fn manifest_reward_range(dir: &Path) -> Option<(f64, f64)> {
     let text = std::fs::read_to_string(dir.join("openenv.yaml")).ok()?;
     let yaml: serde_json::Value = serde_norway::from_str(&text).ok()?;
-    let range = yaml.pointer("/validation/reward/range")?.as_array()?;
+    let range = yaml
+        .pointer("/agentstack/reward_range")
+        .or_else(|| yaml.pointer("/validation/reward/range"))?
+        .as_array()?;
     Some((range.first()?.as_f64()?, range.get(1)?.as_f64()?))
 }
 
@@ -34,9 +38,12 @@ pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
     let mut options = Options::default();
     let mut _server = None;
     let mut _child = None;
-    let url = if args.target.starts_with("http://") || args.target.starts_with("https://") {
-        args.target.clone()
-    } else if let Some(spec) = agentstack_envs::find(&args.target) {
+    let target = crate::commands::hub::pull_target(&args.target)
+        .await
+        .map_err(could_not_run)?;
+    let url = if target.starts_with("http://") || target.starts_with("https://") {
+        target.clone()
+    } else if let Some(spec) = agentstack_envs::find(&target) {
         options.reward_range = Some(spec.info().reward_range);
         let server = Server::bind(ServerConfig::default(), vec![spec])
             .await
@@ -46,12 +53,11 @@ pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
         _server = Some(server.handle());
         tokio::spawn(server.serve());
         url
-    } else if Path::new(&args.target).is_dir() {
-        let dir = Path::new(&args.target);
+    } else if Path::new(&target).is_dir() {
+        let dir = Path::new(&target);
         options.reward_range = manifest_reward_range(dir);
         let python = settings::python(args.python.as_deref());
-        let command =
-            ForeignCommand::python_package(dir, &python).map_err(|e| Exit::user(e.into()))?;
+        let command = ForeignCommand::package(dir, &python).map_err(|e| Exit::user(e.into()))?;
         let child = ForeignEnv::start(command, Duration::from_secs(60))
             .await
             .context("starting the package's server")
@@ -61,7 +67,7 @@ pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
         url
     } else {
         return Err(Exit::user(anyhow!(
-            "'{}' is not a URL, a built-in environment, or a directory\nhint: built-in environments are: {}",
+            "'{}' is not a URL, a built-in environment, a directory or hub:owner/name\nhint: built-in environments are: {}",
             args.target,
             super::serve::builtin_names()
         )));

@@ -1,0 +1,60 @@
+//! `agentstack hub ...`: run a registry, and talk to one.
+
+pub mod check;
+pub mod fork;
+pub mod info;
+pub mod leaderboard;
+pub mod login;
+pub mod pull;
+pub mod push;
+pub mod search;
+pub mod serve;
+pub mod tag;
+pub mod user;
+
+use agentstack_hub::api::PackageRef;
+use agentstack_hub::client::ClientError;
+use anyhow::anyhow;
+
+use crate::Exit;
+
+/// Parses a package reference, as a user error.
+pub(crate) fn package_ref(text: &str) -> Result<PackageRef, Exit> {
+    PackageRef::parse(text).map_err(|e| Exit::user(anyhow!(e)))
+}
+
+/// A client error as an exit: what the hub refused is the user's to fix (1); an
+/// unreachable hub or a corrupt download is not (2).
+pub(crate) fn client_exit(e: ClientError) -> Exit {
+    let code = match &e {
+        ClientError::Api { status, .. } if *status < 500 => 1,
+        ClientError::Invalid(_) | ClientError::Package(_) => 1,
+        _ => 2,
+    };
+    Exit {
+        code,
+        error: Some(e.into()),
+    }
+}
+
+/// Prints `value` as pretty JSON.
+pub(crate) fn print_json<T: serde::Serialize>(value: &T) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).expect("API types serialize")
+    );
+}
+
+/// `hub:owner/name[@version]` → the directory of the pulled (checked, cached)
+/// package; any other target is returned as it is.
+pub(crate) async fn pull_target(target: &str) -> anyhow::Result<String> {
+    if !target.starts_with("hub:") {
+        return Ok(target.to_owned());
+    }
+    let package = PackageRef::parse(target).map_err(|e| anyhow!(e))?;
+    let client = crate::settings::hub_client(None)?;
+    let cache = crate::settings::hub_cache_dir(client.url());
+    let pulled = client.pull(&package, &cache).await?;
+    tracing::info!(package = %pulled.package, version = %pulled.version, dir = %pulled.dir.display(), cached = pulled.cached, "pulled from the hub");
+    Ok(pulled.dir.to_string_lossy().into_owned())
+}
