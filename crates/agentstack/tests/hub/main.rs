@@ -1,0 +1,960 @@
+//! The hub against a real `agentstack hub serve` process, on SQLite and on a real
+//! PostgreSQL server (`scripts/start-postgres`; the PostgreSQL variants are ignored
+//! unless asked for, and `scripts/test` asks): push/pull byte-identical, racing pushes
+//! of one version, a kill mid-upload, a corrupted blob, tokens and namespaces, hostile
+//! packages, forks/search/leaderboards, validation in the sandbox, `env validate
+//! hub:...`, and the web page in headless Chromium.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_agentstack");
+/// How long a pushed version may take to be validated.
+const VALIDATION_WITHIN: Duration = Duration::from_secs(90);
+
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// A database for one test: a SQLite file in `home`, or a new database on the
+/// PostgreSQL server named by `AGENTSTACK_TEST_POSTGRES_URL`.
+fn database(backend: Backend, home: &Path) -> String {
+    match backend {
+        Backend::Sqlite => format!("sqlite://{}", home.join("hub.db").display()),
+        Backend::Postgres => {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let base = std::env::var("AGENTSTACK_TEST_POSTGRES_URL").expect(
+                "AGENTSTACK_TEST_POSTGRES_URL must name a PostgreSQL server (scripts/start-postgres starts one)",
+            );
+            let name = format!(
+                "hub_test_{}_{}_{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed),
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .subsec_nanos()
+            );
+            let out = Command::new("psql")
+                .arg(&base)
+                .args(["-qc", &format!("CREATE DATABASE {name}")])
+                .output()
+                .expect("psql runs");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let (server, _) = base.rsplit_once('/').expect("URL has a database");
+            format!("{server}/{name}")
+        }
+    }
+}
+
+/// A running hub and the directory it keeps things in.
+struct Hub {
+    child: Option<Child>,
+    url: String,
+    home: tempfile::TempDir,
+    database: String,
+}
+
+impl Hub {
+    fn start(backend: Backend) -> Self {
+        let home = tempfile::tempdir().unwrap();
+        let database = database(backend, home.path());
+        let mut hub = Self {
+            child: None,
+            url: String::new(),
+            home,
+            database,
+        };
+        hub.spawn();
+        hub
+    }
+
+    fn blobs(&self) -> PathBuf {
+        self.home.path().join("blobs")
+    }
+
+    fn spawn(&mut self) {
+        let mut child = Command::new(BIN)
+            .args(["hub", "serve", "--port", "0", "--database", &self.database])
+            .arg("--blobs")
+            .arg(self.blobs())
+            .env("AGENTSTACK_HOME", self.home.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("the hub starts");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        self.url = line
+            .trim()
+            .strip_prefix("agentstack hub at ")
+            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+            .to_owned();
+        self.child = Some(child);
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Runs the CLI against this hub, as `token`'s user when given.
+    fn cli(&self, token: Option<&str>, args: &[&str]) -> Output {
+        let bin_dir = Path::new(BIN).parent().unwrap();
+        let path = format!(
+            "{}:{}",
+            bin_dir.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let mut command = Command::new(BIN);
+        command
+            .args(args)
+            .env("AGENTSTACK_HOME", self.home.path())
+            .env("AGENTSTACK_HUB_URL", &self.url)
+            .env("PATH", path)
+            .env_remove("AGENTSTACK_HUB_TOKEN");
+        if let Some(token) = token {
+            command.env("AGENTSTACK_HUB_TOKEN", token);
+        }
+        command.output().expect("the CLI runs")
+    }
+
+    fn cli_ok(&self, token: Option<&str>, args: &[&str]) -> String {
+        let out = self.cli(token, args);
+        assert!(
+            out.status.success(),
+            "agentstack {args:?} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// Creates a user and returns their token.
+    fn user(&self, name: &str) -> String {
+        self.cli_ok(
+            None,
+            &["hub", "user", "create", name, "--database", &self.database],
+        )
+        .trim()
+        .to_owned()
+    }
+
+    /// `hub check --json`, and whether it passed.
+    fn check(&self) -> (bool, Value) {
+        let blobs = self.blobs();
+        let out = self.cli(
+            None,
+            &[
+                "hub",
+                "check",
+                "--json",
+                "--database",
+                &self.database,
+                "--blobs",
+                blobs.to_str().unwrap(),
+            ],
+        );
+        let report = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("hub check: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+        (out.status.success(), report)
+    }
+
+    fn rows(&self, table: &str) -> i64 {
+        let (_, report) = self.check();
+        report["rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r[0] == table)
+            .map(|r| r[1].as_i64().unwrap())
+            .unwrap()
+    }
+
+    fn api(&self, path: &str) -> String {
+        format!("{}/api/v1{path}", self.url)
+    }
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.kill();
+        // A test's PostgreSQL database goes with it.
+        if let Some((server, name)) = self
+            .database
+            .strip_prefix("postgres")
+            .and_then(|_| self.database.rsplit_once('/'))
+        {
+            let _ = Command::new("psql")
+                .arg(format!("{server}/postgres"))
+                .args([
+                    "-qc",
+                    &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+                ])
+                .output();
+        }
+    }
+}
+
+/// Writes an environment package that serves the built-in echo environment.
+fn package(dir: &Path, name: &str, version: &str, readme: &str) {
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    std::fs::write(
+        dir.join("openenv.yaml"),
+        format!(
+            "spec_version: 1\nname: {name}\nversion: {version}\ndescription: The {name} environment\ntags: [testing, {name}]\nagentstack:\n  serve: agentstack env serve echo --port {{port}}\n  reward_range: [0, 1]\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(dir.join("README.md"), readme).unwrap();
+    std::fs::write(dir.join("data/cases.jsonl"), "{\"x\": 1}\n{\"x\": 2}\n").unwrap();
+}
+
+fn packed(dir: &Path) -> Vec<u8> {
+    agentstack_hub::package::pack(dir).unwrap().bytes
+}
+
+async fn put(hub: &Hub, token: Option<&str>, path: &str, body: Vec<u8>) -> (u16, Value) {
+    let mut request = reqwest::Client::new().put(hub.api(path)).body(body);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn get(hub: &Hub, token: Option<&str>, path: &str) -> reqwest::Response {
+    let mut request = reqwest::Client::new().get(hub.api(path));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    request.send().await.unwrap()
+}
+
+/// Every file under `dir` (but our metadata), path → contents.
+fn tree(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            let relative = path
+                .strip_prefix(dir)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            if relative.starts_with(".agentstack") {
+                continue;
+            }
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                out.insert(relative, std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    out
+}
+
+macro_rules! on_both_databases {
+    ($($test:ident),* $(,)?) => {$(
+        mod $test {
+            #[tokio::test(flavor = "multi_thread")]
+            async fn sqlite() {
+                super::$test(super::Backend::Sqlite).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread")]
+            #[ignore = "needs PostgreSQL: scripts/start-postgres, AGENTSTACK_TEST_POSTGRES_URL"]
+            async fn postgres() {
+                super::$test(super::Backend::Postgres).await;
+            }
+        }
+    )*};
+}
+
+on_both_databases!(
+    push_and_pull_round_trip_byte_identical,
+    racing_pushes_of_one_version_one_wins_the_rest_get_409,
+    a_kill_mid_upload_leaves_no_partial_version_row_or_blob,
+    a_corrupted_blob_is_detected_on_pull,
+    pushes_need_the_namespace_owners_token,
+    hostile_packages_are_rejected,
+    forks_search_and_leaderboards,
+);
+
+async fn push_and_pull_round_trip_byte_identical(backend: Backend) {
+    let hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "echo_pkg", "1.0.0", "# Echo\n");
+    let pushed: Value = serde_json::from_str(&hub.cli_ok(
+        Some(&alice),
+        &["hub", "push", src.path().to_str().unwrap(), "--json"],
+    ))
+    .unwrap();
+    assert_eq!(pushed["package"], "alice/echo_pkg");
+    // The bytes served are the bytes packed here.
+    let response = get(&hub, None, "/envs/alice/echo_pkg/versions/1.0.0/package").await;
+    assert_eq!(response.status(), 200);
+    let sha = response.headers()["x-agentstack-sha256"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let bytes = response.bytes().await.unwrap();
+    assert_eq!(bytes.as_ref(), packed(src.path()).as_slice());
+    assert_eq!(sha, pushed["sha256"].as_str().unwrap());
+    // Pulled (no token: public) into the cache: the same files.
+    let pulled: Value =
+        serde_json::from_str(&hub.cli_ok(None, &["hub", "pull", "alice/echo_pkg", "--json"]))
+            .unwrap();
+    assert_eq!(
+        (pulled["version"].as_str(), pulled["cached"].as_bool()),
+        (Some("1.0.0"), Some(false))
+    );
+    let dir = PathBuf::from(pulled["dir"].as_str().unwrap());
+    assert_eq!(tree(&dir), tree(src.path()));
+    // A fixed version is reused from the cache once checked; a changed file is noticed.
+    let again: Value =
+        serde_json::from_str(&hub.cli_ok(None, &["hub", "pull", "alice/echo_pkg@1.0.0", "--json"]))
+            .unwrap();
+    assert_eq!(again["cached"], true);
+    std::fs::write(dir.join("data/cases.jsonl"), "tampered\n").unwrap();
+    let again: Value =
+        serde_json::from_str(&hub.cli_ok(None, &["hub", "pull", "alice/echo_pkg@1.0.0", "--json"]))
+            .unwrap();
+    assert_eq!(again["cached"], false);
+    assert_eq!(tree(&dir), tree(src.path()));
+    // `latest` follows the highest version; pushes of old numbers do not move it.
+    package(src.path(), "echo_pkg", "1.2.0", "# Echo v1.2\n");
+    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    package(src.path(), "echo_pkg", "1.1.0", "# Echo v1.1\n");
+    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let info: Value =
+        serde_json::from_str(&hub.cli_ok(None, &["hub", "info", "alice/echo_pkg", "--json"]))
+            .unwrap();
+    assert_eq!(info["dist_tags"]["latest"], "1.2.0");
+    assert_eq!(info["readme"], "# Echo v1.2\n");
+    let versions: Vec<&str> = info["versions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["version"].as_str().unwrap())
+        .collect();
+    assert_eq!(versions, ["1.2.0", "1.1.0", "1.0.0"]);
+    hub.cli_ok(
+        Some(&alice),
+        &["hub", "tag", "alice/echo_pkg@1.1.0", "stable"],
+    );
+    let pulled: Value = serde_json::from_str(
+        &hub.cli_ok(None, &["hub", "pull", "alice/echo_pkg@stable", "--json"]),
+    )
+    .unwrap();
+    assert_eq!(pulled["version"], "1.1.0");
+    let (ok, report) = hub.check();
+    assert!(ok, "{report}");
+}
+
+async fn racing_pushes_of_one_version_one_wins_the_rest_get_409(backend: Backend) {
+    let hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let dirs: Vec<_> = (0..8)
+        .map(|i| {
+            let dir = tempfile::tempdir().unwrap();
+            package(dir.path(), "race", "1.0.0", &format!("# contender {i}\n"));
+            dir
+        })
+        .collect();
+    let bodies: Vec<Vec<u8>> = dirs.iter().map(|d| packed(d.path())).collect();
+    let mut tasks = Vec::new();
+    for body in bodies.clone() {
+        let url = hub.api("/envs/alice/race/versions/1.0.0");
+        let token = alice.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = reqwest::Client::new()
+                .put(url)
+                .bearer_auth(token)
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    let won: Vec<_> = results.iter().filter(|(s, _)| *s == 201).collect();
+    let lost: Vec<_> = results.iter().filter(|(s, _)| *s == 409).collect();
+    assert_eq!((won.len(), lost.len()), (1, 7), "{results:?}");
+    assert!(
+        lost[0].1["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("immutable")
+    );
+    // The stored version is exactly the winner's bytes; the losers left nothing.
+    let stored = get(&hub, None, "/envs/alice/race/versions/1.0.0/package")
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    let sha = agentstack_hub::blobs::sha256_hex(&stored);
+    assert_eq!(sha, won[0].1["sha256"].as_str().unwrap());
+    assert!(bodies.iter().any(|b| b.as_slice() == stored.as_ref()));
+    let (ok, report) = hub.check();
+    assert!(ok, "{report}");
+    assert_eq!(hub.rows("versions"), 1);
+    let files = walk_files(&hub.blobs());
+    assert_eq!(files.len(), 1, "{files:?}");
+}
+
+async fn a_kill_mid_upload_leaves_no_partial_version_row_or_blob(backend: Backend) {
+    let mut hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "big", "1.0.0", "# Big\n");
+    // 24 MiB that does not compress, so the upload and the checks take a while.
+    let mut state = 0x2545F4914F6CDD1Du64;
+    let noise: Vec<u8> = (0..24 << 20)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    std::fs::write(src.path().join("data/weights.bin"), &noise).unwrap();
+    let body = packed(src.path());
+    for (i, delay_ms) in [5u64, 60, 250, 700].into_iter().enumerate() {
+        let version = format!("1.0.{i}");
+        let url = hub.api(&format!("/envs/alice/big/versions/{version}"));
+        let (token, bytes) = (alice.clone(), body.clone());
+        let push = tokio::spawn(async move {
+            reqwest::Client::new()
+                .put(url)
+                .bearer_auth(token)
+                .body(bytes)
+                .send()
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        hub.kill();
+        let finished = push.await.unwrap().map(|r| r.status().as_u16());
+        hub.spawn();
+        // Either the whole version is there, byte-identical, or nothing of it is.
+        let response = get(
+            &hub,
+            None,
+            &format!("/envs/alice/big/versions/{version}/package"),
+        )
+        .await;
+        match response.status().as_u16() {
+            200 => assert_eq!(response.bytes().await.unwrap().as_ref(), body.as_slice()),
+            404 => {}
+            other => panic!("after a kill: {other}"),
+        }
+        eprintln!("kill after {delay_ms} ms: push {finished:?}");
+        let (ok, report) = hub.check();
+        assert!(ok, "after a kill at {delay_ms} ms: {report}");
+        assert_eq!(hub.rows("uploads"), 0, "{report}");
+        assert_eq!(hub.rows("validations"), hub.rows("versions"), "{report}");
+        let blobs = walk_files(&hub.blobs());
+        assert!(
+            blobs.iter().all(|p| !p.contains('#')),
+            "staging files left: {blobs:?}"
+        );
+    }
+}
+
+fn walk_files(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk_files(&path));
+        } else {
+            out.push(path.to_string_lossy().into_owned());
+        }
+    }
+    out
+}
+
+async fn a_corrupted_blob_is_detected_on_pull(backend: Backend) {
+    let hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "fragile", "1.0.0", "# Fragile\n");
+    let pushed: Value = serde_json::from_str(&hub.cli_ok(
+        Some(&alice),
+        &["hub", "push", src.path().to_str().unwrap(), "--json"],
+    ))
+    .unwrap();
+    let sha = pushed["sha256"].as_str().unwrap();
+    let blob = hub.blobs().join("sha256").join(&sha[..2]).join(sha);
+    let mut bytes = std::fs::read(&blob).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&blob, &bytes).unwrap();
+    let out = hub.cli(None, &["hub", "pull", "alice/fragile"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("corrupt"), "{stderr}");
+    let response = get(&hub, None, "/envs/alice/fragile/versions/1.0.0/package").await;
+    assert_eq!(response.status(), 500);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "corrupt");
+    let (ok, report) = hub.check();
+    assert!(!ok);
+    assert_eq!(report["corrupt_blobs"][0], sha);
+}
+
+async fn pushes_need_the_namespace_owners_token(backend: Backend) {
+    let hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let bob = hub.user("bob");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "secret_env", "1.0.0", "# Secret\n");
+    let body = packed(src.path());
+    let path = "/envs/alice/secret_env/versions/1.0.0";
+    let (status, err) = put(&hub, None, path, body.clone()).await;
+    assert_eq!(status, 401);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("hub login"),
+        "{err}"
+    );
+    let (status, err) = put(
+        &hub,
+        Some("ash_0000000000000000000000000000000000000000"),
+        path,
+        body.clone(),
+    )
+    .await;
+    assert_eq!(status, 401, "{err}");
+    let (status, err) = put(&hub, Some(&bob), path, body.clone()).await;
+    assert_eq!(status, 403);
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("only alice"),
+        "{err}"
+    );
+    // The CLI says the same, with exit 1.
+    let out = hub.cli(None, &["hub", "push", src.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
+    // Private: only the owner sees it, anywhere.
+    let (status, _) = put(&hub, Some(&alice), &format!("{path}?private=true"), body).await;
+    assert_eq!(status, 201);
+    for (who, expected) in [
+        (None, 404),
+        (Some(bob.as_str()), 404),
+        (Some(alice.as_str()), 200),
+    ] {
+        assert_eq!(
+            get(&hub, who, "/envs/alice/secret_env").await.status(),
+            expected
+        );
+        assert_eq!(
+            get(&hub, who, &format!("{path}/package")).await.status(),
+            expected
+        );
+        let hits: Value = get(&hub, who, "/envs?q=secret").await.json().await.unwrap();
+        assert_eq!(
+            hits["results"].as_array().unwrap().len(),
+            usize::from(expected == 200)
+        );
+    }
+    let page = reqwest::get(format!("{}/alice/secret_env", hub.url))
+        .await
+        .unwrap();
+    assert_eq!(page.status(), 404);
+    // Leaderboard posts need a token too.
+    let post = serde_json::json!({"model": "m", "score": 0.5, "ci95": [0.4, 0.6], "episodes": 10, "harness": "h"});
+    let r = reqwest::Client::new()
+        .post(hub.api("/envs/alice/secret_env/versions/1.0.0/leaderboard"))
+        .json(&post)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+/// A gzipped tar with one entry described by `header` (raw name bytes allowed).
+fn archive(name: &[u8], kind: tar::EntryType, link: Option<&str>, contents: &[u8]) -> Vec<u8> {
+    let mut raw = Vec::new();
+    {
+        let gz = flate2::write::GzEncoder::new(&mut raw, flate2::Compression::fast());
+        let mut builder = tar::Builder::new(gz);
+        let mut header = tar::Header::new_gnu();
+        header.as_gnu_mut().unwrap().name[..name.len()].copy_from_slice(name);
+        header.set_size(contents.len() as u64);
+        header.set_mode(0o644);
+        header.set_entry_type(kind);
+        if let Some(link) = link {
+            header.set_link_name(link).unwrap();
+        }
+        header.set_cksum();
+        builder.append(&header, contents).unwrap();
+        builder.into_inner().unwrap().finish().unwrap();
+    }
+    raw
+}
+
+/// A gzip bomb: a package whose one file inflates to 600 MiB of zeros.
+fn bomb() -> Vec<u8> {
+    let mut raw = Vec::new();
+    {
+        let gz = flate2::write::GzEncoder::new(&mut raw, flate2::Compression::best());
+        let mut builder = tar::Builder::new(gz);
+        let mut header = tar::Header::new_gnu();
+        header.set_path("data/zeros.bin").unwrap();
+        let size = 600u64 << 20;
+        header.set_size(size);
+        header.set_mode(0o644);
+        header.set_cksum();
+        builder
+            .append(&header, std::io::Read::take(std::io::repeat(0), size))
+            .unwrap();
+        builder.into_inner().unwrap().finish().unwrap();
+    }
+    raw
+}
+
+async fn hostile_packages_are_rejected(backend: Backend) {
+    let hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "path traversal",
+            archive(b"../evil.py", tar::EntryType::Regular, None, b"x"),
+        ),
+        (
+            "absolute path",
+            archive(b"/etc/evil", tar::EntryType::Regular, None, b"x"),
+        ),
+        (
+            "symlink out of the tree",
+            archive(b"link", tar::EntryType::Symlink, Some("/etc/passwd"), b""),
+        ),
+        (
+            "hard link",
+            archive(b"hard", tar::EntryType::Link, Some("../../etc/passwd"), b""),
+        ),
+        (
+            "device file",
+            archive(b"dev", tar::EntryType::Char, None, b""),
+        ),
+        ("decompression bomb", bomb()),
+        ("not a package", b"just some bytes".to_vec()),
+    ];
+    for (i, (what, body)) in cases.into_iter().enumerate() {
+        let compressed = body.len();
+        let (status, err) = put(
+            &hub,
+            Some(&alice),
+            &format!("/envs/alice/hostile/versions/1.0.{i}"),
+            body,
+        )
+        .await;
+        assert_eq!(status, 422, "{what}: {err}");
+        assert_eq!(err["error"]["code"], "invalid_package", "{what}: {err}");
+        eprintln!("{what} ({compressed} bytes): {}", err["error"]["message"]);
+    }
+    let (ok, report) = hub.check();
+    assert!(ok, "{report}");
+    assert_eq!(hub.rows("versions"), 0);
+    assert_eq!(hub.rows("packages"), 0);
+}
+
+async fn forks_search_and_leaderboards(backend: Backend) {
+    let hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let bob = hub.user("bob");
+    let maze = tempfile::tempdir().unwrap();
+    package(
+        maze.path(),
+        "maze",
+        "1.0.0",
+        "# Maze\n\nA grid world where the agent finds the exit.\n",
+    );
+    hub.cli_ok(
+        Some(&alice),
+        &["hub", "push", maze.path().to_str().unwrap()],
+    );
+    let other = tempfile::tempdir().unwrap();
+    package(
+        other.path(),
+        "wordle",
+        "0.1.0",
+        "# Wordle\n\nGuess the word.\n",
+    );
+    hub.cli_ok(
+        Some(&alice),
+        &["hub", "push", other.path().to_str().unwrap()],
+    );
+    // Fork: a new package in bob's namespace that records its parent.
+    let forked: Value = serde_json::from_str(&hub.cli_ok(
+        Some(&bob),
+        &[
+            "hub",
+            "fork",
+            "alice/maze@1.0.0",
+            "--name",
+            "maze_hard",
+            "--json",
+        ],
+    ))
+    .unwrap();
+    assert_eq!(forked["parent"]["package"], "alice/maze");
+    assert_eq!(forked["parent"]["version"], "1.0.0");
+    let original: Value =
+        serde_json::from_str(&hub.cli_ok(None, &["hub", "info", "alice/maze", "--json"])).unwrap();
+    assert_eq!(original["forks"][0], "bob/maze_hard");
+    let out = hub.cli(
+        Some(&bob),
+        &["hub", "fork", "alice/maze", "--name", "maze_hard"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exists"));
+    // Search: README words, prefixes, tags; all words must match.
+    let names = |json: &str| -> Vec<String> {
+        serde_json::from_str::<Value>(json)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| {
+                format!(
+                    "{}/{}",
+                    h["owner"].as_str().unwrap(),
+                    h["name"].as_str().unwrap()
+                )
+            })
+            .collect()
+    };
+    let mut hits = names(&hub.cli_ok(None, &["hub", "search", "grid", "exit", "--json"]));
+    hits.sort();
+    assert_eq!(hits, ["alice/maze", "bob/maze_hard"]);
+    assert_eq!(
+        names(&hub.cli_ok(None, &["hub", "search", "gues", "--json"])),
+        ["alice/wordle"]
+    );
+    assert!(names(&hub.cli_ok(None, &["hub", "search", "grid", "wordle", "--json"])).is_empty());
+    assert_eq!(
+        names(&hub.cli_ok(None, &["hub", "search", "--json"])).len(),
+        3
+    );
+    // Downloads order.
+    for _ in 0..3 {
+        hub.cli_ok(None, &["hub", "pull", "alice/wordle"]);
+    }
+    assert_eq!(
+        names(&hub.cli_ok(None, &["hub", "search", "--sort", "downloads", "--json"]))[0],
+        "alice/wordle"
+    );
+    // Leaderboard: authenticated posts, checked, best first; search can rank by it.
+    let board = hub.api("/envs/alice/maze/versions/1.0.0/leaderboard");
+    let client = reqwest::Client::new();
+    for (who, model, score) in [(&alice, "smollm2-135m", 0.35), (&bob, "qwen3-0.6b", 0.8)] {
+        let post = serde_json::json!({"model": model, "score": score, "ci95": [score - 0.1, score + 0.1],
+            "episodes": 20, "harness": "a1b2c3", "details": {"seed": 1}});
+        let r = client
+            .post(&board)
+            .bearer_auth(who)
+            .json(&post)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+    }
+    let bad = serde_json::json!({"model": "m", "score": 0.9, "ci95": [0.1, 0.2], "episodes": 20, "harness": "h"});
+    let r = client
+        .post(&board)
+        .bearer_auth(&bob)
+        .json(&bad)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let r = client
+        .post(&board)
+        .bearer_auth(&bob)
+        .body("{")
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let shown: Value =
+        serde_json::from_str(&hub.cli_ok(None, &["hub", "leaderboard", "alice/maze", "--json"]))
+            .unwrap();
+    let models: Vec<&str> = shown["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["model"].as_str().unwrap())
+        .collect();
+    assert_eq!(models, ["qwen3-0.6b", "smollm2-135m"]);
+    assert_eq!(shown["entries"][0]["user"], "bob");
+    let table = hub.cli_ok(None, &["hub", "leaderboard", "alice/maze"]);
+    assert!(
+        table.contains("qwen3-0.6b") && table.contains("0.800"),
+        "{table}"
+    );
+    assert_eq!(
+        names(&hub.cli_ok(None, &["hub", "search", "--sort", "score", "--json"]))[0],
+        "alice/maze"
+    );
+}
+
+/// Polls a version until its validation is no longer pending.
+async fn validation(hub: &Hub, package: &str, version: &str) -> Value {
+    let deadline = Instant::now() + VALIDATION_WITHIN;
+    loop {
+        let info: Value = get(hub, None, &format!("/envs/{package}/versions/{version}"))
+            .await
+            .json()
+            .await
+            .unwrap();
+        if info["validation"]["status"] != "pending" {
+            return info["validation"].clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "validation still pending: {info}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pushed_packages_are_started_in_the_sandbox_and_validated() {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let good = tempfile::tempdir().unwrap();
+    package(good.path(), "good", "1.0.0", "# Good\n");
+    hub.cli_ok(
+        Some(&alice),
+        &["hub", "push", good.path().to_str().unwrap()],
+    );
+    let v = validation(&hub, "alice/good", "1.0.0").await;
+    assert_eq!(v["status"], "passed", "{v}");
+    let names: Vec<&str> = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["manifest", "unpack", "conformance"]);
+    // A package whose server never comes up fails, saying why.
+    let bad = tempfile::tempdir().unwrap();
+    package(bad.path(), "bad", "1.0.0", "# Bad\n");
+    let yaml = std::fs::read_to_string(bad.path().join("openenv.yaml")).unwrap();
+    std::fs::write(
+        bad.path().join("openenv.yaml"),
+        yaml.replace("agentstack env serve echo --port {port}", "sh -c exit"),
+    )
+    .unwrap();
+    hub.cli_ok(Some(&alice), &["hub", "push", bad.path().to_str().unwrap()]);
+    let v = validation(&hub, "alice/bad", "1.0.0").await;
+    assert_eq!(v["status"], "failed", "{v}");
+    assert_eq!(v["checks"][2]["status"], "failed", "{v}");
+    // The pushed package serves and validates from the hub in one step.
+    let out = hub.cli(None, &["env", "validate", "hub:alice/good@1.0.0"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs Chromium (Debian package chromium)"]
+async fn the_environment_page_shows_the_package_and_its_leaderboard_in_a_browser() {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(
+        src.path(),
+        "maze",
+        "1.0.0",
+        "# Maze\n\nFind the **exit** of the grid.\n",
+    );
+    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    validation(&hub, "alice/maze", "1.0.0").await;
+    let post = serde_json::json!({"model": "smollm2-135m-q4_1", "score": 0.45, "ci95": [0.25, 0.65], "episodes": 20, "harness": "cafe01"});
+    let r = reqwest::Client::new()
+        .post(hub.api("/envs/alice/maze/versions/latest/leaderboard"))
+        .bearer_auth(&alice)
+        .json(&post)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let chromium = ["chromium", "chromium-browser", "google-chrome"]
+        .into_iter()
+        .find(|c| {
+            Command::new(c)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .expect("Chromium is installed (apt-get install chromium)");
+    let profile = tempfile::tempdir().unwrap();
+    let dom = |url: String| {
+        let out = Command::new(chromium)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .args(["--dump-dom", &url])
+            .output()
+            .expect("chromium runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let page = dom(format!("{}/alice/maze", hub.url));
+    for needle in [
+        "alice/maze",
+        "The maze environment",
+        "<strong>exit</strong>",
+        "smollm2-135m-q4_1",
+        "0.450",
+        "[0.250, 0.650]",
+        "passed",
+        "conformance",
+    ] {
+        assert!(page.contains(needle), "the page lacks {needle:?}:\n{page}");
+    }
+    let index = dom(format!("{}/?q=grid", hub.url));
+    assert!(index.contains("href=\"/alice/maze\""), "{index}");
+}
