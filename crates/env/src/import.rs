@@ -586,7 +586,8 @@ fn stage(plan: &Plan, dir: &Path) -> Result<(), ImportError> {
             .replace("{{module}}", &plan.module);
         write(&dir.join(rel), &text)?;
     }
-    let settings = serde_json::json!({ "module": plan.module, "args": plan.args });
+    let settings =
+        serde_json::json!({ "name": plan.name, "module": plan.module, "args": plan.args });
     write(
         &dir.join("server/verifiers_source.json"),
         &format!("{settings:#}\n"),
@@ -763,6 +764,7 @@ pub async fn import(request: &ImportRequest, python: &str) -> Result<Imported, I
     let _ = std::fs::remove_dir_all(&staged);
     let staging = Staging(Some(staged));
     stage(&plan, staging.path())?;
+    tracing::info!(%python, module = %plan.module, "loading the environment to learn its rubric and examples");
     let probe = probe(staging.path(), python, request.probe_limit).await?;
     write(
         &staging.path().join("openenv.yaml"),
@@ -959,7 +961,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             settings,
-            serde_json::json!({"module": "proj", "args": {"n": 3}})
+            serde_json::json!({"name": "proj", "module": "proj", "args": {"n": 3}})
         );
 
         let probe = probe_with(&[1.0, 0.5]);

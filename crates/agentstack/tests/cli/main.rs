@@ -147,6 +147,63 @@ fn init_python_then_refuses_to_overwrite() {
 }
 
 #[test]
+fn import_rejects_bad_input_with_a_hint() {
+    insta::assert_snapshot!(
+        "import_missing_path",
+        snapshot(&agentstack(&["env", "import", "no-such-env.py"]))
+    );
+    insta::assert_snapshot!(
+        "import_args_not_an_object",
+        snapshot(&agentstack(&[
+            "env",
+            "import",
+            "my_env.py",
+            "--args",
+            "[1]"
+        ]))
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain.py");
+    std::fs::write(&plain, "import verifiers as vf\n\nENV = None\n").unwrap();
+    insta::with_settings!({filters => vec![(dir.path().to_str().unwrap(), "[TMP]")]}, {
+        insta::assert_snapshot!(
+            "import_without_load_environment",
+            snapshot(&agentstack(&["env", "import", plain.to_str().unwrap()]))
+        );
+    });
+}
+
+/// A failure after staging (here: no such Python) leaves neither the package nor its
+/// staging directory behind.
+#[test]
+fn import_failure_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("my_env.py");
+    std::fs::write(&source, "def load_environment(**kwargs):\n    pass\n").unwrap();
+    let out = dir.path().join("pkg");
+    let result = agentstack(&[
+        "env",
+        "import",
+        source.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--python",
+        "/no/such/python",
+    ]);
+    assert_eq!(result.code, 1, "{}", snapshot(&result));
+    assert!(
+        result.stderr.contains("could not run /no/such/python") && result.stderr.contains("hint: "),
+        "{}",
+        result.stderr
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, [std::ffi::OsString::from("my_env.py")]);
+}
+
+#[test]
 fn serve_prints_urls_and_stops_cleanly_on_sigterm() {
     let mut child = Command::cargo_bin("agentstack")
         .unwrap()

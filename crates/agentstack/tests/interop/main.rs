@@ -10,7 +10,9 @@
 //!   `agentstack env run` and `agentstack env validate`;
 //! - their client through our reverse proxy to their server;
 //! - the official `openai` Python client against `agentstack model serve` on the
-//!   SmolLM2 test model: chat, streaming, tools, JSON schema, logprobs, errors.
+//!   SmolLM2 test model: chat, streaming, tools, JSON schema, logprobs, errors;
+//! - `agentstack env import` on small `verifiers` environments, the packages it
+//!   writes validated, served and driven by both clients ([`verifiers`]).
 //!
 //! The peers live in virtual environments made by `scripts/install-peers`; every test
 //! is `#[ignore]`d because it needs them, and CI runs ignored tests:
@@ -21,6 +23,7 @@
 //! ```
 
 mod processes;
+mod verifiers;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -24,7 +24,6 @@ pub async fn run(args: ImportArgs) -> Result<(), Exit> {
         };
     }
     let python = settings::python(args.python.as_deref());
-    eprintln!("loading the environment with {python} ...");
     let imported = import::import(&request, &python)
         .await
         .map_err(|e| Exit::user(e.into()))?;
