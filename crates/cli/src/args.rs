@@ -398,8 +398,8 @@ pub struct CompareArgs {
 /// `eval` (a run).
 #[derive(Debug, Args)]
 pub struct EvalRunArgs {
-    /// A built-in environment, an OpenEnv server URL, an OpenEnv package directory, or
-    /// a quoted command line that serves one.
+    /// A built-in environment, an OpenEnv server URL, a package directory, a hub
+    /// package (hub:owner/name[@version]), or a quoted command line that serves one.
     #[arg(long, value_name = "ENV", required = true)]
     pub env: Option<String>,
     /// A model reference or GGUF file (run in process), or the base URL of an
@@ -482,6 +482,10 @@ pub struct EvalRunArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Post the summary to the environment's leaderboard on the hub (needs --env
+    /// hub:owner/name[@version] and a token: `agentstack hub login`).
+    #[arg(long)]
+    pub post: bool,
 }
 
 /// `quickstart`.

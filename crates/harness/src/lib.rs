@@ -16,6 +16,7 @@ pub mod compare;
 pub mod context;
 pub mod env;
 pub mod episode;
+pub mod leaderboard;
 pub mod model;
 pub mod prompt;
 pub mod run;

@@ -958,3 +958,101 @@ async fn the_environment_page_shows_the_package_and_its_leaderboard_in_a_browser
     let index = dom(format!("{}/?q=grid", hub.url));
     assert!(index.contains("href=\"/alice/maze\""), "{index}");
 }
+
+fn test_model() -> PathBuf {
+    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => {
+            let cache = match std::env::var_os("AGENTSTACK_CACHE") {
+                Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+                _ => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+                    .join(".cache/agentstack"),
+            };
+            cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        }
+    };
+    assert!(
+        path.is_file(),
+        "{} is missing\nhint: run scripts/fetch-model",
+        path.display()
+    );
+    path
+}
+
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs the SmolLM2 model from scripts/install-peers"]
+async fn eval_on_a_hub_package_records_its_version_and_posts_to_its_leaderboard() {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "arith", "2.0.0", "# Arithmetic from the hub\n");
+    let yaml = std::fs::read_to_string(src.path().join("openenv.yaml")).unwrap();
+    std::fs::write(
+        src.path().join("openenv.yaml"),
+        yaml.replace("env serve echo", "env serve arithmetic"),
+    )
+    .unwrap();
+    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let model = test_model();
+    let eval = |token: Option<&str>, post: bool| {
+        let mut args = vec![
+            "eval",
+            "--env",
+            "hub:alice/arith",
+            "--model",
+            model.to_str().unwrap(),
+            "--episodes",
+            "3",
+            "--max-turns",
+            "1",
+            "--max-tokens",
+            "24",
+            "--json",
+        ];
+        if post {
+            args.push("--post");
+        }
+        hub.cli(token, &args)
+    };
+    // --post needs a token; the run itself still completes and is kept.
+    let out = eval(None, true);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("401"));
+    let out = eval(Some(&alice), true);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["env"], "hub:alice/arith@2.0.0");
+    let board: Value =
+        serde_json::from_str(&hub.cli_ok(None, &["hub", "leaderboard", "alice/arith", "--json"]))
+            .unwrap();
+    let entry = &board["entries"][0];
+    assert_eq!(entry["episodes"], 3);
+    assert_eq!(entry["harness"], summary["config_hash"]);
+    assert_eq!(entry["score"], summary["mean_reward"]);
+    assert_eq!(board["entries"].as_array().unwrap().len(), 1);
+    // Without --post nothing is sent; a non-hub environment cannot be posted.
+    let out = hub.cli(
+        Some(&alice),
+        &[
+            "eval",
+            "--env",
+            "arithmetic",
+            "--model",
+            model.to_str().unwrap(),
+            "--episodes",
+            "1",
+            "--post",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--post needs --env hub:"));
+}

@@ -56,6 +56,7 @@ pub async fn run(args: QuickstartArgs) -> Result<(), Exit> {
             threads: args.threads,
             python: None,
             json: false,
+            post: false,
         })
         .await?;
         super::eval::print_summary(&summary, &dir, false);

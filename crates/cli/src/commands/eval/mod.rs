@@ -29,8 +29,12 @@ pub async fn run(args: EvalArgs) -> Result<(), Exit> {
         Some(EvalCommand::Compare(args)) => compare::run(args),
         None => {
             let json = args.run.json;
+            let post = args.run.post;
             let (summary, dir) = evaluate(args.run).await?;
             print_summary(&summary, &dir, json);
+            if post {
+                post_summary(&summary).await?;
+            }
             Ok(())
         }
     }
@@ -47,13 +51,23 @@ pub(crate) struct OpenedEnv {
     _foreign: Option<ForeignEnv>,
 }
 
-/// Opens an environment reference.
+/// Posts a run's summary to the leaderboard of the hub package it evaluated.
+async fn post_summary(summary: &Summary) -> Result<(), Exit> {
+    let package = agentstack_harness::leaderboard::package_of(&summary.env)
+        .ok_or_else(|| anyhow!("--post needs --env hub:owner/name[@version]"))?;
+    let hub = settings::hub_client(None)?;
+    agentstack_harness::leaderboard::post(&hub, &package, summary)
+        .await
+        .map_err(crate::commands::hub::client_exit)?;
+    eprintln!("posted to the leaderboard of {package} at {}", hub.url());
+    Ok(())
+}
+
+/// Opens an environment reference (`hub:` references are pulled first; see
+/// [`pin_hub_reference`]).
 pub(crate) async fn open_env(reference: &str, python: Option<&str>) -> anyhow::Result<OpenedEnv> {
-    if reference.starts_with("hub:") {
-        bail!(
-            "hub references need the environment hub, which is not built yet\nhint: pull the package by hand and pass its directory"
-        );
-    }
+    let pulled = crate::commands::hub::pull_target(reference).await?;
+    let reference = pulled.as_str();
     if reference.starts_with("http://") || reference.starts_with("https://") {
         let handle = EnvHandle::remote(reference, ClientConfig::default())
             .await
@@ -137,6 +151,20 @@ async fn first_model(base: &str, api_key: Option<&str>) -> anyhow::Result<String
         .ok_or_else(|| anyhow!("{url} lists no models\nhint: pass --model-name"))
 }
 
+/// `hub:owner/name[@tag]` → `hub:owner/name@<version>` (pulling it into the cache);
+/// anything else as it is.
+async fn pin_hub_reference(reference: &str) -> anyhow::Result<String> {
+    if !reference.starts_with("hub:") {
+        return Ok(reference.to_owned());
+    }
+    let package = agentstack_hub::api::PackageRef::parse(reference).map_err(|e| anyhow!(e))?;
+    let hub = settings::hub_client(None)?;
+    let pulled = hub
+        .pull(&package, &settings::hub_cache_dir(hub.url()))
+        .await?;
+    Ok(format!("hub:{}@{}", pulled.package, pulled.version))
+}
+
 fn parse_options(text: Option<&str>) -> anyhow::Result<Map<String, Value>> {
     match text {
         None => Ok(Map::new()),
@@ -192,6 +220,14 @@ pub(crate) async fn evaluate(args: EvalRunArgs) -> Result<(Summary, PathBuf), Ex
         )));
     }
     let reset_options = parse_options(args.options.as_deref())?;
+    if args.post && !env_ref.starts_with("hub:") {
+        return Err(Exit::user(anyhow!(
+            "--post needs --env hub:owner/name[@version]: leaderboards belong to hub packages"
+        )));
+    }
+    // A hub reference is recorded with the version it resolved to, so a run (and its
+    // leaderboard entry) names exactly what it evaluated.
+    let env_ref = pin_hub_reference(&env_ref).await?;
     let env = open_env(&env_ref, args.python.as_deref()).await?;
     let profile = read_profile(args.profile.as_ref(), env.handle.name())?;
     let success_threshold = args.success_threshold.unwrap_or(1.0);

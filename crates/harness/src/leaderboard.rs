@@ -1,0 +1,36 @@
+//! Posting an evaluation's summary to its environment's leaderboard on the hub.
+
+use agentstack_hub::api::{LeaderboardPost, PackageRef};
+use agentstack_hub::client::{ClientError, HubClient};
+
+use crate::run::Summary;
+
+/// The leaderboard entry for a run: its mean reward with the 95% CI, the episodes,
+/// and the configuration hash (prompt profile, context policy, sampling, seed), so
+/// entries made the same way can be compared; the whole summary rides along.
+pub fn entry(summary: &Summary) -> LeaderboardPost {
+    LeaderboardPost {
+        model: summary.model.clone(),
+        score: summary.mean_reward,
+        ci95: [summary.ci95.0, summary.ci95.1],
+        episodes: summary.episodes as u64,
+        harness: summary.config_hash.clone(),
+        details: serde_json::to_value(summary).unwrap_or_default(),
+    }
+}
+
+/// The package a run's environment names (`hub:owner/name@version`), if it is one.
+pub fn package_of(env: &str) -> Option<PackageRef> {
+    env.starts_with("hub:")
+        .then(|| PackageRef::parse(env).ok())
+        .flatten()
+}
+
+/// Posts `summary` to the leaderboard of `package`'s version.
+pub async fn post(
+    hub: &HubClient,
+    package: &PackageRef,
+    summary: &Summary,
+) -> Result<(), ClientError> {
+    hub.post_result(package, &entry(summary)).await
+}
