@@ -14,9 +14,10 @@ use crate::api::{SearchSort, ValidationCheck};
 /// What can go wrong with the database.
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    /// The URL names no database we support.
+    /// The URL names no database we support (only its scheme is kept: the rest may
+    /// hold a password).
     #[error(
-        "'{0}' is not a database URL we support\nhint: use sqlite:///path/to/hub.db or postgres://user@host/db"
+        "'{0}:' is not a database we support\nhint: use sqlite:///path/to/hub.db or postgres://user@host/db"
     )]
     Url(String),
     /// Connecting or querying failed.
@@ -269,7 +270,8 @@ impl Db {
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Dialect::Postgres
         } else {
-            return Err(DbError::Url(url.to_owned()));
+            let scheme = url.split(':').next().unwrap_or_default();
+            return Err(DbError::Url(scheme.chars().take(32).collect()));
         };
         let url = match dialect {
             Dialect::Sqlite if !url.contains("mode=") => {

@@ -619,3 +619,35 @@ fn sandbox_run_mirrors_the_command_and_refuses_bad_limits() {
     );
     assert!(out.stdout.contains("agentstack-sandbox-"), "{}", out.stdout);
 }
+
+#[test]
+fn hub_commands_reject_bad_input_with_a_hint() {
+    // A malformed reference, before anything is sent.
+    insta::assert_snapshot!(snapshot(&agentstack(&["hub", "pull", "Alice/../x"])));
+    // No hub listening: exit 2, and where to look.
+    let out = agentstack(&["hub", "search", "x", "--hub", "http://127.0.0.1:9"]);
+    assert_eq!(out.code, 2, "{}", snapshot(&out));
+    assert!(
+        out.stderr.contains("is `agentstack hub serve` running"),
+        "{}",
+        out.stderr
+    );
+    // A database URL we do not speak.
+    let out = agentstack(&["hub", "user", "create", "alice", "--database", "mysql://x"]);
+    assert_eq!(out.code, 1, "{}", snapshot(&out));
+    assert!(out.stderr.contains("hint: use sqlite://"), "{}", out.stderr);
+    let out = agentstack(&["hub", "user", "create", "Alice"]);
+    assert_eq!(out.code, 1, "{}", snapshot(&out));
+    assert!(out.stderr.contains("lowercase"), "{}", out.stderr);
+    // Tagging needs a version; --post needs a hub environment.
+    let out = agentstack(&[
+        "hub",
+        "tag",
+        "alice/x",
+        "stable",
+        "--hub",
+        "http://127.0.0.1:9",
+    ]);
+    assert_eq!(out.code, 1, "{}", snapshot(&out));
+    assert!(out.stderr.contains("alice/x@1.0.0"), "{}", out.stderr);
+}
