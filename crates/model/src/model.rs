@@ -56,6 +56,18 @@ pub enum Linear {
         /// Optional bias, `[out]`.
         bias: Option<Tensor>,
     },
+    /// A low-rank adapter over any layer (LoRA): `y = base(x) + scale · (x Aᵀ) Bᵀ`.
+    /// Gradients reach `a` and `b` (and, through a dense base, the layer's input).
+    Adapted {
+        /// The layer adapted.
+        base: Box<Linear>,
+        /// `A`, `[rank, in]`.
+        a: Tensor,
+        /// `B`, `[out, rank]`.
+        b: Tensor,
+        /// `alpha / rank`.
+        scale: f64,
+    },
 }
 
 impl Linear {
@@ -65,6 +77,11 @@ impl Linear {
             Self::Quantized { weight, bias } => (weight.forward(x)?, bias),
             Self::Fast { weight, bias } => (weight.forward(x)?, bias),
             Self::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
+            Self::Adapted { base, a, b, scale } => {
+                let low = x.to_dtype(a.dtype())?.matmul(&a.t()?)?.matmul(&b.t()?)?;
+                let low = (low * *scale)?.to_dtype(x.dtype())?;
+                return Ok((base.forward(x)? + low)?);
+            }
         };
         Ok(match bias {
             Some(b) => y.broadcast_add(b)?,
@@ -98,6 +115,31 @@ impl Linear {
             Self::Quantized { weight, .. } => weight.dequantize_f16()?.to_dtype(DType::F32)?,
             Self::Fast { weight, .. } => weight.dequantize()?,
             Self::Dense { weight, .. } => weight.clone(),
+            Self::Adapted { base, a, b, scale } => {
+                let delta = (b.matmul(a)? * *scale)?;
+                (base.dense_weight()? + delta.to_dtype(DType::F32)?)?
+            }
+        })
+    }
+
+    /// The layer without its adapter (itself when it has none).
+    pub fn base(&self) -> &Self {
+        match self {
+            Self::Adapted { base, .. } => base.base(),
+            other => other,
+        }
+    }
+
+    /// `[out, in]`.
+    pub fn shape(&self) -> Result<(usize, usize)> {
+        Ok(match self {
+            Self::Quantized { weight, .. } => match weight {
+                QMatMul::QTensor(q) => q.shape().dims2()?,
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims2()?,
+            },
+            Self::Fast { weight, .. } => weight.shape(),
+            Self::Dense { weight, .. } => weight.dims2()?,
+            Self::Adapted { b, a, .. } => (b.dim(0)?, a.dim(1)?),
         })
     }
 }
