@@ -287,6 +287,11 @@ impl Db {
             })
             .after_connect(move |conn, _| {
                 Box::pin(async move {
+                    if dialect == Dialect::Postgres {
+                        // Search queries are short; JIT compilation took longer than
+                        // the queries themselves (bench/hub).
+                        sqlx::query("SET jit = off").execute(&mut *conn).await?;
+                    }
                     if dialect == Dialect::Sqlite {
                         sqlx::query("PRAGMA foreign_keys = ON")
                             .execute(&mut *conn)
@@ -717,13 +722,22 @@ impl Db {
         Ok(())
     }
 
-    /// Counts a download.
+    /// Counts a download. On PostgreSQL the commit does not wait for the disk (a
+    /// crash may lose the last few counts, never anything else): waiting made every
+    /// pull pay for a WAL flush (bench/hub).
     pub async fn count_download(&self, package_id: i64) -> Result<(), DbError> {
         let _turn = self.write_turn().await;
+        let mut tx = self.pool.begin().await?;
+        if self.dialect == Dialect::Postgres {
+            sqlx::query("SET LOCAL synchronous_commit TO OFF")
+                .execute(&mut *tx)
+                .await?;
+        }
         sqlx::query("UPDATE packages SET downloads = downloads + 1 WHERE id = $1")
             .bind(package_id)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -804,7 +818,7 @@ impl Db {
         let text = full_text_query(self.dialect, q);
         let columns = "p.owner, p.name, p.description, p.tags, p.downloads, \
              (SELECT v.version FROM tags t JOIN versions v ON v.id = t.version_id WHERE t.package_id = p.id AND t.tag = 'latest') AS latest, \
-             (SELECT MAX(l.score) FROM leaderboard l JOIN versions v ON v.id = l.version_id WHERE v.package_id = p.id) AS best_score";
+             p.best_score";
         // With a query its words are $1; the other parameters follow.
         let n = usize::from(text.is_some());
         let (viewer_p, limit_p, offset_p) = (n + 1, n + 2, n + 3);
@@ -824,7 +838,7 @@ impl Db {
                 "package_search JOIN packages p ON p.id = package_search.rowid WHERE package_search MATCH $1 AND"
             }
             (Dialect::Postgres, true) => {
-                "packages p, to_tsquery('english', $1) query WHERE p.search @@ query AND"
+                "packages p, to_tsquery('simple', $1) query WHERE p.search @@ query AND"
             }
             (_, false) => "packages p WHERE",
         };
@@ -873,6 +887,7 @@ impl Db {
         details: &str,
     ) -> Result<(), DbError> {
         let _turn = self.write_turn().await;
+        let mut tx = self.pool.begin().await?;
         sqlx::query(
             "INSERT INTO leaderboard (version_id, user_id, model, score, ci_low, ci_high, episodes, harness, details, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -887,8 +902,18 @@ impl Db {
         .bind(harness)
         .bind(details)
         .bind(now())
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        // The package's best score, kept for sorting search results by it.
+        sqlx::query(
+            "UPDATE packages SET best_score = $1 \
+             WHERE id = (SELECT package_id FROM versions WHERE id = $2) AND (best_score IS NULL OR best_score < $1)",
+        )
+        .bind(score)
+        .bind(version_id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
         Ok(())
     }
 

@@ -712,7 +712,7 @@ async fn forks_search_and_leaderboards(backend: Backend) {
         other.path(),
         "wordle",
         "0.1.0",
-        "# Wordle\n\nGuess the word.\n",
+        "# Wordle\n\nGuess the word with the toolbox.\n",
     );
     hub.cli_ok(
         Some(&alice),
@@ -766,6 +766,11 @@ async fn forks_search_and_leaderboards(backend: Backend) {
         ["alice/wordle"]
     );
     assert!(names(&hub.cli_ok(None, &["hub", "search", "grid", "wordle", "--json"])).is_empty());
+    // A prefix that is a stop word on its own ("too" of "toolbox") still finds it.
+    assert_eq!(
+        names(&hub.cli_ok(None, &["hub", "search", "too", "--json"])),
+        ["alice/wordle"]
+    );
     assert_eq!(
         names(&hub.cli_ok(None, &["hub", "search", "--json"])).len(),
         3
