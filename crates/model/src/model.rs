@@ -723,7 +723,13 @@ impl Model {
             }
             let q = self.rope(&q.unsqueeze(0)?, start)?.squeeze(0)?;
             let k = self.rope(&k.unsqueeze(0)?, start)?.squeeze(0)?;
-            let (k, v) = item.cache.layers[layer].append(&k, &v)?;
+            let (k_all, v_all) = item.cache.layers[layer].append(&k, &v)?;
+            // The cache copies into its buffer in place, which has no gradient: a
+            // sequence scored from an empty cache (the trainer's one pass over a whole
+            // sequence) attends to this call's keys and values themselves, so
+            // gradients reach the k and v projections. Cached positions of earlier
+            // calls are constants.
+            let (k, v) = if start == 0 { (k, v) } else { (k_all, v_all) };
             let s = k.dim(1)?;
             // Grouped-query attention without copying K/V: the query heads that
             // share a KV head are stacked as extra rows.

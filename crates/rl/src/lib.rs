@@ -6,6 +6,9 @@
 //! - [`advantage`]: group-relative advantages (std-normalised or Dr. GRPO), dynamic
 //!   sampling, overlong filtering and the soft overlong penalty, on-policy
 //!   distillation's per-token reverse KL.
+//! - [`lora`]: adapters beside a model's weights (rank, alpha, targets), saved as
+//!   safetensors; [`policy`]: completion log-probabilities with gradients, and a
+//!   reference sampler; [`optim`]: AdamW with clipping and a schedule.
 //!
 //! ```
 //! use agentstack_rl::advantage::{group_advantages, Normalization};
@@ -15,4 +18,7 @@
 //! ```
 
 pub mod advantage;
+pub mod lora;
 pub mod loss;
+pub mod optim;
+pub mod policy;

@@ -1,0 +1,123 @@
+//! The learner's side of a policy: score completions with gradients, and sample from
+//! the policy directly (the reference sampler the tests use; training runs sample
+//! through the batching engine).
+
+use agentstack_model::{Logits, Model, SeqInput};
+use candle_core::{D, Result, Tensor};
+use rand::Rng;
+
+use crate::loss::token_logprobs;
+
+fn model_error(e: agentstack_model::ModelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// `log π(completion_t | prompt, completion_<t)` for every completion token, in one
+/// forward pass over the whole sequence, with gradients to whatever the model's
+/// weights depend on (its adapters). `[T]`.
+pub fn completion_logprobs(model: &Model, prompt: &[u32], completion: &[u32]) -> Result<Tensor> {
+    assert!(
+        !prompt.is_empty() && !completion.is_empty(),
+        "a prompt and a completion are needed"
+    );
+    let tokens: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+    let mut cache = model.new_cache();
+    let logits = model
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: &tokens,
+            logits: Logits::All,
+        }])
+        .map_err(model_error)?
+        .remove(0);
+    // The logits at position i predict token i + 1.
+    let predicting = logits.narrow(0, prompt.len() - 1, completion.len())?;
+    token_logprobs(&predicting, completion)
+}
+
+/// [`completion_logprobs`] for several `(prompt, completion)` pairs in one batched
+/// forward pass.
+pub fn completion_logprobs_batch(model: &Model, pairs: &[(&[u32], &[u32])]) -> Result<Vec<Tensor>> {
+    let sequences: Vec<Vec<u32>> = pairs
+        .iter()
+        .map(|(p, c)| {
+            assert!(
+                !p.is_empty() && !c.is_empty(),
+                "a prompt and a completion are needed"
+            );
+            p.iter().chain(c.iter()).copied().collect()
+        })
+        .collect();
+    let mut caches: Vec<_> = pairs.iter().map(|_| model.new_cache()).collect();
+    let mut inputs: Vec<SeqInput<'_>> = caches
+        .iter_mut()
+        .zip(&sequences)
+        .map(|(cache, tokens)| SeqInput {
+            cache,
+            tokens,
+            logits: Logits::All,
+        })
+        .collect();
+    let logits = model.forward(&mut inputs).map_err(model_error)?;
+    logits
+        .iter()
+        .zip(pairs)
+        .map(|(l, (p, c))| token_logprobs(&l.narrow(0, p.len() - 1, c.len())?, c))
+        .collect()
+}
+
+/// A sampled completion and the sampler's log-probability of each token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// The tokens.
+    pub tokens: Vec<u32>,
+    /// `log π(token)` at temperature 1.
+    pub logprobs: Vec<f32>,
+}
+
+/// Samples up to `max_tokens` at temperature 1, stopping after any of `stop`.
+pub fn sample(
+    model: &Model,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop: &[u32],
+    rng: &mut impl Rng,
+) -> Result<Sampled> {
+    let mut cache = model.new_cache();
+    let mut next: Vec<u32> = prompt.to_vec();
+    let mut out = Sampled {
+        tokens: Vec::new(),
+        logprobs: Vec::new(),
+    };
+    for _ in 0..max_tokens {
+        let logits = model
+            .forward(&mut [SeqInput {
+                cache: &mut cache,
+                tokens: &next,
+                logits: Logits::Last,
+            }])
+            .map_err(model_error)?
+            .remove(0)
+            .flatten_all()?;
+        let logp: Vec<f32> = candle_nn::ops::log_softmax(&logits.detach(), D::Minus1)?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?;
+        let u: f32 = rng.random();
+        let mut acc = 0.0;
+        let mut choice = logp.len() - 1;
+        for (i, lp) in logp.iter().enumerate() {
+            acc += lp.exp();
+            if u < acc {
+                choice = i;
+                break;
+            }
+        }
+        out.tokens.push(choice as u32);
+        out.logprobs.push(logp[choice]);
+        if stop.contains(&(choice as u32)) {
+            break;
+        }
+        next = vec![choice as u32];
+    }
+    Ok(out)
+}
