@@ -80,33 +80,42 @@ pub fn hub_credentials() -> Option<HubCredentials> {
 /// The hub URL: the flag, then `AGENTSTACK_HUB_URL`, then the saved one, then the
 /// default local hub.
 pub fn hub_url(flag: Option<&str>) -> String {
+    hub_url_with(flag, hub_credentials().as_ref())
+}
+
+fn hub_url_with(flag: Option<&str>, saved: Option<&HubCredentials>) -> String {
     flag.map(str::to_owned)
         .or_else(|| {
             std::env::var(env_vars::AGENTSTACK_HUB_URL)
                 .ok()
                 .filter(|v| !v.is_empty())
         })
-        .or_else(|| hub_credentials().map(|c| c.url))
+        .or_else(|| saved.map(|c| c.url.clone()))
         .unwrap_or_else(|| "http://127.0.0.1:8700".to_owned())
 }
 
-/// The hub token: `AGENTSTACK_HUB_TOKEN`, then the one saved for this URL.
-pub fn hub_token(url: &str) -> Option<agentstack_hub::auth::Token> {
+/// The hub token: `AGENTSTACK_HUB_TOKEN`, then the one saved for the hub at `url`.
+fn hub_token_with(
+    url: &str,
+    saved: Option<&HubCredentials>,
+) -> Option<agentstack_hub::auth::Token> {
     if let Some(t) = std::env::var(env_vars::AGENTSTACK_HUB_TOKEN)
         .ok()
         .filter(|v| !v.is_empty())
     {
         return Some(agentstack_hub::auth::Token::new(t));
     }
-    hub_credentials()
+    saved
         .filter(|c| c.url.trim_end_matches('/') == url.trim_end_matches('/'))
-        .map(|c| agentstack_hub::auth::Token::new(c.token))
+        .map(|c| agentstack_hub::auth::Token::new(c.token.clone()))
 }
 
-/// A client for the hub the flags name.
+/// A client for the hub the flags name, with its token (the credentials file is read
+/// once for both).
 pub fn hub_client(flag: Option<&str>) -> anyhow::Result<agentstack_hub::client::HubClient> {
-    let url = hub_url(flag);
-    let token = hub_token(&url);
+    let saved = hub_credentials();
+    let url = hub_url_with(flag, saved.as_ref());
+    let token = hub_token_with(&url, saved.as_ref());
     Ok(agentstack_hub::client::HubClient::new(&url, token)?)
 }
 

@@ -218,6 +218,22 @@ fn package_row(row: &AnyRow) -> Result<PackageRow, sqlx::Error> {
     })
 }
 
+fn user_row(row: &AnyRow) -> Result<User, sqlx::Error> {
+    Ok(User {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+    })
+}
+
+/// One column of every row.
+fn column<T, C>(rows: &[AnyRow], name: &str) -> Result<C, sqlx::Error>
+where
+    T: for<'r> sqlx::Decode<'r, sqlx::Any> + sqlx::Type<sqlx::Any>,
+    C: FromIterator<T>,
+{
+    rows.iter().map(|r| r.try_get(name)).collect()
+}
+
 fn version_row(row: &AnyRow) -> Result<VersionRow, sqlx::Error> {
     Ok(VersionRow {
         id: row.try_get("id")?,
@@ -362,13 +378,7 @@ impl Db {
             .bind(name)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(match row {
-            Some(r) => Some(User {
-                id: r.try_get("id")?,
-                name: r.try_get("name")?,
-            }),
-            None => None,
-        })
+        Ok(row.as_ref().map(user_row).transpose()?)
     }
 
     /// Stores a token's hash for a user.
@@ -395,13 +405,7 @@ impl Db {
         .bind(hash)
         .fetch_optional(&self.pool)
         .await?;
-        Ok(match row {
-            Some(r) => Some(User {
-                id: r.try_get("id")?,
-                name: r.try_get("name")?,
-            }),
-            None => None,
-        })
+        Ok(row.as_ref().map(user_row).transpose()?)
     }
 
     // ---- packages and versions ----
@@ -437,10 +441,7 @@ impl Db {
         .bind(package_id)
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows
-            .iter()
-            .map(|r| r.try_get("full"))
-            .collect::<Result<_, _>>()?)
+        Ok(column(&rows, "full")?)
     }
 
     /// Every version of a package, newest (highest) first.
@@ -787,10 +788,7 @@ impl Db {
         )
         .fetch_all(&self.pool)
         .await?;
-        Ok(rows
-            .iter()
-            .map(|r| r.try_get("version_id"))
-            .collect::<Result<_, _>>()?)
+        Ok(column(&rows, "version_id")?)
     }
 
     /// A version by row id, with its package's `owner/name`.
@@ -966,10 +964,7 @@ impl Db {
         let rows = sqlx::query("SELECT sha256 FROM versions UNION SELECT sha256 FROM uploads")
             .fetch_all(&self.pool)
             .await?;
-        Ok(rows
-            .iter()
-            .map(|r| r.try_get("sha256"))
-            .collect::<Result<_, _>>()?)
+        Ok(column(&rows, "sha256")?)
     }
 
     /// Row counts of every table (for tests and `hub info`).

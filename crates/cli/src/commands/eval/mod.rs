@@ -63,11 +63,9 @@ async fn post_summary(summary: &Summary) -> Result<(), Exit> {
     Ok(())
 }
 
-/// Opens an environment reference (`hub:` references are pulled first; see
-/// [`pin_hub_reference`]).
+/// Opens an environment reference (a `hub:` reference is pulled by the caller and
+/// passed as its directory).
 pub(crate) async fn open_env(reference: &str, python: Option<&str>) -> anyhow::Result<OpenedEnv> {
-    let pulled = crate::commands::hub::pull_target(reference).await?;
-    let reference = pulled.as_str();
     if reference.starts_with("http://") || reference.starts_with("https://") {
         let handle = EnvHandle::remote(reference, ClientConfig::default())
             .await
@@ -151,20 +149,6 @@ async fn first_model(base: &str, api_key: Option<&str>) -> anyhow::Result<String
         .ok_or_else(|| anyhow!("{url} lists no models\nhint: pass --model-name"))
 }
 
-/// `hub:owner/name[@tag]` → `hub:owner/name@<version>` (pulling it into the cache);
-/// anything else as it is.
-async fn pin_hub_reference(reference: &str) -> anyhow::Result<String> {
-    if !reference.starts_with("hub:") {
-        return Ok(reference.to_owned());
-    }
-    let package = agentstack_hub::api::PackageRef::parse(reference).map_err(|e| anyhow!(e))?;
-    let hub = settings::hub_client(None)?;
-    let pulled = hub
-        .pull(&package, &settings::hub_cache_dir(hub.url()))
-        .await?;
-    Ok(format!("hub:{}@{}", pulled.package, pulled.version))
-}
-
 fn parse_options(text: Option<&str>) -> anyhow::Result<Map<String, Value>> {
     match text {
         None => Ok(Map::new()),
@@ -225,10 +209,16 @@ pub(crate) async fn evaluate(args: EvalRunArgs) -> Result<(Summary, PathBuf), Ex
             "--post needs --env hub:owner/name[@version]: leaderboards belong to hub packages"
         )));
     }
-    // A hub reference is recorded with the version it resolved to, so a run (and its
-    // leaderboard entry) names exactly what it evaluated.
-    let env_ref = pin_hub_reference(&env_ref).await?;
-    let env = open_env(&env_ref, args.python.as_deref()).await?;
+    // A hub reference is pulled once and recorded with the version it resolved to, so a
+    // run (and its leaderboard entry) names exactly what it evaluated.
+    let (env_ref, target) = match crate::commands::hub::pull_hub_target(&env_ref).await? {
+        Some(p) => (
+            format!("hub:{}@{}", p.package, p.version),
+            p.dir.to_string_lossy().into_owned(),
+        ),
+        None => (env_ref.clone(), env_ref),
+    };
+    let env = open_env(&target, args.python.as_deref()).await?;
     let profile = read_profile(args.profile.as_ref(), env.handle.name())?;
     let success_threshold = args.success_threshold.unwrap_or(1.0);
     let model = open_model(

@@ -13,7 +13,7 @@ pub mod tag;
 pub mod user;
 
 use agentstack_hub::api::PackageRef;
-use agentstack_hub::client::ClientError;
+use agentstack_hub::client::{ClientError, HubClient, Pulled};
 use anyhow::anyhow;
 
 use crate::Exit;
@@ -45,16 +45,33 @@ pub(crate) fn print_json<T: serde::Serialize>(value: &T) {
     );
 }
 
-/// `hub:owner/name[@version]` → the directory of the pulled (checked, cached)
-/// package; any other target is returned as it is.
-pub(crate) async fn pull_target(target: &str) -> anyhow::Result<String> {
+/// Pulls `package` through `client` into its hub's local cache (checked; a cached copy
+/// of a fixed version is re-verified instead of downloaded).
+pub(crate) async fn pull_with(
+    client: &HubClient,
+    package: &PackageRef,
+) -> Result<Pulled, ClientError> {
+    let cache = crate::settings::hub_cache_dir(client.url());
+    let pulled = client.pull(package, &cache).await?;
+    tracing::info!(package = %pulled.package, version = %pulled.version, dir = %pulled.dir.display(), cached = pulled.cached, "pulled from the hub");
+    Ok(pulled)
+}
+
+/// A `hub:owner/name[@version]` target, pulled; `None` for any other target.
+pub(crate) async fn pull_hub_target(target: &str) -> anyhow::Result<Option<Pulled>> {
     if !target.starts_with("hub:") {
-        return Ok(target.to_owned());
+        return Ok(None);
     }
     let package = PackageRef::parse(target).map_err(|e| anyhow!(e))?;
     let client = crate::settings::hub_client(None)?;
-    let cache = crate::settings::hub_cache_dir(client.url());
-    let pulled = client.pull(&package, &cache).await?;
-    tracing::info!(package = %pulled.package, version = %pulled.version, dir = %pulled.dir.display(), cached = pulled.cached, "pulled from the hub");
-    Ok(pulled.dir.to_string_lossy().into_owned())
+    Ok(Some(pull_with(&client, &package).await?))
+}
+
+/// `hub:owner/name[@version]` → the directory of the pulled (checked, cached)
+/// package; any other target is returned as it is.
+pub(crate) async fn pull_target(target: &str) -> anyhow::Result<String> {
+    Ok(match pull_hub_target(target).await? {
+        Some(pulled) => pulled.dir.to_string_lossy().into_owned(),
+        None => target.to_owned(),
+    })
 }
