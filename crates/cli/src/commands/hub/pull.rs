@@ -8,9 +8,7 @@ use crate::settings;
 pub async fn run(args: HubRefArgs) -> Result<(), Exit> {
     let package = super::package_ref(&args.package)?;
     let client = settings::hub_client(args.client.hub.as_deref())?;
-    let cache = settings::hub_cache_dir(client.url());
-    let pulled = client
-        .pull(&package, &cache)
+    let pulled = super::pull_with(&client, &package)
         .await
         .map_err(super::client_exit)?;
     if args.client.json {
