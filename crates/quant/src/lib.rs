@@ -1,0 +1,49 @@
+//! Quantization with honest quality measurement.
+//!
+//! `agentstack-quant` turns a GGUF model into a smaller GGUF model and says how much worse
+//! it got, in the statistics llama.cpp reports:
+//!
+//! - [`gguf`]: a GGUF v3 reader and writer under llama.cpp's stricter rules (contiguous,
+//!   aligned offsets in tensor order; `general.alignment`), keeping every metadata key;
+//! - [`quantize`]: quantizers and dequantizers for Q8_0, Q5_0/1, Q4_0/1, Q2_K–Q6_K,
+//!   IQ4_NL and IQ4_XS, ported from ggml so llama.cpp accepts the bytes, with optional
+//!   importance weighting;
+//! - [`types`]: the GGML type table.
+//!
+//! ```no_run
+//! use agentstack_quant::{quantize, types::GgmlType};
+//!
+//! let weights = vec![0.25f32; 512];
+//! let bytes = quantize::quantize(GgmlType::Q4_K, &weights, 256, None).unwrap();
+//! let back = quantize::dequantize(GgmlType::Q4_K, &bytes, 512).unwrap();
+//! assert!((back[0] - 0.25).abs() < 0.01);
+//! ```
+
+mod error;
+pub mod gguf;
+pub mod quantize;
+pub mod types;
+
+pub use crate::error::{QuantError, Result};
+
+/// candle's name for a type, where candle has one.
+pub fn candle_dtype(ty: types::GgmlType) -> Option<candle_core::quantized::GgmlDType> {
+    use candle_core::quantized::GgmlDType as D;
+    use types::GgmlType as G;
+    Some(match ty {
+        G::F32 => D::F32,
+        G::F16 => D::F16,
+        G::BF16 => D::BF16,
+        G::Q4_0 => D::Q4_0,
+        G::Q4_1 => D::Q4_1,
+        G::Q5_0 => D::Q5_0,
+        G::Q5_1 => D::Q5_1,
+        G::Q8_0 => D::Q8_0,
+        G::Q2_K => D::Q2K,
+        G::Q3_K => D::Q3K,
+        G::Q4_K => D::Q4K,
+        G::Q5_K => D::Q5K,
+        G::Q6_K => D::Q6K,
+        _ => return None,
+    })
+}
