@@ -1,5 +1,6 @@
-//! The compute layer's core, as plain data with no I/O: the task and job-group spec,
-//! the service-discovery variables, and the requests each engine takes.
+//! The compute layer: one spec, run on the user's own compute.
+//!
+//! The core is plain data with no I/O:
 //!
 //! - [`spec`]: a task YAML with SkyPilot's key names (`resources`, `num_nodes`, `envs`,
 //!   `setup`, `run`, `file_mounts`, ...) and job groups as multi-document YAML, read
@@ -10,9 +11,14 @@
 //! - [`slurm`], [`ray`], [`kubernetes`]: a component as an `sbatch` script, a Ray Jobs
 //!   submission body, or a Service and an Indexed Job.
 //!
-//! The backends that run these (a local supervisor, the Slurm CLI, the Ray Jobs API,
-//! the Kubernetes API) build on this crate; it runs nothing itself, so everything here
-//! tests in microseconds.
+//! On top of it, the parts that run things:
+//!
+//! - [`backend`]: one small trait and its engines — local process groups, the Slurm
+//!   CLI, the Ray Jobs API (and Kubernetes' API);
+//! - [`supervisor`]: a launch's life on any backend — gang start, discovery files,
+//!   recovery by `job_recovery`, termination delays, preemption, cancel;
+//! - [`state`]: launches and units in SQLite, so a restarted `agentstack` picks up
+//!   what an earlier one started.
 //!
 //! ```
 //! use agentstack_compute::discovery::{self, Addresses};
@@ -37,6 +43,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod backend;
 pub mod discovery;
 pub mod entrypoint;
 pub mod kubernetes;
@@ -44,6 +51,8 @@ pub mod ray;
 pub mod request;
 pub mod slurm;
 pub mod spec;
+pub mod state;
+pub mod supervisor;
 
 pub use request::BuildError;
 pub use spec::{JobGroup, SpecError, Task};

@@ -1,0 +1,838 @@
+//! A launch's life, the same on every backend: gang start, service discovery, recovery
+//! of each unit by its component's `job_recovery`, auxiliary components stopped
+//! `termination_delay` after the primaries finish, preemption on local, cancel.
+//!
+//! All of it lives in the [state database](crate::state): every tick the supervisor
+//! reads the launch, asks the engine about the units it has started, writes what
+//! changed and acts on it. So a supervisor that dies loses nothing: another one (a
+//! restarted `agentstack`) picks the launch up where it was, and `agentstack cancel`
+//! from another process is a flag in the database.
+//!
+//! Recovery follows SkyPilot: a unit the engine lost (not the program's own failure)
+//! always starts again; an exit code in `recover_on_exit_codes` starts it again without
+//! counting; any other non-zero code starts it again while `max_restarts_on_errors`
+//! allows; without `job_recovery` nothing is restarted. A unit that fails past its
+//! policy fails the launch, which then stops everything else.
+//!
+//! Preemption (local): units hold their `cpus` out of the machine's. A unit that does
+//! not fit stops running units of lower priority (SIGTERM: the program checkpoints and
+//! exits), waits for them to go, and starts; the preempted units wait, and start again
+//! (without counting a restart) when there is room — a trainer resumes from its
+//! checkpoint.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::backend::{Backend, BackendError, UnitLaunch, UnitStatus};
+use crate::discovery::{self, Addresses, Endpoint, SKYPILOT_NODE_IPS, SKYPILOT_NODE_RANK};
+use crate::request;
+use crate::spec::{JobGroup, SpecError, Task};
+use crate::state::{
+    Admission, JobRecord, JobState, NewUnit, StateError, Store, UnitRecord, UnitState, UnitUpdate,
+    now_ms,
+};
+
+/// How a supervisor paces itself.
+#[derive(Debug, Clone)]
+pub struct SupervisorSettings {
+    /// Time between looks at the engine.
+    pub poll_interval: Duration,
+    /// Time from SIGTERM to SIGKILL when stopping a unit: the time to checkpoint.
+    pub stop_grace: Duration,
+    /// Time every unit has to run at the first start (gang start), else the launch fails.
+    pub start_timeout: Duration,
+    /// Seconds a unit waits for its discovery file.
+    pub discovery_timeout_seconds: u64,
+    /// CPUs of this machine that local units may hold.
+    pub local_cpus: f64,
+}
+
+impl Default for SupervisorSettings {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_millis(100),
+            stop_grace: Duration::from_secs(10),
+            start_timeout: Duration::from_secs(600),
+            discovery_timeout_seconds: 600,
+            local_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()) as f64,
+        }
+    }
+}
+
+/// Why supervising failed (the launch itself failing is a state, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum SuperviseError {
+    /// The state database.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The engine.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The stored spec no longer parses.
+    #[error("the stored spec of launch {0}")]
+    Spec(String, #[source] SpecError),
+    /// No such launch.
+    #[error("there is no launch {0}")]
+    NoJob(String),
+    /// The group can never fit.
+    #[error(
+        "`{group}` needs {need} CPUs at once, and local has {capacity}\nhint: lower `resources.cpus`, or set AGENTSTACK_LOCAL_CPUS to share the CPUs anyway"
+    )]
+    TooLarge {
+        /// The group.
+        group: String,
+        /// CPUs the group needs.
+        need: f64,
+        /// CPUs there are.
+        capacity: f64,
+    },
+}
+
+/// Records a new launch of `group` on `backend`'s engine, in a directory under
+/// `jobs_dir`, ready for a [`Supervisor`].
+pub async fn create_launch<B: Backend>(
+    store: &Store,
+    backend: &B,
+    group: &JobGroup,
+    jobs_dir: &Path,
+    options: &serde_json::Value,
+    settings: &SupervisorSettings,
+) -> Result<JobRecord, SuperviseError> {
+    backend.check(group)?;
+    let local = backend.kind() == "local";
+    let mut units: Vec<NewUnit> = Vec::new();
+    for task in &group.components {
+        let replicas = if backend.unit_is_component() {
+            1
+        } else {
+            task.replicas
+        };
+        let cpus = match (local, task.resources.cpus) {
+            (true, Some(c)) => c.count,
+            _ => 0.0,
+        };
+        for r in 0..replicas {
+            units.push((
+                task.name.clone(),
+                r,
+                task.resources.priority.unwrap_or(0),
+                cpus,
+            ));
+        }
+    }
+    let need: f64 = units.iter().map(|u| u.3).sum();
+    if local && need > settings.local_cpus + 1e-9 {
+        return Err(SuperviseError::TooLarge {
+            group: group.name.clone(),
+            need,
+            capacity: settings.local_cpus,
+        });
+    }
+    let id = format!(
+        "{}-{}",
+        group.name,
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let dir = jobs_dir.join(&id);
+    std::fs::create_dir_all(&dir).map_err(|e| BackendError::io(&dir, e))?;
+    let record = JobRecord {
+        id,
+        name: group.name.clone(),
+        infra: backend.kind().to_owned(),
+        spec: group.to_yaml(),
+        state: JobState::Starting,
+        cancel_requested: false,
+        message: None,
+        supervisor_pid: None,
+        heartbeat_ms: None,
+        dir: dir.display().to_string(),
+        created_ms: now_ms(),
+        running_ms: None,
+        ended_ms: None,
+        options: options.to_string(),
+    };
+    store.insert_job(&record, &units).await?;
+    Ok(record)
+}
+
+/// Runs one launch to its end.
+pub struct Supervisor<B> {
+    store: Store,
+    backend: B,
+    settings: SupervisorSettings,
+    job_id: String,
+    group: JobGroup,
+    dir: PathBuf,
+}
+
+/// How one unit ended, and what its policy says.
+enum Verdict {
+    Succeeded,
+    Restart { counted: bool, why: String },
+    Failed(String),
+}
+
+impl<B: Backend> Supervisor<B> {
+    /// A supervisor for the launch `job_id`.
+    pub async fn new(
+        store: Store,
+        backend: B,
+        settings: SupervisorSettings,
+        job_id: &str,
+    ) -> Result<Self, SuperviseError> {
+        let job = store
+            .job(job_id)
+            .await?
+            .ok_or_else(|| SuperviseError::NoJob(job_id.to_owned()))?;
+        let group =
+            JobGroup::parse(&job.spec).map_err(|e| SuperviseError::Spec(job.id.clone(), e))?;
+        Ok(Self {
+            store,
+            backend,
+            settings,
+            job_id: job.id,
+            group,
+            dir: PathBuf::from(job.dir),
+        })
+    }
+
+    /// The engine.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Supervises until the launch ends; returns how it ended.
+    pub async fn run(&self) -> Result<JobState, SuperviseError> {
+        let span = tracing::info_span!("launch", id = %self.job_id, infra = self.backend.kind());
+        let _enter = span.enter();
+        let pid = std::process::id();
+        loop {
+            self.store.heartbeat(&self.job_id, pid).await?;
+            let job = self
+                .store
+                .job(&self.job_id)
+                .await?
+                .ok_or_else(|| SuperviseError::NoJob(self.job_id.clone()))?;
+            if job.state.is_terminal() {
+                return Ok(job.state);
+            }
+            if let Err(e) = self.tick(&job).await {
+                // An engine that does not answer for a moment is not the end of the
+                // launch; the next tick asks again.
+                match e {
+                    SuperviseError::Backend(e) => tracing::warn!(error = %e, "engine call failed"),
+                    e => return Err(e),
+                }
+            }
+            tokio::time::sleep(self.settings.poll_interval).await;
+        }
+    }
+
+    fn task(&self, component: &str) -> &Task {
+        self.group
+            .component(component)
+            .expect("units are made from the group's components")
+    }
+
+    async fn update(&self, u: &UnitRecord, update: UnitUpdate) -> Result<(), StateError> {
+        self.store
+            .update_unit(&u.job_id, &u.component, u.replica, &update)
+            .await
+    }
+
+    async fn tick(&self, job: &JobRecord) -> Result<(), SuperviseError> {
+        self.observe().await?;
+        let units = self.store.units(&self.job_id).await?;
+        let now = now_ms();
+        let winding_down = job.cancel_requested || job.state == JobState::Stopping;
+
+        if winding_down {
+            return self.wind_down(job, &units, now).await;
+        }
+        if let Some(failed) = units.iter().find(|u| u.state == UnitState::Failed) {
+            let message = format!(
+                "component `{}` failed: {}",
+                failed.component,
+                failed.message.as_deref().unwrap_or("no reason given")
+            );
+            tracing::warn!(%message, "stopping the launch");
+            self.store
+                .set_job_state(&self.job_id, JobState::Stopping, Some(&message))
+                .await?;
+            return Ok(());
+        }
+        if job.state == JobState::Starting {
+            if units.iter().all(|u| u.state == UnitState::Running) {
+                self.store
+                    .set_job_state(&self.job_id, JobState::Running, None)
+                    .await?;
+            } else if now - job.created_ms > self.settings.start_timeout.as_millis() as i64 {
+                let waiting: Vec<String> = units
+                    .iter()
+                    .filter(|u| u.state != UnitState::Running)
+                    .map(|u| format!("{}/{} ({})", u.component, u.replica, u.state))
+                    .collect();
+                let message = format!(
+                    "gang start: not every unit ran within {} s: {}",
+                    self.settings.start_timeout.as_secs(),
+                    waiting.join(", ")
+                );
+                self.store
+                    .set_job_state(&self.job_id, JobState::Stopping, Some(&message))
+                    .await?;
+                return Ok(());
+            }
+        }
+        self.finish_auxiliaries(&units, now).await?;
+        if units.iter().all(|u| u.state.is_terminal()) {
+            self.store
+                .set_job_state(
+                    &self.job_id,
+                    JobState::Stopping,
+                    Some("every component finished"),
+                )
+                .await?;
+            return Ok(());
+        }
+        self.start_units(job, &units).await?;
+        self.discover(job).await?;
+        Ok(())
+    }
+
+    /// Asks the engine about every unit it may have, and records what changed.
+    async fn observe(&self) -> Result<(), SuperviseError> {
+        let units = self.store.units(&self.job_id).await?;
+        let watched: Vec<&UnitRecord> = units
+            .iter()
+            .filter(|u| u.state.is_active() && u.handle.is_some())
+            .collect();
+        if watched.is_empty() {
+            return Ok(());
+        }
+        let handles: Vec<String> = watched
+            .iter()
+            .map(|u| u.handle.clone().expect("filtered"))
+            .collect();
+        let statuses = self.backend.poll(&handles).await?;
+        let now = now_ms();
+        for (u, status) in watched.into_iter().zip(statuses) {
+            match status {
+                UnitStatus::Pending => {}
+                UnitStatus::Running { hosts } => {
+                    if u.state == UnitState::Starting {
+                        tracing::info!(component = %u.component, replica = u.replica, attempt = u.attempt, "running");
+                        self.update(
+                            u,
+                            UnitUpdate {
+                                state: Some(UnitState::Running),
+                                running_ms: Some(Some(now)),
+                                hosts: Some(Some(hosts.join(","))),
+                                ..Default::default()
+                            },
+                        )
+                        .await?;
+                    }
+                }
+                UnitStatus::Exited { .. } | UnitStatus::Lost { .. } => {
+                    self.ended(u, &status, now).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn ended(
+        &self,
+        u: &UnitRecord,
+        status: &UnitStatus,
+        now: i64,
+    ) -> Result<(), SuperviseError> {
+        // Read the unit again: another launch's supervisor may have marked it
+        // `preempting` after this tick read it, and the exit is that preemption.
+        let fresh = self.store.units(&self.job_id).await?;
+        let u = fresh.iter().find(|f| *f == u).unwrap_or(u);
+        let code = match status {
+            UnitStatus::Exited { code } => Some(*code),
+            _ => None,
+        };
+        let mut update = UnitUpdate {
+            exit_code: Some(code),
+            ended_ms: Some(Some(now)),
+            deadline_ms: Some(None),
+            ..Default::default()
+        };
+        let described = match status {
+            UnitStatus::Lost { reason } => format!("lost: {reason}"),
+            _ => format!("exit code {}", code.unwrap_or(-1)),
+        };
+        let state = match u.state {
+            UnitState::Stopping => UnitState::Stopped,
+            UnitState::Preempting => {
+                update.message = Some(Some(format!(
+                    "preempted ({described}); starts again when there is room"
+                )));
+                UnitState::Preempted
+            }
+            _ => match self.verdict(u, status) {
+                Verdict::Succeeded => UnitState::Succeeded,
+                Verdict::Restart { counted, why } => {
+                    if counted {
+                        update.restarts_on_errors = Some(u.restarts_on_errors + 1);
+                    }
+                    update.message = Some(Some(format!("{described}; restarting: {why}")));
+                    UnitState::Restarting
+                }
+                Verdict::Failed(why) => {
+                    update.message = Some(Some(format!("{described}; {why}")));
+                    UnitState::Failed
+                }
+            },
+        };
+        tracing::info!(component = %u.component, replica = u.replica, %described, to = %state, "unit ended");
+        update.state = Some(state);
+        self.update(u, update).await?;
+        Ok(())
+    }
+
+    fn verdict(&self, u: &UnitRecord, status: &UnitStatus) -> Verdict {
+        let code = match status {
+            UnitStatus::Exited { code: 0 } => return Verdict::Succeeded,
+            UnitStatus::Exited { code } => Some(*code),
+            _ => None,
+        };
+        if self.backend.engine_recovers() {
+            return Verdict::Failed("the engine's retries (job_recovery) are spent".into());
+        }
+        let Some(policy) = &self.task(&u.component).resources.job_recovery else {
+            return Verdict::Failed("no `job_recovery`, so it is not restarted".into());
+        };
+        let Some(code) = code else {
+            return Verdict::Restart {
+                counted: false,
+                why: "the engine lost it".into(),
+            };
+        };
+        if u8::try_from(code).is_ok_and(|c| policy.recover_on_exit_codes.contains(&c)) {
+            return Verdict::Restart {
+                counted: false,
+                why: format!("{code} is in recover_on_exit_codes"),
+            };
+        }
+        if u.restarts_on_errors < policy.max_restarts_on_errors {
+            return Verdict::Restart {
+                counted: true,
+                why: format!(
+                    "restart {} of max_restarts_on_errors {}",
+                    u.restarts_on_errors + 1,
+                    policy.max_restarts_on_errors
+                ),
+            };
+        }
+        Verdict::Failed(format!(
+            "max_restarts_on_errors ({}) spent",
+            policy.max_restarts_on_errors
+        ))
+    }
+
+    /// Stops the auxiliaries `termination_delay` after every primary succeeded.
+    async fn finish_auxiliaries(
+        &self,
+        units: &[UnitRecord],
+        now: i64,
+    ) -> Result<(), SuperviseError> {
+        let primaries_done = units
+            .iter()
+            .filter(|u| self.group.is_primary(&u.component))
+            .all(|u| u.state == UnitState::Succeeded);
+        if !primaries_done {
+            return Ok(());
+        }
+        for u in units
+            .iter()
+            .filter(|u| !self.group.is_primary(&u.component))
+        {
+            if u.state.is_terminal() || u.state == UnitState::Stopping {
+                continue;
+            }
+            match u.deadline_ms {
+                None => {
+                    let delay = self.group.termination_delay_seconds(&u.component) as i64;
+                    tracing::info!(component = %u.component, delay, "primaries done: auxiliary stops after its delay");
+                    self.update(
+                        u,
+                        UnitUpdate {
+                            deadline_ms: Some(Some(now + delay * 1000)),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+                }
+                Some(deadline) if now >= deadline => self.stop_unit(u, now).await?,
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// SIGTERM now, SIGKILL after the grace period; a unit with nothing running is
+    /// just marked stopped.
+    async fn stop_unit(&self, u: &UnitRecord, now: i64) -> Result<(), SuperviseError> {
+        let grace = self.settings.stop_grace.as_millis() as i64;
+        match (&u.handle, u.state) {
+            (Some(h), UnitState::Running | UnitState::Starting | UnitState::Preempting) => {
+                let graceful = u.state != UnitState::Starting;
+                self.backend.stop(h, graceful).await?;
+                self.update(
+                    u,
+                    UnitUpdate {
+                        state: Some(UnitState::Stopping),
+                        deadline_ms: Some(Some(now + grace)),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            }
+            (Some(h), UnitState::Stopping) if u.deadline_ms.is_some_and(|d| now >= d) => {
+                tracing::info!(component = %u.component, "grace period over: killing");
+                self.backend.stop(h, false).await?;
+                self.update(
+                    u,
+                    UnitUpdate {
+                        deadline_ms: Some(Some(now + grace)),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            }
+            (_, state) if !state.is_terminal() && !state.is_active() => {
+                self.update(
+                    u,
+                    UnitUpdate {
+                        state: Some(UnitState::Stopped),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    async fn wind_down(
+        &self,
+        job: &JobRecord,
+        units: &[UnitRecord],
+        now: i64,
+    ) -> Result<(), SuperviseError> {
+        if job.state != JobState::Stopping {
+            self.store
+                .set_job_state(&self.job_id, JobState::Stopping, Some("cancelled"))
+                .await?;
+        }
+        for u in units {
+            self.stop_unit(u, now).await?;
+        }
+        let units = self.store.units(&self.job_id).await?;
+        if units.iter().all(|u| u.state.is_terminal()) {
+            self.backend.cleanup(&self.group, &self.job_id).await?;
+            let end = if job.cancel_requested {
+                JobState::Cancelled
+            } else if units.iter().any(|u| u.state == UnitState::Failed)
+                || job.state == JobState::Stopping
+                    && job
+                        .message
+                        .as_deref()
+                        .is_some_and(|m| m.starts_with("gang start"))
+            {
+                JobState::Failed
+            } else {
+                JobState::Succeeded
+            };
+            tracing::info!(%end, "launch ended");
+            self.store.set_job_state(&self.job_id, end, None).await?;
+        }
+        Ok(())
+    }
+
+    /// Starts what should run: the gang at first, then restarts and preempted units.
+    async fn start_units(
+        &self,
+        job: &JobRecord,
+        units: &[UnitRecord],
+    ) -> Result<(), SuperviseError> {
+        let first = job.state == JobState::Starting
+            && units
+                .iter()
+                .all(|u| u.state == UnitState::Pending && u.handle.is_none());
+        if first {
+            if self.backend.unit_is_component() || self.backend.kind() != "local" {
+                self.backend.prepare(&self.group, &self.job_id).await?;
+            }
+            if self.admit(units).await? {
+                for u in units {
+                    self.start_unit(u, 0).await?;
+                }
+            }
+            return Ok(());
+        }
+        let waiting = units
+            .iter()
+            .filter(|u| matches!(u.state, UnitState::Restarting | UnitState::Preempted));
+        for u in waiting {
+            if self.admit(std::slice::from_ref(u)).await? {
+                self.start_unit(u, u.attempt + 1).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves CPUs on local (preempting lower priorities when needed); elsewhere the
+    /// engine queues. Marks the units `starting` when admitted.
+    async fn admit(&self, units: &[UnitRecord]) -> Result<bool, SuperviseError> {
+        let need: f64 = units.iter().map(|u| u.cpus).sum();
+        if self.backend.kind() != "local" || need <= 0.0 {
+            for u in units {
+                self.update(
+                    u,
+                    UnitUpdate {
+                        state: Some(UnitState::Starting),
+                        started_ms: Some(Some(now_ms())),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            }
+            return Ok(true);
+        }
+        let priority = units.iter().map(|u| u.priority).min().unwrap_or(0);
+        let keys: Vec<(String, u32)> = units
+            .iter()
+            .map(|u| (u.component.clone(), u.replica))
+            .collect();
+        match self
+            .store
+            .admit_local(
+                &self.job_id,
+                &keys,
+                need,
+                priority,
+                self.settings.local_cpus,
+            )
+            .await?
+        {
+            Admission::Admitted => Ok(true),
+            Admission::Preempt(victims) => {
+                for v in victims {
+                    tracing::info!(victim = %v.job_id, component = %v.component, replica = v.replica, "preempting");
+                    if let Some(h) = &v.handle {
+                        // Local handles name process groups on this machine, so any
+                        // supervisor may signal them; the victim's own supervisor
+                        // sees the exit and marks it preempted.
+                        self.backend.stop(h, true).await?;
+                        self.store
+                            .update_unit(
+                                &v.job_id,
+                                &v.component,
+                                v.replica,
+                                &UnitUpdate {
+                                    deadline_ms: Some(Some(
+                                        now_ms() + self.settings.stop_grace.as_millis() as i64,
+                                    )),
+                                    ..Default::default()
+                                },
+                            )
+                            .await?;
+                    }
+                }
+                Ok(false)
+            }
+            Admission::Wait { need, free } => {
+                for u in units {
+                    let message = format!("waiting for {need} CPUs ({free} free)");
+                    if u.message.as_deref() != Some(message.as_str()) {
+                        self.update(
+                            u,
+                            UnitUpdate {
+                                message: Some(Some(message)),
+                                ..Default::default()
+                            },
+                        )
+                        .await?;
+                    }
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    async fn start_unit(&self, u: &UnitRecord, attempt: u32) -> Result<(), SuperviseError> {
+        let task = self.task(&u.component);
+        let up_front = self.backend.addresses_up_front(&self.group);
+        let addresses = match &up_front {
+            Some(a) => a.clone(),
+            None => placeholder_addresses(&self.group),
+        };
+        let instance = u.replica as usize * task.num_nodes as usize;
+        let discovery = discovery::environment(&self.group, &addresses, &task.name, instance)
+            .map_err(|e| BackendError::from(request::BuildError::from(e)))?;
+        let discovery_file = up_front
+            .is_none()
+            .then(|| self.discovery_file(task, u.replica, attempt));
+        if let Some(file) = &discovery_file {
+            let _ = std::fs::remove_file(file);
+        }
+        let launch = UnitLaunch {
+            group: &self.group,
+            task,
+            replica: u.replica,
+            attempt,
+            job_id: &self.job_id,
+            dir: &self.dir,
+            discovery: &discovery,
+            discovery_file,
+            discovery_timeout_seconds: self.settings.discovery_timeout_seconds,
+        };
+        let handle = self.backend.start(&launch).await?;
+        tracing::info!(component = %u.component, replica = u.replica, attempt, %handle, "started");
+        self.update(
+            u,
+            UnitUpdate {
+                state: Some(UnitState::Starting),
+                attempt: Some(attempt),
+                handle: Some(Some(handle)),
+                started_ms: Some(Some(now_ms())),
+                running_ms: Some(None),
+                discovered: Some(false),
+                ..Default::default()
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    fn discovery_file(&self, task: &Task, replica: u32, attempt: u32) -> PathBuf {
+        let name = request::instance_name(&self.group, task, replica);
+        self.dir
+            .join("discovery")
+            .join(format!("{name}.{attempt}.env"))
+    }
+
+    /// Once every unit has run, writes each running unit's discovery file (engines
+    /// that place units before their addresses are known).
+    async fn discover(&self, job: &JobRecord) -> Result<(), SuperviseError> {
+        if self.backend.addresses_up_front(&self.group).is_some() {
+            return Ok(());
+        }
+        let units = self.store.units(&self.job_id).await?;
+        let everyone_placed = units.iter().all(|u| u.hosts.is_some());
+        if !everyone_placed
+            || (job.state == JobState::Starting
+                && !units.iter().all(|u| u.state == UnitState::Running))
+        {
+            return Ok(());
+        }
+        let addresses = self.addresses(&units);
+        for u in units
+            .iter()
+            .filter(|u| u.state == UnitState::Running && !u.discovered)
+        {
+            let task = self.task(&u.component);
+            let instance = u.replica as usize * task.num_nodes as usize;
+            let mut vars = discovery::environment(&self.group, &addresses, &task.name, instance)
+                .map_err(|e| BackendError::from(request::BuildError::from(e)))?;
+            if task.num_nodes > 1 {
+                // Each node learns its own rank and the node list from the engine.
+                vars.remove(SKYPILOT_NODE_RANK);
+                vars.remove(SKYPILOT_NODE_IPS);
+            }
+            let file = self.discovery_file(task, u.replica, u.attempt);
+            write_atomically(&file, &discovery::env_file(&vars))?;
+            self.update(
+                u,
+                UnitUpdate {
+                    discovered: Some(true),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Every instance's address from where the units run (the last place, for a unit
+    /// being restarted); replicas on one host take consecutive ports.
+    fn addresses(&self, units: &[UnitRecord]) -> Addresses {
+        let mut addresses = Addresses::new();
+        for task in &self.group.components {
+            let mut endpoints = Vec::new();
+            for r in 0..task.replicas {
+                let port = task
+                    .resources
+                    .main_port()
+                    .map(|p| p.saturating_add(r as u16));
+                let hosts: Vec<String> = units
+                    .iter()
+                    .find(|u| u.component == task.name && u.replica == r)
+                    .and_then(|u| u.hosts.clone())
+                    .map(|h| h.split(',').map(str::to_owned).collect())
+                    .unwrap_or_default();
+                for node in 0..task.num_nodes as usize {
+                    let host = hosts
+                        .get(node)
+                        .or(hosts.first())
+                        .cloned()
+                        .unwrap_or_else(|| "unplaced".into());
+                    endpoints.push(Endpoint::new(host, port));
+                }
+            }
+            addresses.insert(task.name.clone(), endpoints);
+        }
+        addresses
+    }
+}
+
+/// Addresses for the variables given at submission when the real ones come later in
+/// the discovery file (which the entrypoint reads before anything runs).
+fn placeholder_addresses(group: &JobGroup) -> Addresses {
+    group
+        .components
+        .iter()
+        .map(|t| {
+            let endpoints = (0..t.instances())
+                .map(|_| Endpoint::new("unplaced", t.resources.main_port()))
+                .collect();
+            (t.name.clone(), endpoints)
+        })
+        .collect()
+}
+
+fn write_atomically(path: &Path, text: &str) -> Result<(), BackendError> {
+    let dir = path.parent().expect("discovery files are in a directory");
+    std::fs::create_dir_all(dir).map_err(|e| BackendError::io(dir, e))?;
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).map_err(|e| BackendError::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| BackendError::io(path, e))
+}
+
+/// The discovery variables every unit of `group` gets on a backend with addresses up
+/// front, by unit (for `--dry-run`).
+pub fn planned_environment(
+    group: &JobGroup,
+    addresses: &Addresses,
+) -> Result<BTreeMap<String, BTreeMap<String, String>>, request::BuildError> {
+    let mut out = BTreeMap::new();
+    for task in &group.components {
+        for r in 0..task.replicas {
+            let vars = discovery::environment(
+                group,
+                addresses,
+                &task.name,
+                r as usize * task.num_nodes as usize,
+            )?;
+            out.insert(request::instance_name(group, task, r), vars);
+        }
+    }
+    Ok(out)
+}

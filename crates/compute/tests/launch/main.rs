@@ -1,0 +1,541 @@
+//! Launches on real engines: local processes always; a real Slurm cluster and a real
+//! Ray head when `scripts/start-slurm` and `scripts/start-ray` have started them
+//! (the tests marked `#[ignore]`, which `scripts/test` runs).
+//!
+//! The same scenario runs on each: three components start together, find each other
+//! through the discovery variables (the client reaches the server's port), a killed
+//! component is started again by its `job_recovery`, and cancel leaves nothing
+//! running.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use agentstack_compute::JobGroup;
+use agentstack_compute::backend::Backend;
+use agentstack_compute::backend::local::LocalBackend;
+use agentstack_compute::backend::ray::RayBackend;
+use agentstack_compute::backend::slurm::{SlurmBackend, SlurmSettings};
+use agentstack_compute::state::{JobState, Store, UnitRecord, UnitState};
+use agentstack_compute::supervisor::{Supervisor, SupervisorSettings, create_launch};
+
+/// Longest wait for anything in these tests; engines on a loaded 2-core machine are slow.
+const PATIENCE: Duration = Duration::from_secs(90);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(t) = check().await {
+            return t;
+        }
+        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn read(path: &Path) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .filter(|t| t.ends_with('\n'))
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, r)| !r.starts_with('Z'))
+    })
+}
+
+/// The three components: a server on a port, a worker that can be killed, and a
+/// client that reaches the server by the address it was given.
+fn trio(name: &str, dir: &Path, port: u16, policy: &str) -> JobGroup {
+    let d = dir.display();
+    JobGroup::parse(&format!(
+        r#"
+name: {name}
+execution: parallel
+primary_tasks: [client]
+---
+name: server
+resources: {{ports: {port}, job_recovery: {policy}}}
+run: |
+  echo "$AGENTSTACK_SERVER_ADDRS $AGENTSTACK_WORKER_ADDRS $AGENTSTACK_CLIENT_ADDRS" > {d}/server.seen
+  exec python3 -m http.server "$AGENTSTACK_PORT" --bind 127.0.0.1
+---
+name: worker
+resources: {{job_recovery: {policy}}}
+run: |
+  echo "$AGENTSTACK_SERVER_ADDRS $AGENTSTACK_WORKER_ADDRS $AGENTSTACK_CLIENT_ADDRS" > {d}/worker.seen
+  echo $$ >> {d}/worker.pids
+  exec sleep 120
+---
+name: client
+resources: {{job_recovery: {policy}}}
+run: |
+  echo "$AGENTSTACK_SERVER_ADDRS $AGENTSTACK_WORKER_ADDRS $AGENTSTACK_CLIENT_ADDRS" > {d}/client.seen
+  host="${{AGENTSTACK_SERVER_ADDRS%:*}}" port="${{AGENTSTACK_SERVER_ADDRS##*:}}"
+  until (exec 3<>"/dev/tcp/$host/$port") 2>/dev/null; do sleep 0.2; done
+  echo reached > {d}/client.reached
+  echo $$ > {d}/client.pid
+  exec sleep 120
+"#
+    ))
+    .unwrap()
+}
+
+struct Launched {
+    store: Store,
+    id: String,
+    supervisor: tokio::task::JoinHandle<JobState>,
+}
+
+async fn launch<B: Backend + 'static>(
+    backend: B,
+    group: &JobGroup,
+    home: &Path,
+    settings: SupervisorSettings,
+) -> Launched {
+    let store = Store::open(&home.join("jobs.db")).await.unwrap();
+    let job = create_launch(
+        &store,
+        &backend,
+        group,
+        home,
+        &serde_json::json!({}),
+        &settings,
+    )
+    .await
+    .unwrap();
+    let supervisor = Supervisor::new(store.clone(), backend, settings, &job.id)
+        .await
+        .unwrap();
+    Launched {
+        store,
+        id: job.id,
+        supervisor: tokio::spawn(async move { supervisor.run().await.unwrap() }),
+    }
+}
+
+impl Launched {
+    async fn units(&self) -> Vec<UnitRecord> {
+        self.store.units(&self.id).await.unwrap()
+    }
+
+    async fn unit(&self, component: &str) -> UnitRecord {
+        self.units()
+            .await
+            .into_iter()
+            .find(|u| u.component == component)
+            .unwrap()
+    }
+
+    async fn state(&self) -> JobState {
+        self.store.job(&self.id).await.unwrap().unwrap().state
+    }
+
+    async fn wait_state(&self, want: JobState) {
+        wait_for(&format!("the launch to be {want}"), async || {
+            (self.state().await == want).then_some(())
+        })
+        .await;
+    }
+}
+
+/// Runs `cleanup` with the group's name if the test fails midway, so a failed run
+/// leaves nothing behind on a shared engine.
+struct Cleanup<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Cleanup<F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            (self.0)();
+        }
+    }
+}
+
+/// The scenario, on any engine whose hosts are this machine.
+async fn three_components_find_each_other_recover_and_cancel<B: Backend + 'static>(
+    backend: B,
+    settings: SupervisorSettings,
+    after_cancel: impl AsyncFnOnce(&[UnitRecord]),
+) {
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join("work");
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_port();
+    let name = format!("trio{}", std::process::id() % 100_000);
+    let group = trio(&name, &dir, port, "{max_restarts_on_errors: 2}");
+    let launched = launch(backend, &group, home.path(), settings).await;
+    let _cleanup = Cleanup(|| {
+        // The engine's own tools, as a person would: the units' processes are gone
+        // with a cancel on every engine the tests run.
+        for component in ["server", "worker", "client"] {
+            let job_name = format!("{name}-{component}");
+            let _ = std::process::Command::new("scancel")
+                .args(["--name", &job_name])
+                .status();
+        }
+        let _ = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "for p in $(cat {d}/worker.pids {d}/client.pid 2>/dev/null); do kill -9 $p; done; \
+                 curl -s \"$AGENTSTACK_RAY_ADDRESS/api/jobs/\" | python3 -c 'import json,sys; [print(j[\"submission_id\"]) for j in json.load(sys.stdin) if j[\"status\"] in (\"RUNNING\",\"PENDING\") and j[\"submission_id\"].startswith(\"{name}-\")]' | while read id; do curl -s -X POST \"$AGENTSTACK_RAY_ADDRESS/api/jobs/$id/stop\"; done",
+                d = dir.display()
+            ))
+            .status();
+    });
+
+    launched.wait_state(JobState::Running).await;
+    let reached = dir.join("client.reached");
+    wait_for("the client to reach the server", async || read(&reached)).await;
+    let expected = format!("127.0.0.1:{port} 127.0.0.1 127.0.0.1\n");
+    for component in ["server", "worker", "client"] {
+        let seen = wait_for("the discovery variables", async || {
+            read(&dir.join(format!("{component}.seen")))
+        })
+        .await;
+        assert_eq!(seen, expected, "what {component} was told");
+    }
+
+    // Kill the worker: its policy starts it again.
+    let pids = dir.join("worker.pids");
+    let first: i32 = wait_for("the worker's pid", async || read(&pids))
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let worker = wait_for("the worker to run again", async || {
+        let w = launched.unit("worker").await;
+        (w.attempt == 1 && w.state == UnitState::Running).then_some(w)
+    })
+    .await;
+    assert_eq!(worker.restarts_on_errors, 1);
+    assert!(
+        worker
+            .message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("exit code 137; restarting")),
+        "{:?}",
+        worker.message
+    );
+    let second: i32 = wait_for("the new worker's pid", async || {
+        read(&pids).and_then(|t| t.lines().nth(1).map(str::to_owned))
+    })
+    .await
+    .parse()
+    .unwrap();
+    assert_ne!(first, second);
+    assert_eq!(launched.state().await, JobState::Running);
+
+    // Cancel: everything stops, and nothing is left running.
+    launched.store.request_cancel(&launched.id).await.unwrap();
+    launched.wait_state(JobState::Cancelled).await;
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Cancelled);
+    let units = launched.store.units(&launched.id).await.unwrap();
+    for u in &units {
+        assert_eq!(u.state, UnitState::Stopped, "{}", u.component);
+    }
+    let client: i32 = read(&dir.join("client.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    for pid in [second, client] {
+        wait_for("the programs to be gone", async || {
+            (!alive(pid)).then_some(())
+        })
+        .await;
+    }
+    let listening = std::net::TcpStream::connect(("127.0.0.1", port)).is_ok();
+    assert!(!listening, "the server still listens on {port}");
+    after_cancel(&units).await;
+}
+
+fn local_settings() -> SupervisorSettings {
+    SupervisorSettings {
+        stop_grace: Duration::from_secs(3),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_three_components() {
+    three_components_find_each_other_recover_and_cancel(
+        LocalBackend::new(),
+        local_settings(),
+        async |_| {},
+    )
+    .await;
+}
+
+fn slurm_settings() -> SupervisorSettings {
+    SupervisorSettings {
+        poll_interval: Duration::from_millis(250),
+        stop_grace: Duration::from_secs(5),
+        start_timeout: Duration::from_secs(120),
+        discovery_timeout_seconds: 120,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
+async fn slurm_three_components() {
+    three_components_find_each_other_recover_and_cancel(
+        SlurmBackend::new(SlurmSettings::default()),
+        slurm_settings(),
+        async |units| {
+            // Slurm has nothing of the launch left running.
+            let ids: Vec<String> = units
+                .iter()
+                .filter_map(|u| u.handle.as_deref()?.split(' ').next().map(str::to_owned))
+                .collect();
+            wait_for("Slurm to end every job", async || {
+                let out = std::process::Command::new("squeue")
+                    .args(["-h", "-o", "%i %T", "--states=RUNNING,PENDING,COMPLETING"])
+                    .output()
+                    .unwrap();
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                (!text
+                    .lines()
+                    .any(|l| ids.iter().any(|id| l.split(' ').next() == Some(id))))
+                .then_some(())
+            })
+            .await;
+        },
+    )
+    .await;
+}
+
+fn ray_address() -> String {
+    std::env::var("AGENTSTACK_RAY_ADDRESS").unwrap_or_else(|_| "http://127.0.0.1:8265".into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Ray head: scripts/start-ray (AGENTSTACK_RAY_ADDRESS)"]
+async fn ray_three_components() {
+    let address = ray_address();
+    three_components_find_each_other_recover_and_cancel(
+        RayBackend::new(&address),
+        SupervisorSettings {
+            poll_interval: Duration::from_millis(250),
+            stop_grace: Duration::from_secs(5),
+            start_timeout: Duration::from_secs(120),
+            discovery_timeout_seconds: 120,
+            ..Default::default()
+        },
+        async |units| {
+            let client = reqwest::Client::new();
+            for u in units {
+                let h = u.handle.as_deref().unwrap();
+                let job: serde_json::Value = client
+                    .get(format!("{address}/api/jobs/{h}"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                let status = job["status"].as_str().unwrap();
+                assert!(
+                    ["STOPPED", "FAILED", "SUCCEEDED"].contains(&status),
+                    "{h}: {status}"
+                );
+            }
+        },
+    )
+    .await;
+}
+
+/// The primaries finish: the auxiliaries are stopped after their termination delay,
+/// and the launch succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auxiliaries_stop_after_the_primaries_and_their_delay() {
+    let home = tempfile::tempdir().unwrap();
+    let group = JobGroup::parse(
+        "name: aux\nexecution: parallel\nprimary_tasks: [main]\ntermination_delay: 1s\n---\nname: main\nrun: sleep 0.5\n---\nname: helper\nrun: |\n  trap 'echo stopped; exit 0' TERM\n  while true; do sleep 0.05; done\n",
+    )
+    .unwrap();
+    let launched = launch(LocalBackend::new(), &group, home.path(), local_settings()).await;
+    let started = Instant::now();
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Succeeded);
+    let elapsed = started.elapsed();
+    let units = launched.store.units(&launched.id).await.unwrap();
+    assert_eq!(units[0].state, UnitState::Succeeded);
+    assert_eq!(units[1].state, UnitState::Stopped);
+    let main_end = units[0].ended_ms.unwrap();
+    let helper_end = units[1].ended_ms.unwrap();
+    assert!(helper_end - main_end >= 1000, "{main_end} {helper_end}");
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+}
+
+/// A unit that fails past its policy fails the launch, and the rest is stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_past_the_policy_fails_the_launch() {
+    let home = tempfile::tempdir().unwrap();
+    let group = JobGroup::parse(
+        "name: fails\nexecution: parallel\n---\nname: flaky\nresources: {job_recovery: {max_restarts_on_errors: 1, recover_on_exit_codes: [33]}}\nrun: |\n  n=$(cat count 2>/dev/null || echo 0); echo $((n + 1)) > count\n  if [ $n -eq 0 ]; then exit 33; fi\n  exit 4\n---\nname: other\nrun: sleep 600\n",
+    )
+    .unwrap();
+    let mut group = group;
+    group.components[0].workdir = Some(home.path().display().to_string());
+    let launched = launch(LocalBackend::new(), &group, home.path(), local_settings()).await;
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Failed);
+    let job = launched.store.job(&launched.id).await.unwrap().unwrap();
+    assert_eq!(
+        job.message.as_deref(),
+        Some("component `flaky` failed: exit code 4; max_restarts_on_errors (1) spent")
+    );
+    let units = launched.store.units(&launched.id).await.unwrap();
+    // 33 restarted without counting, 4 once with counting, 4 again is the end.
+    assert_eq!((units[0].attempt, units[0].restarts_on_errors), (2, 1));
+    assert_eq!(units[1].state, UnitState::Stopped);
+    assert_eq!(
+        std::fs::read_to_string(home.path().join("count")).unwrap(),
+        "3\n"
+    );
+}
+
+/// Preemption on local: a serving spike (a launch of higher priority) stops the
+/// trainer, which checkpoints and exits; when the spike is over, the trainer starts
+/// again and resumes from its checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serving_spike_preempts_training_which_resumes_from_its_checkpoint() {
+    let home = tempfile::tempdir().unwrap();
+    let work = home.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let w = work.display();
+    let settings = SupervisorSettings {
+        local_cpus: 2.0,
+        ..local_settings()
+    };
+    // The trainer counts steps, saves the count on SIGTERM and exits, and starts from
+    // the saved count.
+    let trainer = JobGroup::parse(&format!(
+        r#"
+name: train
+resources: {{cpus: 2, priority: -100, job_recovery: {{max_restarts_on_errors: 0}}}}
+run: |
+  step=$(cat {w}/checkpoint 2>/dev/null || echo 0)
+  echo "resumed at $step" >> {w}/trainer.log
+  trap 'echo $step > {w}/checkpoint; echo "checkpointed at $step" >> {w}/trainer.log; exit 0' TERM
+  while true; do step=$((step + 1)); echo $step > {w}/progress; sleep 0.02; done
+"#
+    ))
+    .unwrap();
+    let serve = JobGroup::parse(&format!(
+        "name: spike\nresources: {{cpus: 2, priority: 100}}\nrun: |\n  echo serving >> {w}/server.log\n  exec sleep 120\n"
+    ))
+    .unwrap();
+    let training = launch(LocalBackend::new(), &trainer, home.path(), settings.clone()).await;
+    training.wait_state(JobState::Running).await;
+    let progress = work.join("progress");
+    let before: u64 = wait_for("training steps", async || {
+        read(&progress)?
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|s| *s > 5)
+    })
+    .await;
+
+    // The spike: the server needs both CPUs.
+    let spike = launch(LocalBackend::new(), &serve, home.path(), settings.clone()).await;
+    spike.wait_state(JobState::Running).await;
+    let trainer_unit = training.unit("train").await;
+    assert_eq!(trainer_unit.state, UnitState::Preempted);
+    let checkpoint: u64 = read(&work.join("checkpoint"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(checkpoint >= before, "{checkpoint} < {before}");
+    assert_eq!(training.state().await, JobState::Running);
+
+    // The spike ends: the trainer comes back and resumes.
+    spike.store.request_cancel(&spike.id).await.unwrap();
+    assert_eq!(spike.supervisor.await.unwrap(), JobState::Cancelled);
+    let resumed = wait_for("the trainer to run again", async || {
+        let u = training.unit("train").await;
+        (u.state == UnitState::Running && u.attempt == 1).then_some(u)
+    })
+    .await;
+    // A preemption is not the program's failure: nothing was counted.
+    assert_eq!(resumed.restarts_on_errors, 0);
+    let log = wait_for("the trainer's second start", async || {
+        read(&work.join("trainer.log")).filter(|t| t.lines().count() >= 3)
+    })
+    .await;
+    assert_eq!(
+        log,
+        format!("resumed at 0\ncheckpointed at {checkpoint}\nresumed at {checkpoint}\n")
+    );
+    wait_for("steps past the checkpoint", async || {
+        read(&progress)?
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|s| *s > checkpoint)
+    })
+    .await;
+    training.store.request_cancel(&training.id).await.unwrap();
+    assert_eq!(training.supervisor.await.unwrap(), JobState::Cancelled);
+}
+
+/// A supervisor that dies leaves its units running; a new one picks the launch up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_supervisor_picks_up_a_running_launch() {
+    let home = tempfile::tempdir().unwrap();
+    let group = JobGroup::parse(
+        "name: pickup\nresources: {job_recovery: {max_restarts_on_errors: 1}}\nrun: exec sleep 120\n",
+    )
+    .unwrap();
+    let mut launched = launch(LocalBackend::new(), &group, home.path(), local_settings()).await;
+    launched.wait_state(JobState::Running).await;
+    launched.supervisor.abort();
+    let _ = (&mut launched.supervisor).await;
+    let unit = launched.unit("pickup").await;
+    let pid: i32 = unit
+        .handle
+        .as_deref()
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(alive(pid));
+
+    let store = launched.store.clone();
+    let again = Supervisor::new(
+        store.clone(),
+        LocalBackend::new(),
+        local_settings(),
+        &launched.id,
+    )
+    .await
+    .unwrap();
+    let supervisor = tokio::spawn(async move { again.run().await.unwrap() });
+    // Its units are still known and still running; cancel reaches them.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(launched.unit("pickup").await.state, UnitState::Running);
+    assert_eq!(launched.unit("pickup").await.attempt, 0);
+    store.request_cancel(&launched.id).await.unwrap();
+    assert_eq!(supervisor.await.unwrap(), JobState::Cancelled);
+    wait_for("the program to be gone", async || {
+        (!alive(pid)).then_some(())
+    })
+    .await;
+}
