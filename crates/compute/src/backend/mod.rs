@@ -12,8 +12,8 @@
 //! | [`local`] | a process group per unit (`bash` with `ulimit`, logs to a file) | pid and exit-code file |
 //! | [`slurm`] | `sbatch --parsable`, `squeue --json`, `scancel [--signal]` | job id |
 //! | [`ray`] | Jobs REST API: `POST /api/jobs/`, `GET /api/jobs/{id}`, `/stop`, `/logs` | submission id |
-//! | `kubernetes` | REST: headless Services, Indexed Jobs, Pod logs | Job name |
-
+//! | [`kubernetes`] | REST: headless Services, Indexed Jobs, Pod logs | Job name |
+pub mod kubernetes;
 pub mod local;
 pub mod ray;
 pub mod slurm;
