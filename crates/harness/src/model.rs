@@ -223,6 +223,7 @@ pub struct EngineModel {
     /// same one, and a clone is cheaper than compiling it again.
     constraints: Mutex<HashMap<String, Constraint>>,
     name: String,
+    adapter: Option<String>,
 }
 
 /// The most compiled constraints kept; the cache starts over beyond it.
@@ -239,6 +240,12 @@ pub struct OpenAiModel {
 impl ModelClient {
     /// The in-process engine over `engine`'s model, called `name` in results.
     pub fn engine(engine: Engine, name: &str) -> Self {
+        Self::engine_adapter(engine, name, None)
+    }
+
+    /// The in-process engine on the weights of its adapter named `adapter` (loaded
+    /// with [`Engine::set_adapter`]; `None` for the base model).
+    pub fn engine_adapter(engine: Engine, name: &str, adapter: Option<&str>) -> Self {
         let compiler = ConstraintCompiler::new(engine.model().tokenizer()).ok();
         Self {
             backend: Backend::Engine(Arc::new(EngineModel {
@@ -246,6 +253,7 @@ impl ModelClient {
                 compiler,
                 constraints: Mutex::new(HashMap::new()),
                 name: name.to_owned(),
+                adapter: adapter.map(str::to_owned),
             })),
             activity: Activity::new(),
         }
@@ -362,7 +370,7 @@ impl EngineModel {
         };
         let mut events = self
             .engine
-            .submit(generate)
+            .submit_with(generate, self.adapter.as_deref())
             .map_err(|e| ModelError::Engine(e.to_string()))?;
         while let Some(event) = events.recv().await {
             match event {

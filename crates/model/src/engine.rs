@@ -5,9 +5,10 @@
 //! passes; a request whose receiver is dropped (client gone) is cancelled at the next
 //! pass; a full waiting queue refuses new work (back-pressure) instead of growing.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -15,7 +16,9 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use crate::LanguageModel;
 use crate::error::{ModelError, Result};
 use crate::generate::{GenerateOutput, GenerateRequest, Sequence, TokenEvent};
-use crate::model::SeqCache;
+use candle_core::Tensor;
+
+use crate::model::{Model, SeqCache};
 
 /// Limits of the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,9 +46,14 @@ impl Default for EngineConfig {
     }
 }
 
-/// Finished sequences' caches, most recently used last, within a byte budget.
+/// Which weights a cache was computed with: the base (`None`) or an adapter slot's
+/// name and version.
+type WeightsTag = Option<(String, u64)>;
+
+/// Finished sequences' caches, most recently used last, within a byte budget. A cache
+/// is reused only under the weights it was computed with.
 struct PrefixPool {
-    entries: Vec<(Vec<u32>, SeqCache)>,
+    entries: Vec<(Vec<u32>, SeqCache, WeightsTag)>,
     bytes: usize,
     budget: usize,
 }
@@ -63,12 +71,13 @@ impl PrefixPool {
     }
 
     /// Takes the entry sharing the longest prefix with `prompt`, if any is worth it.
-    fn take(&mut self, prompt: &[u32]) -> Option<(Vec<u32>, SeqCache)> {
+    fn take(&mut self, prompt: &[u32], tag: &WeightsTag) -> Option<(Vec<u32>, SeqCache)> {
         let (best, shared) = self
             .entries
             .iter()
             .enumerate()
-            .map(|(i, (tokens, _))| {
+            .filter(|(_, (_, _, t))| t == tag)
+            .map(|(i, (tokens, _, _))| {
                 (
                     i,
                     tokens
@@ -82,28 +91,28 @@ impl PrefixPool {
         if shared < MIN_PREFIX_TOKENS {
             return None;
         }
-        let entry = self.entries.remove(best);
-        self.bytes -= entry.1.bytes();
-        Some(entry)
+        let (tokens, cache, _) = self.entries.remove(best);
+        self.bytes -= cache.bytes();
+        Some((tokens, cache))
     }
 
-    fn put(&mut self, tokens: Vec<u32>, cache: SeqCache) {
+    fn put(&mut self, tokens: Vec<u32>, cache: SeqCache, tag: WeightsTag) {
         let bytes = cache.bytes();
         if tokens.len() < MIN_PREFIX_TOKENS || bytes > self.budget {
             return;
         }
         // A longer continuation of the same conversation makes its prefix redundant.
-        self.entries.retain(|(t, c)| {
-            let redundant = t.len() <= tokens.len() && tokens.starts_with(t);
+        self.entries.retain(|(t, c, w)| {
+            let redundant = *w == tag && t.len() <= tokens.len() && tokens.starts_with(t);
             if redundant {
                 self.bytes -= c.bytes();
             }
             !redundant
         });
         self.bytes += bytes;
-        self.entries.push((tokens, cache));
+        self.entries.push((tokens, cache, tag));
         while self.bytes > self.budget && !self.entries.is_empty() {
-            let (_, evicted) = self.entries.remove(0);
+            let (_, evicted, _) = self.entries.remove(0);
             self.bytes -= evicted.bytes();
         }
     }
@@ -123,6 +132,33 @@ pub enum Event {
 struct Job {
     request: GenerateRequest,
     events: UnboundedSender<Event>,
+    slot: Option<Arc<Slot>>,
+}
+
+/// A named adapter's current weights. Replacing them bumps the version; sequences
+/// already running continue on the new weights from their next token on (their
+/// tokens' log-probabilities say which weights sampled them).
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    model: RwLock<Arc<Model>>,
+    version: AtomicU64,
+}
+
+impl Slot {
+    fn current(&self) -> (Arc<Model>, u64) {
+        let model = self.model.read().expect("adapter slot lock").clone();
+        (model, self.version.load(Ordering::Acquire))
+    }
+}
+
+/// A loaded adapter, as [`Engine::adapters`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterInfo {
+    /// Its name; requests pick it by this name.
+    pub name: String,
+    /// How many times it was loaded or replaced (1 after the first load).
+    pub version: u64,
 }
 
 /// A handle to a running engine; cheap to clone. The engine stops when the last handle
@@ -134,6 +170,7 @@ pub struct Engine {
     waiting: Arc<AtomicUsize>,
     running: Arc<AtomicUsize>,
     config: EngineConfig,
+    adapters: Arc<Mutex<HashMap<String, Arc<Slot>>>>,
     _thread: Arc<ThreadGuard>,
 }
 
@@ -178,8 +215,60 @@ impl Engine {
             waiting,
             running,
             config,
+            adapters: Arc::default(),
             _thread: Arc::new(ThreadGuard(Some(thread))),
         }
+    }
+
+    /// Loads `model` (this engine's model with adapters applied, e.g. by
+    /// [`crate::adapter::Adapter::apply`]) under `name`, or replaces the weights of the
+    /// adapter of that name. Returns its new version. Requests submitted with
+    /// [`Engine::submit_with`] and this name run on it.
+    pub fn set_adapter(&self, name: &str, model: Model) -> u64 {
+        let mut adapters = self.adapters.lock().expect("adapters lock");
+        match adapters.get(name) {
+            Some(slot) => {
+                *slot.model.write().expect("adapter slot lock") = Arc::new(model);
+                slot.version.fetch_add(1, Ordering::AcqRel) + 1
+            }
+            None => {
+                adapters.insert(
+                    name.to_owned(),
+                    Arc::new(Slot {
+                        name: name.to_owned(),
+                        model: RwLock::new(Arc::new(model)),
+                        version: AtomicU64::new(1),
+                    }),
+                );
+                1
+            }
+        }
+    }
+
+    /// Unloads an adapter; requests already running on it finish on it. Whether it
+    /// was loaded.
+    pub fn remove_adapter(&self, name: &str) -> bool {
+        self.adapters
+            .lock()
+            .expect("adapters lock")
+            .remove(name)
+            .is_some()
+    }
+
+    /// The loaded adapters, by name.
+    pub fn adapters(&self) -> Vec<AdapterInfo> {
+        let mut list: Vec<AdapterInfo> = self
+            .adapters
+            .lock()
+            .expect("adapters lock")
+            .values()
+            .map(|slot| AdapterInfo {
+                name: slot.name.clone(),
+                version: slot.version.load(Ordering::Acquire),
+            })
+            .collect();
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+        list
     }
 
     /// The model.
@@ -207,11 +296,36 @@ impl Engine {
         &self,
         request: GenerateRequest,
     ) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        self.submit_with(request, None)
+    }
+
+    /// [`Engine::submit`] on the weights of the adapter named `adapter` (the base
+    /// model for `None`); an adapter that is not loaded is an error.
+    pub fn submit_with(
+        &self,
+        request: GenerateRequest,
+        adapter: Option<&str>,
+    ) -> Result<UnboundedReceiver<Event>, SubmitError> {
+        let slot = match adapter {
+            None => None,
+            Some(name) => Some(
+                self.adapters
+                    .lock()
+                    .expect("adapters lock")
+                    .get(name)
+                    .cloned()
+                    .ok_or_else(|| SubmitError::UnknownAdapter(name.to_owned()))?,
+            ),
+        };
         // Validate eagerly so the caller can answer 400 rather than stream an error.
         Sequence::new(&self.lm, request.clone()).map_err(SubmitError::Invalid)?;
         let (events, receiver) = unbounded_channel();
         self.waiting.fetch_add(1, Ordering::Relaxed);
-        match self.queue.try_send(Job { request, events }) {
+        match self.queue.try_send(Job {
+            request,
+            events,
+            slot,
+        }) {
             Ok(()) => Ok(receiver),
             Err(TrySendError::Full(_)) => {
                 self.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -228,7 +342,17 @@ impl Engine {
 
     /// Runs a request to completion.
     pub async fn generate(&self, request: GenerateRequest) -> Result<GenerateOutput, SubmitError> {
-        let mut events = self.submit(request)?;
+        self.generate_with(request, None).await
+    }
+
+    /// Runs a request to completion on an adapter's weights (see
+    /// [`Engine::submit_with`]).
+    pub async fn generate_with(
+        &self,
+        request: GenerateRequest,
+        adapter: Option<&str>,
+    ) -> Result<GenerateOutput, SubmitError> {
+        let mut events = self.submit_with(request, adapter)?;
         while let Some(event) = events.recv().await {
             match event {
                 Event::Token(_) => {}
@@ -255,6 +379,11 @@ pub enum SubmitError {
     /// The engine has stopped.
     #[error("the engine has stopped")]
     Stopped,
+    /// No adapter of this name is loaded.
+    #[error(
+        "no adapter named `{0}` is loaded; load it first (POST /v1/adapters) or pick a loaded one (GET /v1/models)"
+    )]
+    UnknownAdapter(String),
     /// Generation failed.
     #[error(transparent)]
     Failed(ModelError),
@@ -263,6 +392,13 @@ pub enum SubmitError {
 struct Running {
     seq: Sequence,
     events: UnboundedSender<Event>,
+    slot: Option<Arc<Slot>>,
+    /// The weights it started on.
+    tag: WeightsTag,
+}
+
+fn tag_of(slot: Option<&Arc<Slot>>) -> WeightsTag {
+    slot.map(|s| (s.name.clone(), s.version.load(Ordering::Acquire)))
 }
 
 fn run(
@@ -294,13 +430,16 @@ fn run(
                     let _ = job.events.send(Event::Done(seq.output()));
                 }
                 Ok(mut seq) => {
-                    if let Some((tokens, cache)) = pool.take(seq.prompt()) {
+                    let tag = tag_of(job.slot.as_ref());
+                    if let Some((tokens, cache)) = pool.take(seq.prompt(), &tag) {
                         let reused = seq.reuse_prefix(cache, &tokens);
                         tracing::debug!(reused, "prefix cache hit");
                     }
                     running.push(Running {
                         seq,
                         events: job.events,
+                        slot: job.slot,
+                        tag,
                     });
                 }
                 Err(e) => {
@@ -329,13 +468,19 @@ fn run(
         running = still;
         if config.prefix_cache_bytes > 0 {
             for r in done {
-                let (cache, tokens) = r.seq.into_cache();
-                pool.put(tokens, cache);
+                // A cache whose weights changed on the way mixes two models: dropped.
+                if tag_of(r.slot.as_ref()) == r.tag {
+                    let (cache, tokens) = r.seq.into_cache();
+                    pool.put(tokens, cache, r.tag);
+                }
             }
         }
         running_count.store(running.len(), Ordering::Relaxed);
     }
 }
+
+/// Sequences (index, tokens to take) that run on the same weights.
+type WeightsGroup = (Option<Arc<Slot>>, Vec<(usize, usize)>);
 
 /// One forward pass over the running sequences.
 fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Result<()> {
@@ -353,22 +498,42 @@ fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Re
         chosen.push((i, take));
     }
     chosen.sort_unstable();
-    let mut inputs = Vec::with_capacity(chosen.len());
-    let mut taken = Vec::with_capacity(chosen.len());
-    let mut next = chosen.iter().peekable();
-    for (i, r) in running.iter_mut().enumerate() {
-        if let Some(&&(j, take)) = next.peek()
-            && i == j
-        {
-            next.next();
-            let (input, n) = r.seq.input(take);
-            inputs.push(input);
-            taken.push((i, n));
+    // One forward pass per set of weights: the base, then each adapter in use.
+    let mut groups: Vec<WeightsGroup> = Vec::new();
+    for &(i, take) in &chosen {
+        let slot = &running[i].slot;
+        let same = |g: &Option<Arc<Slot>>| match (g, slot) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        match groups.iter_mut().find(|(g, _)| same(g)) {
+            Some((_, members)) => members.push((i, take)),
+            None => groups.push((slot.clone(), vec![(i, take)])),
         }
     }
-    let logits = lm.model().forward(&mut inputs)?;
-    drop(inputs);
-    for ((i, n), row) in taken.into_iter().zip(logits) {
+    let mut results: Vec<((usize, usize), Tensor)> = Vec::with_capacity(chosen.len());
+    for (slot, members) in groups {
+        let adapted = slot.as_ref().map(|s| s.current().0);
+        let model = adapted.as_deref().unwrap_or(lm.model());
+        let mut inputs = Vec::with_capacity(members.len());
+        let mut taken = Vec::with_capacity(members.len());
+        let mut next = members.iter().peekable();
+        for (i, r) in running.iter_mut().enumerate() {
+            if let Some(&&(j, take)) = next.peek()
+                && i == j
+            {
+                next.next();
+                let (input, n) = r.seq.input(take);
+                inputs.push(input);
+                taken.push((i, n));
+            }
+        }
+        let logits = model.forward(&mut inputs)?;
+        drop(inputs);
+        results.extend(taken.into_iter().zip(logits));
+    }
+    for ((i, n), row) in results {
         let r = &mut running[i];
         if !r.seq.consumed(n) {
             continue;

@@ -17,6 +17,7 @@
 //! # Ok::<(), agentstack_model::ModelError>(())
 //! ```
 
+pub mod adapter;
 pub mod chat;
 pub mod config;
 pub mod constraint;
@@ -40,7 +41,7 @@ pub use crate::chat::{ChatTemplate, Message};
 pub use crate::config::{Architecture, ModelConfig};
 pub use crate::error::{ModelError, Result};
 pub use crate::gguf::GgufFile;
-pub use crate::model::{Logits, Model, SeqCache, SeqInput, WeightForm};
+pub use crate::model::{Logits, MatmulObserver, Model, SeqCache, SeqInput, WeightForm};
 pub use crate::sampling::{SamplingParams, TokenLogprob};
 pub use crate::tokenizer::Tokenizer;
 

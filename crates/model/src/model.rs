@@ -76,8 +76,11 @@ impl Linear {
         let (y, bias) = match self {
             Self::Quantized { weight, bias } => (weight.forward(x)?, bias),
             Self::Fast { weight, bias } => (weight.forward(x)?, bias),
-            Self::Dense { weight, bias } => (x.matmul(&weight.t()?)?, bias),
+            Self::Dense { weight, bias } => (dense_matmul(x, weight)?, bias),
             Self::Adapted { base, a, b, scale } => {
+                if !x.track_op() && !a.track_op() && !b.track_op() {
+                    return Ok((base.forward(x)? + low_rank_rows(x, a, b, *scale)?)?);
+                }
                 let low = x.to_dtype(a.dtype())?.matmul(&a.t()?)?.matmul(&b.t()?)?;
                 let low = (low * *scale)?.to_dtype(x.dtype())?;
                 return Ok((base.forward(x)? + low)?);
@@ -141,6 +144,82 @@ impl Linear {
             Self::Dense { weight, .. } => weight.dims2()?,
             Self::Adapted { b, a, .. } => (b.dim(0)?, a.dim(1)?),
         })
+    }
+}
+
+/// `scale · (x Aᵀ) Bᵀ` one row at a time, each a plain sequential sum: the same bits
+/// whatever the batch (candle's matmul may block the sum differently for another
+/// number of rows), so a sequence decodes identically alone or among others, as the
+/// base kernels do. Ranks are small, so this costs little next to the base layer.
+fn low_rank_rows(x: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+    let (rank, inp) = a.dims2()?;
+    let out = b.dim(0)?;
+    let rows = x.dims2()?.0;
+    let xs: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let av: Vec<f32> = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let bv: Vec<f32> = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let scale = scale as f32;
+    let mut y = vec![0f32; rows * out];
+    let mut u = vec![0f32; rank];
+    for (row, yr) in xs.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
+        for (uj, aj) in u.iter_mut().zip(av.chunks_exact(inp)) {
+            *uj = row.iter().zip(aj).map(|(p, q)| p * q).sum::<f32>() * scale;
+        }
+        for (yo, bo) in yr.iter_mut().zip(bv.chunks_exact(rank)) {
+            *yo = bo.iter().zip(&u).map(|(p, q)| p * q).sum();
+        }
+    }
+    Ok(Tensor::from_vec(y, (rows, out), x.device())?.to_dtype(x.dtype())?)
+}
+
+/// `x Wᵀ` for a float weight. When `x` carries gradients and `W` is frozen (not a
+/// variable), as in LoRA training, this goes through [`FrozenMatmul`]: candle's matmul
+/// would also compute `W`'s gradient, a second matmul as large as the first and a
+/// weight-sized buffer per layer, only to throw them away.
+fn dense_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    if x.track_op() && !weight.track_op() && x.dtype() == DType::F32 && weight.dtype() == DType::F32
+    {
+        Ok(x.apply_op1_arc(Arc::new(Box::new(FrozenMatmul(weight.clone()))))?)
+    } else {
+        Ok(x.matmul(&weight.t()?)?)
+    }
+}
+
+/// `x ↦ x Wᵀ` with `W` a constant: its backward pass is `∂x = ∂y W` only.
+struct FrozenMatmul(Tensor);
+
+impl candle_core::CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("frozen-matmul takes f32 inputs");
+        };
+        let x = match layout.contiguous_offsets() {
+            Some((start, end)) => {
+                Tensor::from_slice(&data[start..end], layout.shape(), &Device::Cpu)?
+            }
+            None => candle_core::bail!("frozen-matmul takes contiguous inputs"),
+        };
+        let y = x.matmul(&self.0.t()?)?;
+        let shape = y.shape().clone();
+        let values = y.flatten_all()?.to_vec1::<f32>()?;
+        Ok((candle_core::CpuStorage::F32(values), shape))
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad_res.matmul(&self.0)?))
     }
 }
 
@@ -274,6 +353,10 @@ impl SeqCache {
     }
 }
 
+/// Sees the inputs of a forward pass's matrix multiplications: the names of the weights
+/// and the input rows (see [`Model::forward_observed`]).
+pub type MatmulObserver<'a> = dyn FnMut(&[String], &Tensor) -> Result<()> + Send + 'a;
+
 /// Which logits a sequence wants back from [`Model::forward`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -281,6 +364,9 @@ pub enum Logits {
     Last,
     /// Every new position (scoring a whole sequence in one pass).
     All,
+    /// The new positions from this index on (scoring a completion after its prompt:
+    /// the prompt's rows never reach the large output layer).
+    From(usize),
 }
 
 /// One sequence in a batched forward pass.
@@ -587,18 +673,46 @@ impl Model {
     /// caches. Returns, per sequence, logits `[rows, vocab]` (one row for
     /// [`Logits::Last`], one per new token for [`Logits::All`]).
     pub fn forward(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Tensor>> {
+        self.forward_observed(batch, None)
+    }
+
+    /// [`Model::forward`], showing `observer` the input of every matrix multiplication
+    /// with a weight: the GGUF names of the weights that multiply it (q, k and v share
+    /// one input, as do gate and up) and the input rows `[tokens, in]`. An importance
+    /// matrix (Σx² per input column) is collected this way.
+    pub fn forward_observed(
+        &self,
+        batch: &mut [SeqInput<'_>],
+        observer: Option<&mut MatmulObserver<'_>>,
+    ) -> Result<Vec<Tensor>> {
         // The kernels split work with rayon. Called from outside rayon's pool, every
         // kernel call would hand its work to the pool and sleep until it is done
         // (hundreds of context switches per token); running the whole pass on a pool
         // thread lets the kernels run inline there and fan out only when they can.
         if rayon::current_thread_index().is_some() {
-            self.forward_in_pool(batch)
+            self.forward_in_pool(batch, observer)
         } else {
-            rayon::scope(|_| self.forward_in_pool(batch))
+            rayon::scope(|_| self.forward_in_pool(batch, observer))
         }
     }
 
-    fn forward_in_pool(&self, batch: &mut [SeqInput<'_>]) -> Result<Vec<Tensor>> {
+    fn forward_in_pool(
+        &self,
+        batch: &mut [SeqInput<'_>],
+        mut observer: Option<&mut MatmulObserver<'_>>,
+    ) -> Result<Vec<Tensor>> {
+        let mut observe = |layer: usize, weights: &[&str], input: &Tensor| -> Result<()> {
+            match observer.as_deref_mut() {
+                Some(f) => {
+                    let names: Vec<String> = weights
+                        .iter()
+                        .map(|w| format!("blk.{layer}.{w}.weight"))
+                        .collect();
+                    f(&names, input)
+                }
+                None => Ok(()),
+            }
+        };
         let cfg = &self.config;
         let vocab = cfg.vocab_size as u32;
         let limit = self.max_positions();
@@ -629,6 +743,7 @@ impl Model {
 
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = self.rms_norm(&x, &block.attn_norm)?;
+            observe(layer, &["attn_q", "attn_k", "attn_v"], &h)?;
             let [q, k, v] = Linear::forward_many([&block.q, &block.k, &block.v], &h)?;
             let attn = if self.differentiable() {
                 self.attention_dense(layer, block, batch, &q, &k, &v, scale)?
@@ -636,11 +751,15 @@ impl Model {
                 self.attention_fast(layer, block, batch, &q, &k, &v, scale as f32)?
             };
 
+            observe(layer, &["attn_output"], &attn)?;
             x = (x + block.o.forward(&attn)?)?;
             let h = self.rms_norm(&x, &block.ffn_norm)?;
+            observe(layer, &["ffn_gate", "ffn_up"], &h)?;
             let [gate, up] = Linear::forward_many([&block.gate, &block.up], &h)?;
             let gate = candle_nn::ops::silu(&gate)?;
-            x = (x + block.down.forward(&(gate * up)?)?)?;
+            let act = (gate * up)?;
+            observe(layer, &["ffn_down"], &act)?;
+            x = (x + block.down.forward(&act)?)?;
         }
         for item in batch.iter_mut() {
             item.cache.len += item.tokens.len();
@@ -660,6 +779,11 @@ impl Model {
                 Logits::All => {
                     rows.extend(offset..offset + n);
                     counts.push(n as usize);
+                }
+                Logits::From(from) => {
+                    let from = (from as u32).min(n - 1);
+                    rows.extend(offset + from..offset + n);
+                    counts.push((n - from) as usize);
                 }
             }
             offset += n;

@@ -2,77 +2,14 @@
 //! model, with the base weights frozen. `A` starts small and random, `B` at zero, so
 //! an adapted model starts out exactly as its base.
 
-use std::collections::HashMap;
 use std::path::Path;
 
+use agentstack_model::adapter::{Adapter, AdapterWeights};
 use agentstack_model::model::{Linear, Model};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
-/// A weight an adapter can sit beside.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Target {
-    /// Attention query projection.
-    Q,
-    /// Attention key projection.
-    K,
-    /// Attention value projection.
-    V,
-    /// Attention output projection.
-    O,
-    /// Feed-forward gate.
-    Gate,
-    /// Feed-forward up projection.
-    Up,
-    /// Feed-forward down projection.
-    Down,
-}
-
-impl Target {
-    /// Every target.
-    pub const ALL: [Self; 7] = [
-        Self::Q,
-        Self::K,
-        Self::V,
-        Self::O,
-        Self::Gate,
-        Self::Up,
-        Self::Down,
-    ];
-
-    /// The name used in configuration and in saved adapters (Hugging Face's module
-    /// names: `q_proj`, ..., `down_proj`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Q => "q_proj",
-            Self::K => "k_proj",
-            Self::V => "v_proj",
-            Self::O => "o_proj",
-            Self::Gate => "gate_proj",
-            Self::Up => "up_proj",
-            Self::Down => "down_proj",
-        }
-    }
-
-    /// Parses a name (`q_proj` or `q`).
-    pub fn parse(name: &str) -> Option<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|t| t.name() == name || t.name().trim_end_matches("_proj") == name)
-    }
-
-    fn of(self, block: &mut agentstack_model::model::Block) -> &mut Linear {
-        match self {
-            Self::Q => &mut block.q,
-            Self::K => &mut block.k,
-            Self::V => &mut block.v,
-            Self::O => &mut block.o,
-            Self::Gate => &mut block.gate,
-            Self::Up => &mut block.up,
-            Self::Down => &mut block.down,
-        }
-    }
-}
+pub use agentstack_model::adapter::Target;
 
 /// Rank, alpha and where.
 #[derive(Debug, Clone, PartialEq)]
@@ -127,9 +64,8 @@ impl Lora {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut pairs = Vec::new();
         for (i, block) in model.blocks().iter().enumerate() {
-            let mut block = block.clone();
             for &target in &config.targets {
-                let (out, inp) = target.of(&mut block).shape().map_err(to_candle)?;
+                let (out, inp) = target.of(block).shape().map_err(to_candle)?;
                 let bound = 1.0 / (inp as f32).sqrt();
                 let values: Vec<f32> = (0..config.rank * inp)
                     .map(|_| rng.random_range(-bound..bound))
@@ -178,7 +114,7 @@ impl Lora {
         let scale = self.scale();
         for pair in &self.pairs {
             let block = &mut model.blocks_mut()[pair.block];
-            let linear = pair.target.of(block);
+            let linear = pair.target.of_mut(block);
             let inner = linear.base().clone();
             *linear = Linear::Adapted {
                 base: Box::new(inner),
@@ -190,83 +126,67 @@ impl Lora {
         Ok(model)
     }
 
-    /// Saves the adapters as safetensors: `blk.<i>.<target>.lora_a` / `.lora_b`, and
-    /// `lora.alpha` (the rank and targets follow from the shapes and names).
-    pub fn save(&self, path: &Path) -> Result<()> {
-        let mut tensors: HashMap<String, Tensor> = HashMap::new();
-        for p in &self.pairs {
-            tensors.insert(format!("{}.lora_a", p.name), p.a.as_tensor().clone());
-            tensors.insert(format!("{}.lora_b", p.name), p.b.as_tensor().clone());
+    /// A copy of the adapters' current values, detached from training: what the
+    /// rollout engine and `model serve` run, unchanged by later optimizer steps.
+    pub fn snapshot(&self) -> Result<Adapter> {
+        let copy = |v: &Var| -> Result<Tensor> {
+            let t = v.as_tensor();
+            Tensor::from_vec(t.flatten_all()?.to_vec1::<f32>()?, t.shape(), t.device())
+        };
+        Ok(Adapter {
+            alpha: self.config.alpha,
+            rank: self.config.rank,
+            weights: self
+                .pairs
+                .iter()
+                .map(|p| {
+                    Ok(AdapterWeights {
+                        block: p.block,
+                        target: p.target,
+                        a: copy(&p.a)?,
+                        b: copy(&p.b)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+        })
+    }
+
+    /// Trainable adapters from saved or snapshot values.
+    pub fn from_adapter(adapter: &Adapter) -> Result<Self> {
+        let mut targets = Vec::new();
+        let mut pairs = Vec::new();
+        for w in &adapter.weights {
+            if !targets.contains(&w.target) {
+                targets.push(w.target);
+            }
+            pairs.push(AdapterPair {
+                name: w.name(),
+                block: w.block,
+                target: w.target,
+                a: Var::from_tensor(&w.a.to_dtype(DType::F32)?)?,
+                b: Var::from_tensor(&w.b.to_dtype(DType::F32)?)?,
+            });
         }
-        tensors.insert(
-            "lora.alpha".into(),
-            Tensor::new(&[self.config.alpha as f32], &Device::Cpu)?,
-        );
-        // Write next to the target and rename, so a kill never leaves half a file.
-        let tmp = path.with_extension("safetensors.partial");
-        candle_core::safetensors::save(&tensors, &tmp)?;
-        std::fs::rename(&tmp, path)?;
-        Ok(())
+        Ok(Self {
+            config: LoraConfig {
+                rank: adapter.rank,
+                alpha: adapter.alpha,
+                targets,
+            },
+            pairs,
+        })
+    }
+
+    /// Saves the adapters as safetensors (see [`agentstack_model::adapter`]),
+    /// atomically.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.snapshot()?.save(path).map_err(to_candle)
     }
 
     /// Loads adapters saved by [`Lora::save`] for `model`; the targets and rank come
     /// from the file, and every shape is checked against the model.
     pub fn load(path: &Path, model: &Model) -> Result<Self> {
-        let tensors = candle_core::safetensors::load(path, &Device::Cpu)?;
-        let alpha = tensors
-            .get("lora.alpha")
-            .ok_or_else(|| candle_core::Error::Msg(format!("{}: no lora.alpha", path.display())))?
-            .to_vec1::<f32>()?[0] as f64;
-        let mut pairs = Vec::new();
-        let mut targets = Vec::new();
-        let mut rank = 0;
-        for (i, block) in model.blocks().iter().enumerate() {
-            let mut block = block.clone();
-            for target in Target::ALL {
-                let name = format!("blk.{i}.{}", target.name());
-                let (Some(a), Some(b)) = (
-                    tensors.get(&format!("{name}.lora_a")),
-                    tensors.get(&format!("{name}.lora_b")),
-                ) else {
-                    continue;
-                };
-                let (out, inp) = target.of(&mut block).shape().map_err(to_candle)?;
-                let r = a.dim(0)?;
-                if a.dims() != [r, inp] || b.dims() != [out, r] || (rank != 0 && r != rank) {
-                    return Err(candle_core::Error::Msg(format!(
-                        "{}: {name} has shapes {:?} and {:?}, the model needs [r, {inp}] and [{out}, r]",
-                        path.display(),
-                        a.dims(),
-                        b.dims()
-                    )));
-                }
-                rank = r;
-                if !targets.contains(&target) {
-                    targets.push(target);
-                }
-                pairs.push(AdapterPair {
-                    name,
-                    block: i,
-                    target,
-                    a: Var::from_tensor(&a.to_dtype(DType::F32)?)?,
-                    b: Var::from_tensor(&b.to_dtype(DType::F32)?)?,
-                });
-            }
-        }
-        if pairs.is_empty() {
-            return Err(candle_core::Error::Msg(format!(
-                "{}: no adapters for this model",
-                path.display()
-            )));
-        }
-        Ok(Self {
-            config: LoraConfig {
-                rank,
-                alpha,
-                targets,
-            },
-            pairs,
-        })
+        Self::from_adapter(&Adapter::load(path, model).map_err(to_candle)?)
     }
 }
 

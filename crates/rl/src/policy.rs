@@ -26,13 +26,13 @@ pub fn completion_logprobs(model: &Model, prompt: &[u32], completion: &[u32]) ->
         .forward(&mut [SeqInput {
             cache: &mut cache,
             tokens: &tokens,
-            logits: Logits::All,
+            logits: Logits::From(prompt.len() - 1),
         }])
         .map_err(model_error)?
         .remove(0);
-    // The logits at position i predict token i + 1.
-    let predicting = logits.narrow(0, prompt.len() - 1, completion.len())?;
-    token_logprobs(&predicting, completion)
+    // The logits at position i predict token i + 1: the rows from the prompt's last
+    // token on, less the last (which predicts past the completion).
+    token_logprobs(&logits.narrow(0, 0, completion.len())?, completion)
 }
 
 /// [`completion_logprobs`] for several `(prompt, completion)` pairs in one batched
@@ -52,17 +52,18 @@ pub fn completion_logprobs_batch(model: &Model, pairs: &[(&[u32], &[u32])]) -> R
     let mut inputs: Vec<SeqInput<'_>> = caches
         .iter_mut()
         .zip(&sequences)
-        .map(|(cache, tokens)| SeqInput {
+        .zip(pairs)
+        .map(|((cache, tokens), (p, _))| SeqInput {
             cache,
             tokens,
-            logits: Logits::All,
+            logits: Logits::From(p.len() - 1),
         })
         .collect();
     let logits = model.forward(&mut inputs).map_err(model_error)?;
     logits
         .iter()
         .zip(pairs)
-        .map(|(l, (p, c))| token_logprobs(&l.narrow(0, p.len() - 1, c.len())?, c))
+        .map(|(l, (_, c))| token_logprobs(&l.narrow(0, 0, c.len())?, c))
         .collect()
 }
 

@@ -83,6 +83,8 @@ pub fn app(state: AppState) -> Router {
         .route("/generate", post(tokens::generate))
         .route("/tokenize", post(tokens::tokenize))
         .route("/detokenize", post(tokens::detokenize))
+        .route("/v1/adapters", get(list_adapters).post(load_adapter))
+        .route("/v1/adapters/{name}", axum::routing::delete(unload_adapter))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -113,18 +115,124 @@ async fn models(
     axum::extract::State(state): axum::extract::State<AppState>,
 ) -> Json<serde_json::Value> {
     let info = state.engine.model().info();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.model_name,
+    let max_len = state.engine.model().model().max_positions();
+    let mut data = vec![json!({
+        "id": state.config.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "agentstack",
+        "max_model_len": max_len,
+        "architecture": info.config.architecture,
+        "parameters": info.parameters,
+    })];
+    for adapter in state.engine.adapters() {
+        data.push(json!({
+            "id": adapter.name,
             "object": "model",
             "created": 0,
             "owned_by": "agentstack",
-            "max_model_len": state.engine.model().model().max_positions(),
-            "architecture": info.config.architecture,
-            "parameters": info.parameters,
-        }],
-    }))
+            "max_model_len": max_len,
+            "parent": state.config.model_name,
+            "version": adapter.version,
+        }));
+    }
+    Json(json!({"object": "list", "data": data}))
+}
+
+impl AppState {
+    /// The adapter a request's `model` names, if it names a loaded one; any other name
+    /// (or none) runs on the base model, as before adapters existed.
+    pub(crate) fn adapter_for(&self, model: Option<&str>) -> Option<String> {
+        let model = model?;
+        (model != self.config.model_name && self.engine.adapters().iter().any(|a| a.name == model))
+            .then(|| model.to_owned())
+    }
+}
+
+/// `POST /v1/adapters`: load LoRA adapters from a file under a name, or replace the
+/// weights of the adapter of that name.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadAdapter {
+    /// The name requests pick it by (`model`).
+    name: String,
+    /// A safetensors file written by `agentstack train` (`adapter.safetensors`).
+    path: std::path::PathBuf,
+}
+
+/// The longest adapter name.
+const MAX_ADAPTER_NAME: usize = 128;
+
+async fn load_adapter(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    ApiJson(body): ApiJson<LoadAdapter>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let name = body.name.trim();
+    if name.is_empty()
+        || name.len() > MAX_ADAPTER_NAME
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.:/".contains(c))
+    {
+        return Err(ApiError::invalid(
+            "name",
+            format!(
+                "`{name}` is not a usable adapter name; use 1 to {MAX_ADAPTER_NAME} letters, digits, `-`, `_`, `.`, `:` or `/`"
+            ),
+        ));
+    }
+    if name == state.config.model_name {
+        return Err(ApiError::invalid(
+            "name",
+            format!("`{name}` is the base model's name; pick another name for the adapter"),
+        ));
+    }
+    let started = std::time::Instant::now();
+    let engine = state.engine.clone();
+    let path = body.path.clone();
+    let model = tokio::task::spawn_blocking(move || {
+        let base = engine.model().model();
+        crate::adapter::Adapter::load(&path, base)?.apply(base)
+    })
+    .await
+    .map_err(|e| ApiError::from(ModelError::InvalidRequest(format!("loading failed: {e}"))))?
+    .map_err(|e| match e {
+        ModelError::InvalidRequest(m) => ApiError::invalid("path", m),
+        other => ApiError::from(other),
+    })?;
+    let version = state.engine.set_adapter(name, model);
+    let load_ms = started.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(name, version, load_ms, "adapter loaded");
+    Ok(Json(
+        json!({"name": name, "version": version, "load_ms": load_ms}),
+    ))
+}
+
+async fn list_adapters(
+    axum::extract::State(state): axum::extract::State<AppState>,
+) -> Json<serde_json::Value> {
+    let data: Vec<_> = state
+        .engine
+        .adapters()
+        .into_iter()
+        .map(|a| json!({"name": a.name, "version": a.version}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn unload_adapter(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    if state.engine.remove_adapter(&name) {
+        Ok(Json(json!({"name": name, "deleted": true})))
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            format!("no adapter named `{name}` is loaded; GET /v1/adapters lists them"),
+        ))
+    }
 }
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {
@@ -132,7 +240,7 @@ async fn not_found(uri: axum::http::Uri) -> ApiError {
         StatusCode::NOT_FOUND,
         "not_found_error",
         format!(
-            "no route {}; see /v1/chat/completions, /v1/completions, /v1/models, /generate, /tokenize, /detokenize, /health",
+            "no route {}; see /v1/chat/completions, /v1/completions, /v1/models, /v1/adapters, /generate, /tokenize, /detokenize, /health",
             uri.path()
         ),
     )
@@ -209,6 +317,9 @@ impl From<SubmitError> for ApiError {
                 "server_overloaded",
                 error.to_string(),
             ),
+            SubmitError::UnknownAdapter(_) => {
+                Self::new(StatusCode::NOT_FOUND, "not_found_error", error.to_string())
+            }
             SubmitError::Stopped => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",

@@ -417,6 +417,7 @@ pub(super) async fn chat_completions(
         sampling,
     } = req;
     sampling.check()?;
+    let adapter = state.adapter_for(model.as_deref());
     if stream && return_token_ids {
         return Err(ApiError::invalid(
             "return_token_ids",
@@ -460,7 +461,7 @@ pub(super) async fn chat_completions(
             constraint.clone(),
             i,
         );
-        let rx = state.engine.submit(request)?;
+        let rx = state.engine.submit_with(request, adapter.as_deref())?;
         receivers.insert(i, UnboundedReceiverStream::new(rx));
     }
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
@@ -749,6 +750,7 @@ pub(super) async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     req.sampling.check()?;
+    let adapter = state.adapter_for(req.model.as_deref());
     if req.echo {
         return Err(ApiError::invalid(
             "echo",
@@ -795,7 +797,7 @@ pub(super) async fn completions(
             let request = req
                 .sampling
                 .request(prompt.clone(), max_tokens, top, None, i);
-            let rx = state.engine.submit(request)?;
+            let rx = state.engine.submit_with(request, adapter.as_deref())?;
             receivers.insert(index, UnboundedReceiverStream::new(rx));
             index += 1;
         }

@@ -30,6 +30,9 @@ pub(super) struct GenerateBody {
     top_logprobs: usize,
     #[serde(default)]
     stream: bool,
+    /// An adapter loaded with `POST /v1/adapters` (or the base model's name).
+    #[serde(default)]
+    model: Option<String>,
     #[serde(flatten)]
     sampling: SamplingFields,
 }
@@ -69,7 +72,8 @@ pub(super) async fn generate(
     // Token-level callers get exactly the tokens they asked for unless they opt in.
     sampling.detect_loops = Some(sampling.detect_loops.unwrap_or(false));
     let request = sampling.request(prompt.clone(), body.max_tokens, body.top_logprobs, None, 0);
-    let receiver = state.engine.submit(request)?;
+    let adapter = state.adapter_for(body.model.as_deref());
+    let receiver = state.engine.submit_with(request, adapter.as_deref())?;
     if body.stream {
         let stream = async_stream(move |tx| async move {
             let mut events = UnboundedReceiverStream::new(receiver);
