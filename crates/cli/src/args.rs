@@ -60,6 +60,103 @@ pub enum Command {
     /// The environment hub: serve a registry; push, pull, fork, search, leaderboards.
     #[command(subcommand)]
     Hub(HubCommand),
+    /// Launch a task or job group (SkyPilot-style YAML) on local, Slurm, Ray or Kubernetes.
+    Launch(LaunchArgs),
+    /// Show launches, or one launch's components.
+    Status(JobStatusArgs),
+    /// Print a launch's output (all components, or one).
+    Logs(JobLogsArgs),
+    /// Cancel a launch: stop every component (SIGTERM, then SIGKILL after a grace period).
+    Cancel(JobNameArgs),
+    /// Cancel every running launch (or the one named) and forget it, with its logs.
+    Down(JobDownArgs),
+    /// Supervise a launch (what `launch --detach` starts in the background).
+    #[command(hide = true)]
+    Supervise(JobNameArgs),
+}
+
+/// Where a launch runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum InfraArg {
+    /// Process groups on this machine.
+    Local,
+    /// A Slurm cluster, through sbatch/squeue/scancel on PATH.
+    Slurm,
+    /// A Ray cluster's Jobs API.
+    Ray,
+    /// A Kubernetes cluster (kubeconfig).
+    K8s,
+}
+
+/// `agentstack launch`.
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// The task or job-group YAML.
+    pub file: PathBuf,
+    /// Where to run (default: the components' `resources.infra`, else local).
+    #[arg(long, value_enum)]
+    pub infra: Option<InfraArg>,
+    /// Return once it is submitted; a background supervisor runs it (see `status`).
+    #[arg(short, long)]
+    pub detach: bool,
+    /// Print what would be submitted (scripts, request bodies, manifests) and stop.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Set an environment variable of every component (fills `envs` given as null).
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    pub envs: Vec<String>,
+    /// The Ray Jobs API [env: AGENTSTACK_RAY_ADDRESS] (default http://127.0.0.1:8265).
+    #[arg(long)]
+    pub ray_address: Option<String>,
+    /// The container image for Kubernetes [env: AGENTSTACK_K8S_IMAGE].
+    #[arg(long)]
+    pub k8s_image: Option<String>,
+    /// The Kubernetes namespace [env: AGENTSTACK_K8S_NAMESPACE] (default: the context's, else default).
+    #[arg(long)]
+    pub k8s_namespace: Option<String>,
+    /// The kubeconfig context (default: the current one).
+    #[arg(long)]
+    pub k8s_context: Option<String>,
+    /// A Kueue LocalQueue to submit Kubernetes Jobs to.
+    #[arg(long)]
+    pub k8s_queue: Option<String>,
+    /// Slurm `--time` in minutes.
+    #[arg(long)]
+    pub slurm_time: Option<u32>,
+    /// Seconds every component has to start (gang start) before the launch fails.
+    #[arg(long, default_value_t = 600)]
+    pub start_timeout: u64,
+}
+
+/// `agentstack status`.
+#[derive(Debug, Args)]
+pub struct JobStatusArgs {
+    /// A launch's name (or id): show its components.
+    pub name: Option<String>,
+}
+
+/// `agentstack logs`.
+#[derive(Debug, Args)]
+pub struct JobLogsArgs {
+    /// The launch: NAME, NAME/COMPONENT or NAME/COMPONENT/REPLICA.
+    pub name: String,
+    /// Keep printing new output until the launch ends.
+    #[arg(short, long)]
+    pub follow: bool,
+}
+
+/// A launch by name.
+#[derive(Debug, Args)]
+pub struct JobNameArgs {
+    /// The launch's name (or id).
+    pub name: String,
+}
+
+/// `agentstack down`.
+#[derive(Debug, Args)]
+pub struct JobDownArgs {
+    /// Only this launch.
+    pub name: Option<String>,
 }
 
 /// `hub` subcommands.

@@ -19,3 +19,16 @@ pub const AGENTSTACK_HUB_TOKEN: &str = "AGENTSTACK_HUB_TOKEN";
 
 /// The database `hub serve` keeps its metadata in (`sqlite:///…` or `postgres://…`).
 pub const AGENTSTACK_HUB_DATABASE_URL: &str = "AGENTSTACK_HUB_DATABASE_URL";
+
+/// The Ray Jobs API `launch --infra ray` submits to (default `http://127.0.0.1:8265`).
+pub const AGENTSTACK_RAY_ADDRESS: &str = "AGENTSTACK_RAY_ADDRESS";
+
+/// CPUs local launches may hold at once (default: the machine's); a component's
+/// `resources.cpus` counts against it, and a higher `priority` preempts a lower one.
+pub const AGENTSTACK_LOCAL_CPUS: &str = "AGENTSTACK_LOCAL_CPUS";
+
+/// The container image `launch --infra k8s` runs (it must hold bash and the programs).
+pub const AGENTSTACK_K8S_IMAGE: &str = "AGENTSTACK_K8S_IMAGE";
+
+/// The namespace `launch --infra k8s` uses (default: the context's, else `default`).
+pub const AGENTSTACK_K8S_NAMESPACE: &str = "AGENTSTACK_K8S_NAMESPACE";

@@ -221,6 +221,11 @@ impl<B: Backend> Supervisor<B> {
                 // An engine that does not answer for a moment is not the end of the
                 // launch; the next tick asks again.
                 match e {
+                    SuperviseError::Backend(
+                        BackendError::Build(_) | BackendError::Config { .. },
+                    ) => {
+                        return Err(e);
+                    }
                     SuperviseError::Backend(e) => tracing::warn!(error = %e, "engine call failed"),
                     e => return Err(e),
                 }
@@ -321,7 +326,7 @@ impl<B: Backend> Supervisor<B> {
                 UnitStatus::Pending => {}
                 UnitStatus::Running { hosts } => {
                     if u.state == UnitState::Starting {
-                        tracing::info!(component = %u.component, replica = u.replica, attempt = u.attempt, "running");
+                        tracing::debug!(component = %u.component, replica = u.replica, attempt = u.attempt, "running");
                         self.update(
                             u,
                             UnitUpdate {
@@ -389,7 +394,7 @@ impl<B: Backend> Supervisor<B> {
                 }
             },
         };
-        tracing::info!(component = %u.component, replica = u.replica, %described, to = %state, "unit ended");
+        tracing::debug!(component = %u.component, replica = u.replica, %described, to = %state, "unit ended");
         update.state = Some(state);
         self.update(u, update).await?;
         Ok(())
@@ -458,7 +463,7 @@ impl<B: Backend> Supervisor<B> {
             match u.deadline_ms {
                 None => {
                     let delay = self.group.termination_delay_seconds(&u.component) as i64;
-                    tracing::info!(component = %u.component, delay, "primaries done: auxiliary stops after its delay");
+                    tracing::debug!(component = %u.component, delay, "primaries done: auxiliary stops after its delay");
                     self.update(
                         u,
                         UnitUpdate {
@@ -494,7 +499,7 @@ impl<B: Backend> Supervisor<B> {
                 .await?;
             }
             (Some(h), UnitState::Stopping) if u.deadline_ms.is_some_and(|d| now >= d) => {
-                tracing::info!(component = %u.component, "grace period over: killing");
+                tracing::debug!(component = %u.component, "grace period over: killing");
                 self.backend.stop(h, false).await?;
                 self.update(
                     u,
@@ -550,7 +555,7 @@ impl<B: Backend> Supervisor<B> {
             } else {
                 JobState::Succeeded
             };
-            tracing::info!(%end, "launch ended");
+            tracing::debug!(%end, "launch ended");
             self.store.set_job_state(&self.job_id, end, None).await?;
         }
         Ok(())
@@ -625,7 +630,7 @@ impl<B: Backend> Supervisor<B> {
             Admission::Admitted => Ok(true),
             Admission::Preempt(victims) => {
                 for v in victims {
-                    tracing::info!(victim = %v.job_id, component = %v.component, replica = v.replica, "preempting");
+                    tracing::debug!(victim = %v.job_id, component = %v.component, replica = v.replica, "preempting");
                     if let Some(h) = &v.handle {
                         // Local handles name process groups on this machine, so any
                         // supervisor may signal them; the victim's own supervisor
@@ -695,7 +700,7 @@ impl<B: Backend> Supervisor<B> {
             discovery_timeout_seconds: self.settings.discovery_timeout_seconds,
         };
         let handle = self.backend.start(&launch).await?;
-        tracing::info!(component = %u.component, replica = u.replica, attempt, %handle, "started");
+        tracing::debug!(component = %u.component, replica = u.replica, attempt, %handle, "started");
         self.update(
             u,
             UnitUpdate {

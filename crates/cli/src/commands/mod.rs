@@ -3,6 +3,7 @@
 pub mod env;
 pub mod eval;
 pub mod hub;
+pub mod launch;
 pub mod model;
 pub mod quickstart;
 pub mod sandbox;
@@ -49,5 +50,11 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
             HubCommand::Tag(args) => hub::tag::run(args).await,
             HubCommand::Check(args) => hub::check::run(args).await,
         },
+        Command::Launch(args) => launch::launch::run(args).await,
+        Command::Status(args) => launch::status::run(args).await,
+        Command::Logs(args) => launch::logs::run(args).await,
+        Command::Cancel(args) => launch::cancel::run(args).await,
+        Command::Down(args) => launch::down::run(args).await,
+        Command::Supervise(args) => launch::supervise(args).await,
     }
 }

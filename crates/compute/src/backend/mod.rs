@@ -241,3 +241,73 @@ pub trait Backend: Send + Sync {
 pub fn signal_exit_code(signal: i32) -> i32 {
     128 + signal
 }
+
+/// Any of the backends, chosen at run time (`--infra`).
+#[derive(Debug)]
+pub enum AnyBackend {
+    /// Local process groups.
+    Local(local::LocalBackend),
+    /// The Slurm CLI.
+    Slurm(slurm::SlurmBackend),
+    /// The Ray Jobs API.
+    Ray(ray::RayBackend),
+    /// The Kubernetes API.
+    Kubernetes(kubernetes::KubernetesBackend),
+}
+
+macro_rules! each {
+    ($self:ident, $b:ident => $e:expr) => {
+        match $self {
+            AnyBackend::Local($b) => $e,
+            AnyBackend::Slurm($b) => $e,
+            AnyBackend::Ray($b) => $e,
+            AnyBackend::Kubernetes($b) => $e,
+        }
+    };
+}
+
+impl Backend for AnyBackend {
+    fn kind(&self) -> &'static str {
+        each!(self, b => b.kind())
+    }
+
+    fn engine_recovers(&self) -> bool {
+        each!(self, b => b.engine_recovers())
+    }
+
+    fn unit_is_component(&self) -> bool {
+        each!(self, b => b.unit_is_component())
+    }
+
+    fn addresses_up_front(&self, group: &JobGroup) -> Option<Addresses> {
+        each!(self, b => b.addresses_up_front(group))
+    }
+
+    fn check(&self, group: &JobGroup) -> Result<(), BackendError> {
+        each!(self, b => b.check(group))
+    }
+
+    async fn prepare(&self, group: &JobGroup, job_id: &str) -> Result<(), BackendError> {
+        each!(self, b => b.prepare(group, job_id).await)
+    }
+
+    async fn start(&self, launch: &UnitLaunch<'_>) -> Result<String, BackendError> {
+        each!(self, b => b.start(launch).await)
+    }
+
+    async fn poll(&self, handles: &[String]) -> Result<Vec<UnitStatus>, BackendError> {
+        each!(self, b => b.poll(handles).await)
+    }
+
+    async fn stop(&self, handle: &str, graceful: bool) -> Result<(), BackendError> {
+        each!(self, b => b.stop(handle, graceful).await)
+    }
+
+    async fn logs(&self, handle: &str) -> Result<LogSource, BackendError> {
+        each!(self, b => b.logs(handle).await)
+    }
+
+    async fn cleanup(&self, group: &JobGroup, job_id: &str) -> Result<(), BackendError> {
+        each!(self, b => b.cleanup(group, job_id).await)
+    }
+}

@@ -1,0 +1,214 @@
+//! `agentstack launch | status | logs | cancel | down`: the real binary in a temporary
+//! home, on local processes.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use assert_cmd::cargo::CommandCargoExt;
+
+struct Output {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn agentstack(home: &Path, args: &[&str]) -> Output {
+    let out = Command::cargo_bin("agentstack")
+        .unwrap()
+        .args(args)
+        .current_dir(home)
+        .env("HOME", home)
+        .env("AGENTSTACK_HOME", home.join("data"))
+        .env_remove("AGENTSTACK_LOG")
+        .env("AGENTSTACK_LOCAL_CPUS", "8")
+        .env_remove("KUBECONFIG")
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    Output {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn snapshot(out: &Output) -> String {
+    format!(
+        "exit: {}\n--- stdout\n{}--- stderr\n{}",
+        out.code, out.stdout, out.stderr
+    )
+}
+
+fn write(home: &Path, name: &str, text: &str) {
+    std::fs::write(home.join(name), text).unwrap();
+}
+
+#[test]
+fn bad_input_says_what_is_wrong_and_how_to_fix_it() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path();
+    write(h, "typo.yaml", "name: t\nrun: x\nresources: {cpu: 4}\n");
+    write(h, "unset.yaml", "name: t\nenvs: {MODEL: null}\nrun: x\n");
+    write(
+        h,
+        "mixed.yaml",
+        "name: g\nexecution: parallel\n---\nname: a\nresources: {infra: slurm}\nrun: x\n---\nname: b\nresources: {infra: ray}\nrun: x\n",
+    );
+    write(
+        h,
+        "big.yaml",
+        "name: big\nresources: {cpus: 4096}\nrun: x\n",
+    );
+    let mut all = String::new();
+    for args in [
+        &["launch", "missing.yaml"][..],
+        &["launch", "typo.yaml"],
+        &["launch", "unset.yaml"],
+        &["launch", "unset.yaml", "--env", "1X=2"],
+        &["launch", "mixed.yaml"],
+        &["launch", "big.yaml"],
+        &["launch", "typo.yaml", "--infra", "aws"],
+        &["logs", "nothing"],
+        &["cancel", "nothing"],
+    ] {
+        let out = agentstack(h, args);
+        assert_eq!(out.code, 1, "{}", snapshot(&out));
+        all.push_str(&format!(
+            "$ agentstack {}\n{}\n",
+            args.join(" "),
+            out.stderr
+        ));
+    }
+    insta::assert_snapshot!(all);
+}
+
+#[test]
+fn a_group_runs_to_the_end_and_logs_and_status_show_it() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    write(
+        h,
+        "group.yaml",
+        &format!(
+            "name: demo\nexecution: parallel\nprimary_tasks: [client]\n---\nname: server\nresources: {{ports: {port}}}\nrun: exec python3 -m http.server $AGENTSTACK_PORT --bind 127.0.0.1\n---\nname: client\nrun: |\n  until (exec 3<>/dev/tcp/${{AGENTSTACK_SERVER_ADDRS%:*}}/${{AGENTSTACK_SERVER_ADDRS##*:}}) 2>/dev/null; do sleep 0.1; done\n  echo \"reached $AGENTSTACK_SERVER_ADDRS\"\n"
+        ),
+    );
+    let out = agentstack(h, &["launch", "group.yaml"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    assert!(out.stderr.contains("`demo` succeeded"), "{}", out.stderr);
+
+    let out = agentstack(h, &["logs", "demo/client"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    assert!(
+        out.stdout.contains(&format!("reached 127.0.0.1:{port}\n")),
+        "{}",
+        out.stdout
+    );
+    let out = agentstack(h, &["status", "demo"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    assert!(out.stdout.contains("on local: succeeded"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .lines()
+            .any(|l| l.starts_with("server ") && l.contains(" stopped ")),
+        "{}",
+        out.stdout
+    );
+    let out = agentstack(h, &["down"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    let out = agentstack(h, &["status"]);
+    assert!(out.stderr.contains("no launches"), "{}", snapshot(&out));
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, r)| !r.starts_with('Z'))
+    })
+}
+
+/// `--detach`; the supervisor is killed (as when the machine's `agentstack` dies);
+/// `status` starts a new one that finds the component still running; `cancel` stops it.
+#[test]
+fn a_detached_launch_outlives_its_supervisor_and_cancel_stops_it() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path();
+    write(
+        h,
+        "sleeper.yaml",
+        &format!(
+            "name: sleeper\nresources: {{job_recovery: {{max_restarts_on_errors: 1}}}}\nrun: |\n  echo $$ > {}/pid\n  exec sleep 300\n",
+            h.display()
+        ),
+    );
+    let out = agentstack(h, &["launch", "sleeper.yaml", "--detach"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    let id = out.stdout.trim().to_owned();
+    assert!(id.starts_with("sleeper-"), "{id}");
+    let start = Instant::now();
+    let pid: i32 = loop {
+        if let Some(pid) = std::fs::read_to_string(h.join("pid"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            break pid;
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "never started");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let supervisor: i32 = out
+        .stderr
+        .split_once("in the background (pid ")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .and_then(|(pid, _)| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no supervisor pid in {}", out.stderr));
+    // Killed once the launch runs, so what the new supervisor finds is a running unit.
+    let start = Instant::now();
+    while !agentstack(h, &["status", "sleeper"])
+        .stdout
+        .contains("on local: running")
+    {
+        assert!(start.elapsed() < Duration::from_secs(30), "never running");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(supervisor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(alive(pid), "the component died with its supervisor");
+
+    let out = agentstack(h, &["status", "sleeper"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    assert!(
+        out.stderr.contains("had no supervisor running"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.contains("on local: running"), "{}", out.stdout);
+
+    let out = agentstack(h, &["cancel", "sleeper"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    assert!(out.stderr.contains("`sleeper` cancelled"), "{}", out.stderr);
+    let start = Instant::now();
+    while alive(pid) {
+        assert!(start.elapsed() < Duration::from_secs(15), "still running");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = agentstack(h, &["status", "sleeper"]);
+    assert!(out.stdout.contains("attempt") || out.stdout.contains("ATTEMPT"));
+    assert!(
+        out.stdout
+            .lines()
+            .any(|l| l.starts_with("sleeper ") && l.contains(" stopped ") && l.contains(" 0 ")),
+        "{}",
+        out.stdout
+    );
+}
