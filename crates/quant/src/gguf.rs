@@ -327,7 +327,12 @@ impl Gguf {
                     ty.0
                 )));
             }
-            if !dims.first().copied().unwrap_or(1).is_multiple_of(ty.block_size() as u64) {
+            if !dims
+                .first()
+                .copied()
+                .unwrap_or(1)
+                .is_multiple_of(ty.block_size() as u64)
+            {
                 return Err(c.bad(format!(
                     "tensor `{name}`: row length {} is not a multiple of {}'s block of {}",
                     dims[0],

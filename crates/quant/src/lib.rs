@@ -21,7 +21,9 @@
 
 mod error;
 pub mod gguf;
+pub mod imatrix;
 pub mod quantize;
+pub mod recipe;
 pub mod types;
 
 pub use crate::error::{QuantError, Result};

@@ -1,0 +1,279 @@
+//! agentstack-quant against llama.cpp on the real test model (SmolLM2-135M-Instruct,
+//! Q4_1): our quantizers write the bytes `llama-quantize` writes, with and without an
+//! importance matrix; files we write load in llama.cpp.
+//!
+//! Needs `scripts/install-llamacpp` and `scripts/fetch-model` (CI runs both).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use agentstack_quant::gguf::Gguf;
+use agentstack_quant::imatrix::Imatrix;
+use agentstack_quant::recipe::{Plan, quantize_file};
+use agentstack_quant::types::GgmlType;
+
+/// Share of bytes that may differ from llama-quantize's. ggml is compiled with
+/// `-march=native`, so the C compiler contracts `a*b + c` into fused multiply-adds in the
+/// scale searches; a different last bit in a comparison then picks another, equally good
+/// scale for a few blocks (measured: Q3_K 2 of 30 ffn_down tensors).
+const MAX_DIFFERING_BYTES: f64 = 0.001;
+/// Where bytes differ, our reconstruction error may exceed llama.cpp's by this fraction.
+const RMSE_SLACK: f64 = 0.01;
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("AGENTSTACK_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/agentstack")
+        })
+}
+
+fn model_path() -> PathBuf {
+    let path = std::env::var_os("AGENTSTACK_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(
+        path.is_file(),
+        "{} is missing; run scripts/fetch-model",
+        path.display()
+    );
+    path
+}
+
+fn llama_bin(tool: &str) -> PathBuf {
+    let dir = std::env::var_os("AGENTSTACK_LLAMACPP_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join("llama.cpp-0.3.36/bin"));
+    let path = dir.join(tool);
+    assert!(
+        path.is_file(),
+        "{} is missing; run scripts/install-llamacpp",
+        path.display()
+    );
+    path
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("running a llama.cpp tool");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    text
+}
+
+fn llama_quantize(input: &Path, output: &Path, ty: GgmlType, imatrix: Option<&Path>) {
+    let mut cmd = Command::new(llama_bin("llama-quantize"));
+    cmd.arg("--allow-requantize").arg("--pure");
+    if let Some(m) = imatrix {
+        cmd.arg("--imatrix").arg(m);
+    }
+    run(cmd.arg(input).arg(output).arg(ty.name()).arg("1"));
+}
+
+/// What differs between two files with the same tensors (matched by name: llama-quantize
+/// writes its own tensor order): tensors whose type differs, bytes that differ, and the
+/// RMSE of each file's dequantized weights against `reference`'s.
+struct Difference {
+    wrong_types: Vec<String>,
+    differing_bytes: u64,
+    total_bytes: u64,
+    rmse_a: f64,
+    rmse_b: f64,
+}
+
+fn compare(reference: &Path, a: &Path, b: &Path) -> Difference {
+    let (mut r, mut a, mut b) = (
+        Gguf::open(reference).unwrap(),
+        Gguf::open(a).unwrap(),
+        Gguf::open(b).unwrap(),
+    );
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    let mut d = Difference {
+        wrong_types: vec![],
+        differing_bytes: 0,
+        total_bytes: 0,
+        rmse_a: 0.0,
+        rmse_b: 0.0,
+    };
+    let (mut sa, mut sb, mut n) = (0f64, 0f64, 0f64);
+    for i in 0..a.tensors.len() {
+        let name = a.tensors[i].name.clone();
+        let find = |g: &Gguf| {
+            g.tensors
+                .iter()
+                .position(|t| t.name == name)
+                .unwrap_or_else(|| panic!("{name} missing"))
+        };
+        let (j, k) = (find(&b), find(&r));
+        if a.tensors[i].ty != b.tensors[j].ty {
+            d.wrong_types.push(format!(
+                "{name} ({} vs {})",
+                a.tensors[i].ty, b.tensors[j].ty
+            ));
+            continue;
+        }
+        let (x, y) = (a.read(i).unwrap(), b.read(j).unwrap());
+        d.total_bytes += x.len() as u64;
+        d.differing_bytes += x.iter().zip(&y).filter(|(p, q)| p != q).count() as u64;
+        if x != y {
+            let (w, xa, xb) = (
+                r.read_f32(k).unwrap(),
+                a.read_f32(i).unwrap(),
+                b.read_f32(j).unwrap(),
+            );
+            for ((w, p), q) in w.iter().zip(&xa).zip(&xb) {
+                sa += f64::from(w - p).powi(2);
+                sb += f64::from(w - q).powi(2);
+                n += 1.0;
+            }
+        }
+    }
+    if n > 0.0 {
+        d.rmse_a = (sa / n).sqrt();
+        d.rmse_b = (sb / n).sqrt();
+    }
+    d
+}
+
+fn ours(input: &Path, output: &Path, ty: GgmlType, imatrix: Option<&Imatrix>) {
+    let mut file = Gguf::open(input).unwrap();
+    let plan = Plan::uniform(&file, ty);
+    quantize_file(&mut file, output, &plan, imatrix, &mut |_, _, _| {}).unwrap();
+}
+
+/// Every type we write, whole model, `--pure`: the same bytes as llama-quantize for every
+/// tensor (including the fallbacks on 576-wide rows).
+#[test]
+fn every_type_matches_llama_quantize_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model_path();
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+    ] {
+        let (theirs, mine) = (
+            dir.path().join(format!("l-{ty}.gguf")),
+            dir.path().join(format!("a-{ty}.gguf")),
+        );
+        llama_quantize(&model, &theirs, ty, None);
+        ours(&model, &mine, ty, None);
+        let d = compare(&model, &theirs, &mine);
+        assert!(
+            d.wrong_types.is_empty(),
+            "{ty}: types differ from llama-quantize's: {:?}",
+            d.wrong_types
+        );
+        let share = d.differing_bytes as f64 / d.total_bytes as f64;
+        eprintln!(
+            "{ty}: {} of {} bytes differ ({:.4}%); RMSE where they differ: llama.cpp {:.6e}, ours {:.6e}",
+            d.differing_bytes,
+            d.total_bytes,
+            100.0 * share,
+            d.rmse_a,
+            d.rmse_b
+        );
+        assert!(
+            share <= MAX_DIFFERING_BYTES,
+            "{ty}: {:.4}% of bytes differ",
+            100.0 * share
+        );
+        assert!(
+            d.rmse_b <= d.rmse_a * (1.0 + RMSE_SLACK),
+            "{ty}: our error {} vs llama.cpp's {}",
+            d.rmse_b,
+            d.rmse_a
+        );
+        std::fs::remove_file(&theirs).unwrap();
+        std::fs::remove_file(&mine).unwrap();
+    }
+}
+
+fn tokens_of(text: &str) -> (agentstack_model::LanguageModel, Vec<u32>) {
+    let lm = agentstack_model::LanguageModel::load(model_path(), agentstack_model::WeightForm::Quantized).unwrap();
+    let tokens = lm.tokenizer().encode(text, false).unwrap();
+    (lm, tokens)
+}
+
+/// Importance collected by our runtime, written in llama.cpp's GGUF format: llama-quantize
+/// reads it, and quantizes with it to the same bytes we do (the importance path of every
+/// type that uses it, and the file format, checked at once).
+#[test]
+fn our_imatrix_drives_llama_quantize_and_ours_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model_path();
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/calibration.txt")).unwrap();
+    let (lm, tokens) = tokens_of(&text);
+    let m = Imatrix::collect(lm.model(), &tokens, 128, "calibration.txt", &mut |_, _| {}).unwrap();
+    assert_eq!(m.entries.len(), 30 * 7, "every matmul of every layer");
+    let path = dir.path().join("imatrix.gguf");
+    m.save_gguf(&path).unwrap();
+    let back = Imatrix::load(&path).unwrap();
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_K, GgmlType::IQ4_XS, GgmlType::Q2_K] {
+        let (theirs, mine) = (dir.path().join(format!("l-{ty}.gguf")), dir.path().join(format!("a-{ty}.gguf")));
+        llama_quantize(&model, &theirs, ty, Some(&path));
+        ours(&model, &mine, ty, Some(&back));
+        let d = compare(&model, &theirs, &mine);
+        assert!(d.wrong_types.is_empty(), "{ty}: {:?}", d.wrong_types);
+        let share = d.differing_bytes as f64 / d.total_bytes as f64;
+        eprintln!("{ty} + imatrix: {:.4}% of bytes differ", 100.0 * share);
+        assert!(share <= MAX_DIFFERING_BYTES, "{ty} with importance: {:.4}% of bytes differ", 100.0 * share);
+        // And the importance changed the result (the test can fail if it were ignored).
+        let plain = dir.path().join("plain.gguf");
+        ours(&model, &plain, ty, None);
+        assert!(compare(&model, &plain, &mine).differing_bytes > 0, "{ty}: importance had no effect");
+    }
+}
+
+/// Our collection agrees with llama-imatrix's on the same text and chunking (same
+/// columns matter most): correlation of log importance per weight.
+#[test]
+fn our_imatrix_agrees_with_llama_imatrix() {
+    let dir = tempfile::tempdir().unwrap();
+    let text_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/calibration.txt");
+    let theirs_path = dir.path().join("theirs.gguf");
+    run(Command::new(llama_bin("llama-imatrix"))
+        .arg("-m")
+        .arg(model_path())
+        .arg("-f")
+        .arg(&text_path)
+        .args(["-c", "128", "-b", "128", "-t", "1", "--no-ppl", "-o"])
+        .arg(&theirs_path));
+    let theirs = Imatrix::load(&theirs_path).unwrap();
+    // llama-imatrix starts every chunk with BOS when the model asks for it; SmolLM2 does not.
+    let (lm, tokens) = tokens_of(&std::fs::read_to_string(&text_path).unwrap());
+    let ours = Imatrix::collect(lm.model(), &tokens, 128, "calibration.txt", &mut |_, _| {}).unwrap();
+    assert_eq!(ours.chunk_count, theirs.chunk_count);
+    for (name, e) in &theirs.entries {
+        let (a, b) = (theirs.importance(name).unwrap(), ours.importance(name).unwrap());
+        assert_eq!(a.len(), b.len(), "{name}");
+        let (la, lb): (Vec<f64>, Vec<f64>) = a.iter().zip(&b).map(|(x, y)| (f64::from(*x).max(1e-12).ln(), f64::from(*y).max(1e-12).ln())).unzip();
+        let r = correlation(&la, &lb);
+        assert!(r >= MIN_IMATRIX_CORRELATION, "{name}: correlation {r} (count {} vs ours)", e.count);
+    }
+}
+
+/// Activations differ slightly between the two runtimes (llama.cpp multiplies Q4_1 weights
+/// by 8-bit activations); the log importance per column must still line up.
+const MIN_IMATRIX_CORRELATION: f64 = 0.99;
+
+fn correlation(a: &[f64], b: &[f64]) -> f64 {
+    let n = a.len() as f64;
+    let (ma, mb) = (a.iter().sum::<f64>() / n, b.iter().sum::<f64>() / n);
+    let cov: f64 = a.iter().zip(b).map(|(x, y)| (x - ma) * (y - mb)).sum();
+    let va: f64 = a.iter().map(|x| (x - ma).powi(2)).sum();
+    let vb: f64 = b.iter().map(|y| (y - mb).powi(2)).sum();
+    cov / (va * vb).sqrt()
+}
