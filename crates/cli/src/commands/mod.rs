@@ -50,7 +50,7 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
             HubCommand::Tag(args) => hub::tag::run(args).await,
             HubCommand::Check(args) => hub::check::run(args).await,
         },
-        Command::Launch(args) => launch::launch::run(args).await,
+        Command::Launch(args) => launch::start::run(args).await,
         Command::Status(args) => launch::status::run(args).await,
         Command::Logs(args) => launch::logs::run(args).await,
         Command::Cancel(args) => launch::cancel::run(args).await,

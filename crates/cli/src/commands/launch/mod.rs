@@ -9,7 +9,7 @@
 
 pub mod cancel;
 pub mod down;
-pub mod launch;
+pub mod start;
 pub mod logs;
 pub mod status;
 
