@@ -616,6 +616,71 @@ pub enum ModelCommand {
     Generate(GenerateArgs),
     /// Serve a model over the OpenAI API and token-in-token-out /generate.
     Serve(ModelServeArgs),
+    /// Quantize a GGUF model to another type, optionally with an importance matrix.
+    Quantize(QuantizeArgs),
+    /// Collect an importance matrix (Σx² per input column of every matmul) from text.
+    Imatrix(ImatrixArgs),
+    /// KL divergence and perplexity of a model against a base, as llama-perplexity
+    /// --kl-divergence reports them.
+    Kld(KldArgs),
+}
+
+/// `model quantize`.
+#[derive(Debug, Args)]
+pub struct QuantizeArgs {
+    /// The model to quantize (a GGUF file or model reference).
+    pub input: String,
+    /// Where to write the quantized GGUF file.
+    pub output: PathBuf,
+    /// The type of every weight matrix (Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0,
+    /// IQ4_NL, IQ4_XS, Q3_K, Q2_K, F16, BF16, F32); rows a type cannot hold fall back as
+    /// in llama-quantize.
+    #[arg(long = "type", value_name = "T")]
+    pub ty: String,
+    /// An importance matrix (llama.cpp GGUF or legacy .dat format).
+    #[arg(long, value_name = "FILE", conflicts_with = "calibration")]
+    pub imatrix: Option<PathBuf>,
+    /// Collect the importance matrix from this text first.
+    #[arg(long, value_name = "TEXT")]
+    pub calibration: Option<PathBuf>,
+    /// Tokens per calibration chunk.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+}
+
+/// `model imatrix`.
+#[derive(Debug, Args)]
+pub struct ImatrixArgs {
+    /// The model (a GGUF file or model reference).
+    pub model: String,
+    /// Calibration text.
+    #[arg(long, value_name = "FILE")]
+    pub text: PathBuf,
+    /// Where to write the importance matrix (`.dat` writes llama.cpp's legacy format,
+    /// anything else its GGUF format).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+}
+
+/// `model kld`.
+#[derive(Debug, Args)]
+pub struct KldArgs {
+    /// The reference model.
+    pub base: String,
+    /// The model compared with it.
+    pub other: String,
+    /// Evaluation text.
+    #[arg(long, value_name = "FILE")]
+    pub text: PathBuf,
+    /// Tokens per chunk; the second half of each is scored (llama-perplexity's -c).
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Print the statistics as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `model pull`.

@@ -22,6 +22,7 @@
 mod error;
 pub mod gguf;
 pub mod imatrix;
+pub mod kld;
 pub mod quantize;
 pub mod recipe;
 pub mod types;

@@ -1,8 +1,11 @@
 //! `agentstack model ...`
 
 pub mod generate;
+pub mod imatrix;
 pub mod info;
+pub mod kld;
 pub mod pull;
+pub mod quantize;
 pub mod serve;
 
 use std::path::PathBuf;
@@ -41,6 +44,16 @@ pub(crate) async fn resolve(reference: &str) -> anyhow::Result<PathBuf> {
     let result = pull(&model, &models, &progress).await;
     bar.finish_and_clear();
     result.with_context(|| format!("could not fetch {reference}"))
+}
+
+/// A bar for `total` steps of a long model operation, on stderr.
+pub(crate) fn steps_bar(total: usize, message: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(message.to_owned());
+    bar
 }
 
 /// Resolves and loads a model for inference. (`--threads` was applied by `main`,

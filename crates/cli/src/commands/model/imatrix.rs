@@ -1,0 +1,54 @@
+//! `agentstack model imatrix`: an importance matrix from calibration text.
+
+use std::path::Path;
+
+use agentstack_model::{LanguageModel, WeightForm};
+use agentstack_quant::imatrix::Imatrix;
+use anyhow::Context;
+
+use crate::Exit;
+use crate::args::ImatrixArgs;
+
+/// Collects the importance matrix of the model at `path` over `text`, with a progress bar.
+pub(crate) fn collect(
+    path: &Path,
+    text: &str,
+    ctx: usize,
+    dataset: &str,
+) -> anyhow::Result<Imatrix> {
+    let lm =
+        LanguageModel::load(path, WeightForm::Quantized).context("could not load the model")?;
+    let tokens = lm.tokenizer().encode(text, false)?;
+    let bar = super::steps_bar(tokens.len() / ctx.max(1), "collecting importance");
+    let m = Imatrix::collect(lm.model(), &tokens, ctx, dataset, &mut |done, _| {
+        bar.set_position(done as u64)
+    })?;
+    bar.finish_and_clear();
+    Ok(m)
+}
+
+/// Runs the command.
+pub async fn run(args: ImatrixArgs) -> Result<(), Exit> {
+    let path = super::resolve(&args.model).await?;
+    let text = std::fs::read_to_string(&args.text)
+        .with_context(|| format!("could not read --text {}", args.text.display()))?;
+    let dataset = args.text.display().to_string();
+    let ctx = args.ctx;
+    let m = tokio::task::spawn_blocking(move || collect(&path, &text, ctx, &dataset))
+        .await
+        .map_err(anyhow::Error::from)??;
+    if args.output.extension().is_some_and(|e| e == "dat") {
+        m.save_dat(&args.output)
+    } else {
+        m.save_gguf(&args.output)
+    }
+    .context("could not write the importance matrix")?;
+    println!(
+        "wrote {} ({} weights, {} chunks of {} tokens)",
+        args.output.display(),
+        m.entries.len(),
+        m.chunk_count,
+        m.chunk_size
+    );
+    Ok(())
+}
