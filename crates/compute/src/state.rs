@@ -192,6 +192,8 @@ pub struct UnitRecord {
     pub deadline_ms: Option<i64>,
     /// Whether the running attempt's discovery file is written.
     pub discovered: bool,
+    /// When the current attempt first passed its readiness probe, ms.
+    pub ready_ms: Option<i64>,
 }
 
 /// A new launch's units: component, replica, priority, CPUs.
@@ -263,6 +265,7 @@ CREATE TABLE IF NOT EXISTS units (
     ended_ms INTEGER,
     deadline_ms INTEGER,
     discovered INTEGER NOT NULL DEFAULT 0,
+    ready_ms INTEGER,
     PRIMARY KEY (job_id, component, replica)
 );
 ";
@@ -308,6 +311,7 @@ fn unit(row: &sqlx::sqlite::SqliteRow) -> Result<UnitRecord, StateError> {
         ended_ms: row.try_get("ended_ms")?,
         deadline_ms: row.try_get("deadline_ms")?,
         discovered: row.try_get::<i64, _>("discovered")? != 0,
+        ready_ms: row.try_get("ready_ms")?,
     })
 }
 
@@ -338,6 +342,8 @@ pub struct UnitUpdate {
     pub deadline_ms: Option<Option<i64>>,
     /// Whether the discovery file is written.
     pub discovered: Option<bool>,
+    /// New ready time.
+    pub ready_ms: Option<Option<i64>>,
 }
 
 impl Store {
@@ -556,6 +562,7 @@ async fn update_unit(
     set!(ended_ms);
     set!(deadline_ms);
     set!(discovered);
+    set!(ready_ms);
     if sets.is_empty() {
         return Ok(());
     }
@@ -592,6 +599,9 @@ async fn update_unit(
         q = q.bind(v);
     }
     if let Some(v) = u.discovered {
+        q = q.bind(v);
+    }
+    if let Some(v) = u.ready_ms {
         q = q.bind(v);
     }
     q.bind(job_id)

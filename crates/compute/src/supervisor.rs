@@ -20,7 +20,7 @@
 //! (without counting a restart) when there is room — a trainer resumes from its
 //! checkpoint.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -32,6 +32,10 @@ use crate::state::{
     Admission, JobRecord, JobState, NewUnit, StateError, Store, UnitRecord, UnitState, UnitUpdate,
     now_ms,
 };
+
+/// How long a ready replica may fail every probe before it is replaced, when its
+/// `consecutive_failure_threshold_timeout` does not say.
+pub const DEFAULT_FAILURE_THRESHOLD_SECONDS: f64 = 180.0;
 
 /// How a supervisor paces itself.
 #[derive(Debug, Clone)]
@@ -164,6 +168,15 @@ pub struct Supervisor<B> {
     job_id: String,
     group: JobGroup,
     dir: PathBuf,
+    http: reqwest::Client,
+    /// Per unit and attempt: when it was last probed and last answered, ms.
+    probes: std::sync::Mutex<HashMap<(String, u32, u32), Probed>>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Probed {
+    last_probe_ms: i64,
+    last_ok_ms: Option<i64>,
 }
 
 /// How one unit ended, and what its policy says.
@@ -194,6 +207,8 @@ impl<B: Backend> Supervisor<B> {
             job_id: job.id,
             group,
             dir: PathBuf::from(job.dir),
+            http: reqwest::Client::new(),
+            probes: std::sync::Mutex::default(),
         })
     }
 
@@ -302,7 +317,134 @@ impl<B: Backend> Supervisor<B> {
         }
         self.start_units(job, &units).await?;
         self.discover(job).await?;
+        self.probe_readiness().await?;
         Ok(())
+    }
+
+    /// Probes running replicas that have a `readiness_probe` (engines that do not
+    /// probe themselves): a replica not ready `initial_delay_seconds` after it started,
+    /// or failing every probe for `consecutive_failure_threshold_timeout` after it was
+    /// ready, is killed, and its `job_recovery` decides whether it starts again.
+    async fn probe_readiness(&self) -> Result<(), SuperviseError> {
+        if self.backend.engine_recovers() {
+            // Kubernetes runs the probe itself (it is in the Pod spec).
+            return Ok(());
+        }
+        let up_front = self.backend.addresses_up_front(&self.group).is_some();
+        let units = self.store.units(&self.job_id).await?;
+        for u in units.iter().filter(|u| {
+            u.state == UnitState::Running && (up_front || u.discovered) && u.handle.is_some()
+        }) {
+            let task = self.task(&u.component);
+            let Some(probe) = task.readiness_probe.as_ref() else {
+                continue;
+            };
+            let now = now_ms();
+            let key = (u.component.clone(), u.replica, u.attempt);
+            let probed = self
+                .probes
+                .lock()
+                .expect("never poisoned")
+                .get(&key)
+                .copied()
+                .unwrap_or_default();
+            if now - probed.last_probe_ms < (probe.interval() * 1000.0) as i64 {
+                continue;
+            }
+            let host = u
+                .hosts
+                .as_deref()
+                .and_then(|h| h.split(',').next())
+                .unwrap_or("127.0.0.1");
+            let port = task
+                .resources
+                .main_port()
+                .map_or(80, |p| p.saturating_add(u.replica as u16));
+            let ok = self.probe_once(probe, host, port).await;
+            let last_ok_ms = if ok { Some(now) } else { probed.last_ok_ms };
+            self.probes.lock().expect("never poisoned").insert(
+                key,
+                Probed {
+                    last_probe_ms: now,
+                    last_ok_ms,
+                },
+            );
+            let failure = match (ok, u.ready_ms) {
+                (true, None) => {
+                    self.update(
+                        u,
+                        UnitUpdate {
+                            ready_ms: Some(Some(now)),
+                            message: Some(Some("ready".into())),
+                            ..Default::default()
+                        },
+                    )
+                    .await?;
+                    None
+                }
+                (true, Some(_)) => None,
+                (false, None) => {
+                    let since = u.running_ms.unwrap_or(now);
+                    (now - since > (probe.initial_delay() * 1000.0) as i64).then(|| {
+                        format!(
+                            "not ready within initial_delay_seconds ({} s)",
+                            probe.initial_delay()
+                        )
+                    })
+                }
+                (false, Some(ready)) => {
+                    let threshold = probe
+                        .consecutive_failure_threshold_timeout
+                        .unwrap_or(DEFAULT_FAILURE_THRESHOLD_SECONDS);
+                    let since = last_ok_ms.unwrap_or(ready);
+                    (now - since > (threshold * 1000.0) as i64).then(|| {
+                        format!(
+                            "failed every readiness probe for consecutive_failure_threshold_timeout ({threshold} s)"
+                        )
+                    })
+                }
+            };
+            if let Some(why) = failure {
+                tracing::warn!(component = %u.component, replica = u.replica, %why, "replacing a replica");
+                self.backend
+                    .stop(u.handle.as_deref().expect("filtered"), false)
+                    .await?;
+                self.update(
+                    u,
+                    UnitUpdate {
+                        message: Some(Some(format!("readiness probe: {why}"))),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn probe_once(&self, probe: &crate::spec::ReadinessProbe, host: &str, port: u16) -> bool {
+        let host = if host.contains(':') {
+            format!("[{host}]")
+        } else {
+            host.to_owned()
+        };
+        let url = format!("http://{host}:{port}{}", probe.path);
+        let mut request = match &probe.post_data {
+            Some(body) => self
+                .http
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(body.clone()),
+            None => self.http.get(&url),
+        };
+        for (k, v) in &probe.headers {
+            request = request.header(k, v);
+        }
+        request
+            .timeout(Duration::from_secs_f64(probe.timeout()))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
     }
 
     /// Asks the engine about every unit it may have, and records what changed.
@@ -367,8 +509,10 @@ impl<B: Backend> Supervisor<B> {
             deadline_ms: Some(None),
             ..Default::default()
         };
-        let described = match status {
-            UnitStatus::Lost { reason } => format!("lost: {reason}"),
+        let described = match (status, &u.message) {
+            // Killed for failing its probe: that is the story, not the kill's code.
+            (_, Some(m)) if m.starts_with("readiness probe: ") => m.clone(),
+            (UnitStatus::Lost { reason }, _) => format!("lost: {reason}"),
             _ => format!("exit code {}", code.unwrap_or(-1)),
         };
         let state = match u.state {
@@ -709,6 +853,7 @@ impl<B: Backend> Supervisor<B> {
                 handle: Some(Some(handle)),
                 started_ms: Some(Some(now_ms())),
                 running_ms: Some(None),
+                ready_ms: Some(None),
                 discovered: Some(false),
                 ..Default::default()
             },

@@ -94,10 +94,10 @@ fn wrapper(launch: &UnitLaunch<'_>, exit_file: &Path) -> String {
         launch.attempt
     ));
     s.push_str(&format!("bash -c {} &\n", shell_quote(&script)));
-    // A handler (not an ignored signal, which children would inherit): the wrapper
-    // lives through the group's SIGTERM and reports how the program ended.
-    s.push_str("child=$!\ntrap : TERM INT HUP USR1 USR2\n");
-    s.push_str("while :; do\n  wait \"$child\"\n  status=$?\n  kill -0 \"$child\" 2>/dev/null || break\ndone\n");
+    // The wrapper ignores the group's signals, set after the child is started (which
+    // keeps the default handling): so `wait` is not cut short, and returns how the
+    // program ended.
+    s.push_str("child=$!\ntrap '' TERM INT HUP USR1 USR2\nwait \"$child\"\nstatus=$?\n");
     let file = shell_quote(&exit_file.to_string_lossy());
     s.push_str(&format!(
         "echo \"== agentstack: exited with $status\"\necho \"$status\" > {file}.tmp && mv {file}.tmp {file}\nexit \"$status\"\n"
@@ -376,18 +376,13 @@ mod tests {
             UnitStatus::Running { .. }
         ));
         backend.stop(&h, true).await.unwrap();
-        assert_eq!(
-            until_exited(&backend, &h).await,
-            UnitStatus::Exited { code: 0 }
-        );
+        let end = until_exited(&backend, &h).await;
         let LogSource::File(log) = backend.logs(&h).await.unwrap() else {
             panic!("a local log is a file")
         };
-        assert!(
-            std::fs::read_to_string(log)
-                .unwrap()
-                .contains("checkpointed")
-        );
+        let text = std::fs::read_to_string(log).unwrap();
+        assert_eq!(end, UnitStatus::Exited { code: 0 }, "{text}");
+        assert!(text.contains("checkpointed"), "{text}");
         // What the program left behind (here deaf to SIGTERM) went with its group.
         for _ in 0..50 {
             if !process_alive(child) {

@@ -539,3 +539,64 @@ async fn a_new_supervisor_picks_up_a_running_launch() {
     })
     .await;
 }
+
+/// Serving replicas count as ready once their readiness probe answers; a replica that
+/// never does is replaced by its policy, then fails the launch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_are_probed_and_one_never_ready_is_replaced() {
+    let home = tempfile::tempdir().unwrap();
+    let served = home.path().join("served");
+    std::fs::create_dir_all(&served).unwrap();
+    let port = free_port();
+    let _second = free_port();
+    let group = JobGroup::parse(&format!(
+        r#"
+name: serve
+replicas: 2
+resources: {{ports: {port}}}
+readiness_probe: {{path: /ready, initial_delay_seconds: 20, endpoint_probe_interval_seconds: 0.1, timeout_seconds: 1}}
+run: |
+  cd {served}
+  (sleep 0.5; touch ready) &
+  exec python3 -m http.server "$AGENTSTACK_PORT" --bind 127.0.0.1
+"#,
+        served = served.display()
+    ))
+    .unwrap();
+    let launched = launch(LocalBackend::new(), &group, home.path(), local_settings()).await;
+    let units = wait_for("both replicas ready", async || {
+        let units = launched.units().await;
+        units
+            .iter()
+            .all(|u| u.ready_ms.is_some() && u.message.as_deref() == Some("ready"))
+            .then_some(units)
+    })
+    .await;
+    for u in &units {
+        let waited = u.ready_ms.unwrap() - u.running_ms.unwrap();
+        assert!(
+            waited >= 300,
+            "ready {waited} ms after it ran: before `ready` existed"
+        );
+    }
+    launched.store.request_cancel(&launched.id).await.unwrap();
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Cancelled);
+
+    let never = JobGroup::parse(&format!(
+        "name: never\nresources: {{ports: {port}, job_recovery: {{max_restarts_on_errors: 1}}}}\nreadiness_probe: {{path: /ready, initial_delay_seconds: 0.5, endpoint_probe_interval_seconds: 0.1}}\nrun: exec python3 -m http.server \"$AGENTSTACK_PORT\" --bind 127.0.0.1 --directory {}\n",
+        home.path().join("empty").display()
+    ))
+    .unwrap();
+    std::fs::create_dir_all(home.path().join("empty")).unwrap();
+    let launched = launch(LocalBackend::new(), &never, home.path(), local_settings()).await;
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Failed);
+    let unit = &launched.store.units(&launched.id).await.unwrap()[0];
+    assert_eq!((unit.attempt, unit.restarts_on_errors), (1, 1));
+    let job = launched.store.job(&launched.id).await.unwrap().unwrap();
+    assert_eq!(
+        job.message.as_deref(),
+        Some(
+            "component `never` failed: readiness probe: not ready within initial_delay_seconds (0.5 s); max_restarts_on_errors (1) spent"
+        )
+    );
+}
