@@ -356,6 +356,9 @@ impl Store {
             .filename(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
+            // WAL with NORMAL survives a killed process (not a power cut) without an
+            // fsync per write: supervisors write every state change.
+            .synchronous(sqlx::sqlite::SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(Duration::from_secs(10));
         let pool = SqlitePoolOptions::new()

@@ -171,6 +171,9 @@ pub struct Supervisor<B> {
     http: reqwest::Client,
     /// Per unit and attempt: when it was last probed and last answered, ms.
     probes: std::sync::Mutex<HashMap<(String, u32, u32), Probed>>,
+    /// Whether this tick started a unit: the next tick then comes at once, so a unit
+    /// that starts quickly is seen running a poll interval sooner.
+    started: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -209,6 +212,7 @@ impl<B: Backend> Supervisor<B> {
             dir: PathBuf::from(job.dir),
             http: reqwest::Client::new(),
             probes: std::sync::Mutex::default(),
+            started: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -245,7 +249,12 @@ impl<B: Backend> Supervisor<B> {
                     e => return Err(e),
                 }
             }
-            tokio::time::sleep(self.settings.poll_interval).await;
+            if !self
+                .started
+                .swap(false, std::sync::atomic::Ordering::Relaxed)
+            {
+                tokio::time::sleep(self.settings.poll_interval).await;
+            }
         }
     }
 
@@ -844,6 +853,8 @@ impl<B: Backend> Supervisor<B> {
             discovery_timeout_seconds: self.settings.discovery_timeout_seconds,
         };
         let handle = self.backend.start(&launch).await?;
+        self.started
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::debug!(component = %u.component, replica = u.replica, attempt, %handle, "started");
         self.update(
             u,
