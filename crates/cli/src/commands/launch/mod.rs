@@ -9,8 +9,8 @@
 
 pub mod cancel;
 pub mod down;
-pub mod start;
 pub mod logs;
+pub mod start;
 pub mod status;
 
 use std::os::unix::process::CommandExt;
