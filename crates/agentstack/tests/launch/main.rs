@@ -14,6 +14,11 @@ struct Output {
 }
 
 fn agentstack(home: &Path, args: &[&str]) -> Output {
+    agentstack_with(home, args, "8")
+}
+
+/// With `AGENTSTACK_LOCAL_CPUS` set to `cpus`.
+fn agentstack_with(home: &Path, args: &[&str], cpus: &str) -> Output {
     let out = Command::cargo_bin("agentstack")
         .unwrap()
         .args(args)
@@ -21,7 +26,7 @@ fn agentstack(home: &Path, args: &[&str]) -> Output {
         .env("HOME", home)
         .env("AGENTSTACK_HOME", home.join("data"))
         .env_remove("AGENTSTACK_LOG")
-        .env("AGENTSTACK_LOCAL_CPUS", "8")
+        .env("AGENTSTACK_LOCAL_CPUS", cpus)
         .env_remove("KUBECONFIG")
         .env("NO_COLOR", "1")
         .output()
@@ -211,4 +216,95 @@ fn a_detached_launch_outlives_its_supervisor_and_cancel_stops_it() {
         "{}",
         out.stdout
     );
+}
+
+fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "timed out: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Preemption across processes, through the real binary: a detached trainer holds both
+/// CPUs; a detached serving launch of higher priority needs them; the trainer gets
+/// SIGTERM, checkpoints and exits; when serving is cancelled it starts again and resumes
+/// from its checkpoint.
+#[test]
+fn a_serving_spike_preempts_a_detached_trainer_which_resumes() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path();
+    let w = h.display();
+    write(
+        h,
+        "train.yaml",
+        &format!(
+            r#"name: train
+resources: {{cpus: 2, priority: -100}}
+run: |
+  step=$(cat {w}/checkpoint 2>/dev/null || echo 0)
+  echo "resumed at $step" >> {w}/trainer.log
+  trap 'echo $step > {w}/checkpoint; echo "checkpointed at $step" >> {w}/trainer.log; exit 0' TERM
+  while true; do step=$((step + 1)); echo $step > {w}/progress; sleep 0.02; done
+"#
+        ),
+    );
+    write(
+        h,
+        "serve.yaml",
+        "name: serve\nresources: {cpus: 2, priority: 100}\nrun: exec sleep 300\n",
+    );
+    let cli = |args: &[&str]| agentstack_with(h, args, "2");
+    let out = cli(&["launch", "train.yaml", "--detach"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    let progress = || {
+        std::fs::read_to_string(h.join("progress"))
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    wait_until("training steps", || progress() > 5);
+
+    let out = cli(&["launch", "serve.yaml", "--detach"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    wait_until("serving to run", || {
+        cli(&["status", "serve"])
+            .stdout
+            .contains("on local: running")
+    });
+    let status = cli(&["status", "train"]).stdout;
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("train ") && l.contains(" preempted ")),
+        "{status}"
+    );
+    let checkpoint: u64 = std::fs::read_to_string(h.join("checkpoint"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+
+    let out = cli(&["cancel", "serve"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    wait_until("the trainer to resume", || {
+        std::fs::read_to_string(h.join("trainer.log")).is_ok_and(|t| t.lines().count() >= 3)
+    });
+    assert_eq!(
+        std::fs::read_to_string(h.join("trainer.log")).unwrap(),
+        format!("resumed at 0\ncheckpointed at {checkpoint}\nresumed at {checkpoint}\n")
+    );
+    wait_until("steps past the checkpoint", || progress() > checkpoint);
+    let status = cli(&["status", "train"]).stdout;
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("train ") && l.contains(" running ") && l.contains(" 1 ")),
+        "{status}"
+    );
+    let out = cli(&["down"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
 }
