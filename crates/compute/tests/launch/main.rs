@@ -600,3 +600,57 @@ run: |
         )
     );
 }
+
+/// A component of two nodes on Slurm: each node learns its own rank and the node list
+/// from Slurm, and every address of the group from the discovery file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
+async fn slurm_multi_node_component() {
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join("work");
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.display();
+    let group = JobGroup::parse(&format!(
+        r#"
+name: nodes{}
+execution: parallel
+primary_tasks: [ranks]
+---
+name: ranks
+num_nodes: 2
+run: |
+  echo "$SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES: $(echo $SKYPILOT_NODE_IPS) peer=$AGENTSTACK_PEER_ADDRS ranks=$AGENTSTACK_RANKS_ADDRS" > {d}/rank.$SKYPILOT_NODE_RANK
+---
+name: peer
+resources: {{ports: 9000}}
+run: exec sleep 120
+"#,
+        std::process::id() % 100_000
+    ))
+    .unwrap();
+    let launched = launch(
+        SlurmBackend::new(SlurmSettings::default()),
+        &group,
+        home.path(),
+        slurm_settings(),
+    )
+    .await;
+    let _cleanup = Cleanup(|| {
+        for c in ["ranks", "peer"] {
+            let _ = std::process::Command::new("scancel")
+                .args(["--name", &format!("{}-{c}", group.name)])
+                .status();
+        }
+    });
+    // The primary ends when both nodes have written; the peer is then stopped.
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Succeeded);
+    for rank in 0..2 {
+        let text = std::fs::read_to_string(dir.join(format!("rank.{rank}"))).unwrap();
+        assert_eq!(
+            text,
+            format!(
+                "{rank} of 2: 127.0.0.1 127.0.0.1 peer=127.0.0.1:9000 ranks=127.0.0.1,127.0.0.1\n"
+            )
+        );
+    }
+}
