@@ -635,14 +635,31 @@ pub struct QuantizeArgs {
     /// The type of every weight matrix (Q8_0, Q6_K, Q5_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0,
     /// IQ4_NL, IQ4_XS, Q3_K, Q2_K, F16, BF16, F32); rows a type cannot hold fall back as
     /// in llama-quantize.
-    #[arg(long = "type", value_name = "T")]
-    pub ty: String,
+    #[arg(long = "type", value_name = "T", required_unless_present_any = ["target_size", "target_bpw"], conflicts_with_all = ["target_size", "target_bpw"])]
+    pub ty: Option<String>,
+    /// Instead of one type: the file size to fit (bytes, or with KB/MB/GB/KiB/MiB/GiB),
+    /// each weight's type chosen by measured sensitivity (needs --calibration).
+    #[arg(
+        long,
+        value_name = "S",
+        conflicts_with = "target_bpw",
+        requires = "calibration"
+    )]
+    pub target_size: Option<String>,
+    /// Instead of one type: bits per weight over all tensors to fit (needs
+    /// --calibration).
+    #[arg(long, value_name = "B", requires = "calibration")]
+    pub target_bpw: Option<f64>,
     /// An importance matrix (llama.cpp GGUF or legacy .dat format).
-    #[arg(long, value_name = "FILE", conflicts_with = "calibration")]
+    #[arg(long, value_name = "FILE")]
     pub imatrix: Option<PathBuf>,
-    /// Collect the importance matrix from this text first.
+    /// Calibration text: the importance matrix is collected from it when --imatrix is
+    /// not given, and with a target, each weight group's sensitivity is measured on it.
     #[arg(long, value_name = "TEXT")]
     pub calibration: Option<PathBuf>,
+    /// With a target: also write the error table, sensitivities and chosen types as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
     /// Tokens per calibration chunk.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,

@@ -31,7 +31,11 @@ pub fn load_model(path: &Path) -> Result<LanguageModel> {
         .map(|t| TensorSpec {
             name: t.name.clone(),
             dims: t.dims.clone(),
-            ty: if t.ty.candle_reads() { t.ty } else { GgmlType::F32 },
+            ty: if t.ty.candle_reads() {
+                t.ty
+            } else {
+                GgmlType::F32
+            },
         })
         .collect();
     let metadata = file.metadata.clone();
@@ -39,7 +43,11 @@ pub fn load_model(path: &Path) -> Result<LanguageModel> {
         if specs[i].ty == file.tensors[i].ty {
             file.read(i)
         } else {
-            Ok(file.read_f32(i)?.iter().flat_map(|v| v.to_le_bytes()).collect())
+            Ok(file
+                .read_f32(i)?
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect())
         }
     })?;
     Ok(LanguageModel::load(&tmp.0, WeightForm::Quantized)?)
@@ -56,7 +64,9 @@ impl Drop for TempPath {
 /// The chunks of `tokens` scored with context `ctx`, as llama-perplexity cuts them.
 pub fn chunks(tokens: &[u32], ctx: usize, bos: Option<u32>) -> Result<Vec<Vec<u32>>> {
     if ctx < 4 {
-        return Err(QuantError::Invalid("the context must be at least 4 tokens".into()));
+        return Err(QuantError::Invalid(
+            "the context must be at least 4 tokens".into(),
+        ));
     }
     let n = tokens.len() / ctx;
     if n == 0 {
@@ -92,7 +102,10 @@ pub fn scored_log_probs(model: &Model, chunk: &[u32]) -> Result<Vec<Vec<f32>>> {
         logits: Logits::All,
     }])?;
     let rows: Vec<Vec<f32>> = logits[0].to_vec2()?;
-    Ok(rows.iter().map(|r| agentstack_model::sampling::log_softmax(r)).collect())
+    Ok(rows
+        .iter()
+        .map(|r| agentstack_model::sampling::log_softmax(r))
+        .collect())
 }
 
 /// Running sums over scored tokens, as llama-perplexity keeps them.
@@ -120,7 +133,9 @@ impl Accumulator {
         let argmax = |v: &[f32]| {
             v.iter()
                 .enumerate()
-                .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) })
+                .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| {
+                    if x > bv { (i, x) } else { (bi, bv) }
+                })
                 .0
         };
         let nll = -f64::from(other[token as usize]);
@@ -162,7 +177,14 @@ impl Accumulator {
             }
             let f = sum / n as f64;
             let df = sum2 / n as f64 - f * f;
-            (f, if df > 0.0 && n > 10 { (df / (n as f64 - 1.0)).sqrt() } else { 0.0 })
+            (
+                f,
+                if df > 0.0 && n > 10 {
+                    (df / (n as f64 - 1.0)).sqrt()
+                } else {
+                    0.0
+                },
+            )
         };
         let mut k = self.kld.clone();
         k.sort_by(f32::total_cmp);
@@ -171,12 +193,16 @@ impl Accumulator {
         let (log_ppl, log_ppl_unc) = mean_unc(self.sum_nll, self.sum_nll2);
         let (log_base, log_base_unc) = mean_unc(self.sum_nll_base, self.sum_nll_base2);
         let cov = if n >= 10 {
-            (self.sum_nll_nll_base / n as f64 - (self.sum_nll / n as f64) * (self.sum_nll_base / n as f64)) / (n as f64 - 1.0)
+            (self.sum_nll_nll_base / n as f64
+                - (self.sum_nll / n as f64) * (self.sum_nll_base / n as f64))
+                / (n as f64 - 1.0)
         } else {
             0.0
         };
         let ln_ratio = log_ppl - log_base;
-        let ln_ratio_unc = (log_ppl_unc.powi(2) + log_base_unc.powi(2) - 2.0 * cov).max(0.0).sqrt();
+        let ln_ratio_unc = (log_ppl_unc.powi(2) + log_base_unc.powi(2) - 2.0 * cov)
+            .max(0.0)
+            .sqrt();
         let (kld_mean, kld_unc) = mean_unc(self.sum_kld, self.sum_kld2);
         let (mse, mse_unc) = mean_unc(self.sum_p_diff2, self.sum_p_diff4);
         let rms = mse.sqrt();
@@ -202,7 +228,11 @@ impl Accumulator {
             delta_p_rms: rms,
             delta_p_rms_unc: if rms > 0.0 { 0.5 / rms * mse_unc } else { 0.0 },
             same_top: same,
-            same_top_unc: if n > 1 { (same * (1.0 - same) / (n as f64 - 1.0)).sqrt() } else { 0.0 },
+            same_top_unc: if n > 1 {
+                (same * (1.0 - same) / (n as f64 - 1.0)).sqrt()
+            } else {
+                0.0
+            },
             median_delta_p: median(&p),
         }
     }
@@ -324,7 +354,11 @@ mod tests {
         let q = agentstack_model::sampling::log_softmax(&[1.0, 0.0]);
         let mut acc = Accumulator::default();
         acc.add(&p, &q, 1);
-        let want: f64 = p.iter().zip(&q).map(|(a, b)| f64::from(a.exp()) * f64::from(a - b)).sum();
+        let want: f64 = p
+            .iter()
+            .zip(&q)
+            .map(|(a, b)| f64::from(a.exp()) * f64::from(a - b))
+            .sum();
         assert!((acc.stats().kld_mean - want).abs() < 1e-6);
         assert_eq!(acc.stats().same_top, 0.0);
         assert_eq!(percentile(&[0.0, 1.0, 2.0, 3.0], 0.5), 1.5);
@@ -337,6 +371,79 @@ mod tests {
         let c = chunks(&t, 512, Some(1)).unwrap();
         assert_eq!(c.len(), 2);
         assert_eq!((c[0][0], c[0][1], c[1][0], c[1][1]), (1, 1, 1, 513));
-        assert!(chunks(&t[..100], 512, None).unwrap_err().to_string().contains("--ctx"));
+        assert!(
+            chunks(&t[..100], 512, None)
+                .unwrap_err()
+                .to_string()
+                .contains("--ctx")
+        );
+    }
+}
+
+/// The log-probabilities `llama-perplexity --kl-divergence-base` stored: context, the
+/// tokens, and per chunk the scored rows (each a scale and minimum, then one u16 per
+/// token of the vocabulary: `log p = scale·u + min`).
+#[derive(Debug, Clone)]
+pub struct LlamaBase {
+    /// Tokens per chunk.
+    pub ctx: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// All chunks' tokens.
+    pub tokens: Vec<u32>,
+    /// Per chunk, per scored position, the log-probabilities.
+    pub rows: Vec<Vec<Vec<f32>>>,
+}
+
+impl LlamaBase {
+    /// Reads a `--kl-divergence-base` file.
+    pub fn read(path: &Path) -> Result<Self> {
+        let b = std::fs::read(path).map_err(|source| QuantError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let bad = |r: &str| QuantError::Invalid(format!("{}: {r}", path.display()));
+        if !b.starts_with(b"_logits_") || b.len() < 20 {
+            return Err(bad("not a llama-perplexity --kl-divergence-base file"));
+        }
+        let u32_at =
+            |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes")) as usize;
+        let (ctx, vocab, n_chunk) = (u32_at(8), u32_at(12), u32_at(16));
+        let mut at = 20;
+        let need = at + 4 * ctx * n_chunk;
+        if b.len() < need {
+            return Err(bad("truncated token list"));
+        }
+        let tokens = (0..ctx * n_chunk)
+            .map(|i| u32_at(at + 4 * i) as u32)
+            .collect();
+        at = need;
+        let nv = 2 * vocab.div_ceil(2) + 4;
+        let scored = ctx - 1 - ctx / 2;
+        let mut rows = Vec::with_capacity(n_chunk);
+        for _ in 0..n_chunk {
+            let mut chunk = Vec::with_capacity(scored);
+            for _ in 0..scored {
+                let row = b
+                    .get(at..at + 2 * nv)
+                    .ok_or_else(|| bad("truncated log-probabilities"))?;
+                let scale = f32::from_le_bytes(row[0..4].try_into().expect("4 bytes"));
+                let min = f32::from_le_bytes(row[4..8].try_into().expect("4 bytes"));
+                chunk.push(
+                    row[8..8 + 2 * vocab]
+                        .chunks_exact(2)
+                        .map(|u| scale * f32::from(u16::from_le_bytes([u[0], u[1]])) + min)
+                        .collect(),
+                );
+                at += 2 * nv;
+            }
+            rows.push(chunk);
+        }
+        Ok(Self {
+            ctx,
+            vocab,
+            tokens,
+            rows,
+        })
     }
 }

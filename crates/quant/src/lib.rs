@@ -19,10 +19,12 @@
 //! assert!((back[0] - 0.25).abs() < 0.01);
 //! ```
 
+pub mod allocate;
 mod error;
 pub mod gguf;
 pub mod imatrix;
 pub mod kld;
+pub mod plot;
 pub mod quantize;
 pub mod recipe;
 pub mod types;

@@ -186,6 +186,12 @@ impl fmt::Display for GgmlType {
     }
 }
 
+impl serde::Serialize for GgmlType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
+}
+
 impl FromStr for GgmlType {
     type Err = String;
 

@@ -1,27 +1,76 @@
-//! `agentstack model quantize`: a GGUF model to another type.
+//! `agentstack model quantize`: a GGUF model to one type, or to a mix chosen by measured
+//! sensitivity under a size budget.
 
+use std::path::Path;
+
+use agentstack_model::{LanguageModel, WeightForm};
+use agentstack_quant::allocate::{allocate, error_table, measure_sensitivity};
 use agentstack_quant::gguf::Gguf;
 use agentstack_quant::imatrix::Imatrix;
 use agentstack_quant::recipe::{Plan, quantize_file};
 use agentstack_quant::types::GgmlType;
-use anyhow::{Context, anyhow};
+use anyhow::{Context, anyhow, bail};
 
 use crate::Exit;
 use crate::args::QuantizeArgs;
 
+/// Tokens per chunk when measuring sensitivity (the second half of each is scored).
+const SENSITIVITY_CTX: usize = 256;
+
+/// Parses `80MiB`, `84000000`, `1.5GB`.
+fn parse_size(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| {
+        anyhow!("--target-size `{s}`: expected a number with an optional unit, such as 80MiB")
+    })?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" | "k" => 1e3,
+        "mb" | "m" => 1e6,
+        "gb" | "g" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1048576.0,
+        "gib" => 1073741824.0,
+        other => bail!(
+            "--target-size `{s}`: unknown unit `{other}` (use B, KB, MB, GB, KiB, MiB or GiB)"
+        ),
+    };
+    Ok((n * mult) as u64)
+}
+
 /// Runs the command.
 pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
-    let ty: GgmlType = args
+    let fixed: Option<GgmlType> = args
         .ty
-        .parse()
-        .map_err(|e: String| anyhow!("--type: {e}"))?;
+        .as_deref()
+        .map(|t| t.parse().map_err(|e: String| anyhow!("--type: {e}")))
+        .transpose()?;
+    let target_size = args.target_size.as_deref().map(parse_size).transpose()?;
+    if let Some(b) = args.target_bpw
+        && !(b > 0.0 && b <= 32.0)
+    {
+        return Err(anyhow!(
+            "--target-bpw {b}: give bits per weight between 0 and 32, such as 4.5"
+        )
+        .into());
+    }
     let input = super::resolve(&args.input).await?;
-    let imatrix = match (&args.imatrix, &args.calibration) {
+    let calibration = args
+        .calibration
+        .as_ref()
+        .map(|p| {
+            std::fs::read_to_string(p)
+                .with_context(|| format!("could not read --calibration {}", p.display()))
+        })
+        .transpose()?;
+    let imatrix = match (&args.imatrix, &calibration) {
         (Some(path), _) => Some(Imatrix::load(path).context("could not read --imatrix")?),
         (None, Some(text)) => {
-            let text = std::fs::read_to_string(text)
-                .with_context(|| format!("could not read --calibration {}", text.display()))?;
-            let (input, ctx) = (input.clone(), args.ctx);
+            let (input, ctx, text) = (input.clone(), args.ctx, text.clone());
             Some(
                 tokio::task::spawn_blocking(move || {
                     super::imatrix::collect(&input, &text, ctx, "calibration")
@@ -33,9 +82,28 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
         (None, None) => None,
     };
     let output = args.output.clone();
+    let report_path = args.report.clone();
+    let target_bpw = args.target_bpw;
     let report = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let mut file = Gguf::open(&input).context("could not open the model")?;
-        let plan = Plan::uniform(&file, ty);
+        let plan = match fixed {
+            Some(ty) => Plan::uniform(&file, ty),
+            None => {
+                let imatrix = imatrix.as_ref().expect("a target requires --calibration");
+                let text = calibration
+                    .as_deref()
+                    .expect("a target requires --calibration");
+                mixed_plan(
+                    &mut file,
+                    &input,
+                    imatrix,
+                    text,
+                    target_size,
+                    target_bpw,
+                    report_path.as_deref(),
+                )?
+            }
+        };
         let bar = super::steps_bar(file.tensors.len(), "quantizing");
         let report = quantize_file(
             &mut file,
@@ -60,4 +128,62 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
         println!("  {ty:<8} {:>6.1} M parameters", *n as f64 / 1e6);
     }
     Ok(())
+}
+
+fn mixed_plan(
+    file: &mut Gguf,
+    input: &Path,
+    imatrix: &Imatrix,
+    text: &str,
+    target_size: Option<u64>,
+    target_bpw: Option<f64>,
+    report: Option<&Path>,
+) -> anyhow::Result<Plan> {
+    let overhead = std::fs::metadata(input)?
+        .len()
+        .saturating_sub(file.tensor_bytes())
+        + file.alignment * file.tensors.len() as u64;
+    let budget = match (target_size, target_bpw) {
+        (Some(s), _) => s.checked_sub(overhead).ok_or_else(|| {
+            anyhow!("--target-size {s} is smaller than the file's metadata ({overhead} bytes)")
+        })?,
+        (None, Some(b)) => (b * file.parameters() as f64 / 8.0) as u64,
+        (None, None) => bail!("give --type, --target-size or --target-bpw"),
+    };
+    let bar = super::steps_bar(0, "error table");
+    let table = error_table(file, imatrix, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64)
+    })?;
+    bar.finish_and_clear();
+    let lm =
+        LanguageModel::load(input, WeightForm::Quantized).context("could not load the model")?;
+    let tokens = lm.tokenizer().encode(text, false)?;
+    let bar = super::steps_bar(0, "measuring sensitivity");
+    let sens = measure_sensitivity(
+        file,
+        &lm,
+        &table,
+        imatrix,
+        &tokens,
+        SENSITIVITY_CTX,
+        &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64)
+        },
+    )?;
+    bar.finish_and_clear();
+    let alloc = allocate(file, &table, &sens, budget)?;
+    println!(
+        "allocated {} weights into {:.2} MiB of tensors; predicted mean KLD {:.5} (measure it with `agentstack model kld`)",
+        alloc.choice.len(),
+        alloc.tensor_bytes as f64 / 1048576.0,
+        alloc.predicted_kld
+    );
+    if let Some(path) = report {
+        let json = serde_json::json!({"table": table, "sensitivity": sens, "allocation": alloc});
+        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("could not write {}", path.display()))?;
+    }
+    Ok(alloc.plan(file))
 }
