@@ -33,6 +33,9 @@ use crate::state::{
     now_ms,
 };
 
+/// Why a launch whose components all ended is stopping; the one way to success.
+const EVERYTHING_FINISHED: &str = "every component finished";
+
 /// How long a ready replica may fail every probe before it is replaced, when its
 /// `consecutive_failure_threshold_timeout` does not say.
 pub const DEFAULT_FAILURE_THRESHOLD_SECONDS: f64 = 180.0;
@@ -240,10 +243,16 @@ impl<B: Backend> Supervisor<B> {
                 // An engine that does not answer for a moment is not the end of the
                 // launch; the next tick asks again.
                 match e {
+                    // Errors that another try will not mend end the launch (what runs
+                    // is stopped).
                     SuperviseError::Backend(
                         BackendError::Build(_) | BackendError::Config { .. },
                     ) => {
-                        return Err(e);
+                        let message = format!("cannot go on: {e}");
+                        tracing::warn!(%message, "stopping the launch");
+                        self.store
+                            .set_job_state(&self.job_id, JobState::Stopping, Some(&message))
+                            .await?;
                     }
                     SuperviseError::Backend(e) => tracing::warn!(error = %e, "engine call failed"),
                     e => return Err(e),
@@ -316,11 +325,7 @@ impl<B: Backend> Supervisor<B> {
         self.finish_auxiliaries(&units, now).await?;
         if units.iter().all(|u| u.state.is_terminal()) {
             self.store
-                .set_job_state(
-                    &self.job_id,
-                    JobState::Stopping,
-                    Some("every component finished"),
-                )
+                .set_job_state(&self.job_id, JobState::Stopping, Some(EVERYTHING_FINISHED))
                 .await?;
             return Ok(());
         }
@@ -697,16 +702,13 @@ impl<B: Backend> Supervisor<B> {
             self.backend.cleanup(&self.group, &self.job_id).await?;
             let end = if job.cancel_requested {
                 JobState::Cancelled
-            } else if units.iter().any(|u| u.state == UnitState::Failed)
-                || job.state == JobState::Stopping
-                    && job
-                        .message
-                        .as_deref()
-                        .is_some_and(|m| m.starts_with("gang start"))
+            } else if job.message.as_deref() == Some(EVERYTHING_FINISHED)
+                && !units.iter().any(|u| u.state == UnitState::Failed)
             {
-                JobState::Failed
-            } else {
                 JobState::Succeeded
+            } else {
+                // A unit failed, the gang did not start, or a unit could not be started.
+                JobState::Failed
             };
             tracing::debug!(%end, "launch ended");
             self.store.set_job_state(&self.job_id, end, None).await?;
@@ -729,21 +731,53 @@ impl<B: Backend> Supervisor<B> {
                 self.backend.prepare(&self.group, &self.job_id).await?;
             }
             if self.admit(units).await? {
+                // Every unit is tried, so none is left marked `starting` with nothing
+                // started; the first refusal is reported.
+                let mut first_error = None;
                 for u in units {
-                    self.start_unit(u, 0).await?;
+                    if let Err(e) = self.try_start(u, 0).await {
+                        first_error.get_or_insert(e);
+                    }
+                }
+                if let Some(e) = first_error {
+                    return Err(e);
                 }
             }
             return Ok(());
         }
-        let waiting = units
-            .iter()
-            .filter(|u| matches!(u.state, UnitState::Restarting | UnitState::Preempted));
+        // Restarts, preempted units with room again, and gang members whose first
+        // start failed (an engine that did not answer).
+        let waiting = units.iter().filter(|u| {
+            matches!(u.state, UnitState::Restarting | UnitState::Preempted)
+                || (u.state == UnitState::Pending && job.state == JobState::Starting)
+        });
         for u in waiting {
             if self.admit(std::slice::from_ref(u)).await? {
-                self.start_unit(u, u.attempt + 1).await?;
+                let attempt = if u.handle.is_some() { u.attempt + 1 } else { 0 };
+                self.try_start(u, attempt).await?;
             }
         }
         Ok(())
+    }
+
+    /// Starts a unit; when the engine refuses, puts the unit back as it was (so the
+    /// next tick tries again, and local CPUs are not held) and says why.
+    async fn try_start(&self, u: &UnitRecord, attempt: u32) -> Result<(), SuperviseError> {
+        match self.start_unit(u, attempt).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.update(
+                    u,
+                    UnitUpdate {
+                        state: Some(u.state),
+                        message: Some(Some(format!("could not start: {e}"))),
+                        ..Default::default()
+                    },
+                )
+                .await?;
+                Err(e)
+            }
+        }
     }
 
     /// Reserves CPUs on local (preempting lower priorities when needed); elsewhere the

@@ -654,3 +654,87 @@ run: exec sleep 120
         );
     }
 }
+
+/// An engine that refuses `b`'s first submission, then behaves like local processes.
+struct Refusing {
+    inner: LocalBackend,
+    refused: std::sync::atomic::AtomicBool,
+}
+
+impl Backend for Refusing {
+    fn kind(&self) -> &'static str {
+        "local"
+    }
+
+    fn addresses_up_front(
+        &self,
+        group: &JobGroup,
+    ) -> Option<agentstack_compute::discovery::Addresses> {
+        self.inner.addresses_up_front(group)
+    }
+
+    async fn start(
+        &self,
+        launch: &agentstack_compute::backend::UnitLaunch<'_>,
+    ) -> Result<String, agentstack_compute::backend::BackendError> {
+        if launch.task.name == "b" && !self.refused.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(agentstack_compute::backend::BackendError::Command {
+                command: "submit".into(),
+                stderr: "the engine is busy".into(),
+            });
+        }
+        self.inner.start(launch).await
+    }
+
+    async fn poll(
+        &self,
+        handles: &[String],
+    ) -> Result<
+        Vec<agentstack_compute::backend::UnitStatus>,
+        agentstack_compute::backend::BackendError,
+    > {
+        self.inner.poll(handles).await
+    }
+
+    async fn stop(
+        &self,
+        handle: &str,
+        graceful: bool,
+    ) -> Result<(), agentstack_compute::backend::BackendError> {
+        self.inner.stop(handle, graceful).await
+    }
+
+    async fn logs(
+        &self,
+        handle: &str,
+    ) -> Result<agentstack_compute::backend::LogSource, agentstack_compute::backend::BackendError>
+    {
+        self.inner.logs(handle).await
+    }
+}
+
+/// A refused submission is retried at the next tick: the gang still starts, and no
+/// unit is left marked starting with nothing behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_submission_is_tried_again() {
+    let home = tempfile::tempdir().unwrap();
+    let group = JobGroup::parse(
+        "name: retry\nexecution: parallel\n---\nname: a\nresources: {cpus: 1}\nrun: exec sleep 120\n---\nname: b\nresources: {cpus: 1}\nrun: exec sleep 120\n---\nname: c\nresources: {cpus: 1}\nrun: exec sleep 120\n",
+    )
+    .unwrap();
+    let backend = Refusing {
+        inner: LocalBackend::new(),
+        refused: false.into(),
+    };
+    let settings = SupervisorSettings {
+        local_cpus: 3.0,
+        ..local_settings()
+    };
+    let launched = launch(backend, &group, home.path(), settings).await;
+    launched.wait_state(JobState::Running).await;
+    let units = launched.units().await;
+    assert!(units.iter().all(|u| u.attempt == 0), "{units:?}");
+    launched.store.request_cancel(&launched.id).await.unwrap();
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Cancelled);
+}
