@@ -25,6 +25,9 @@ impl Cli {
             Command::Model(ModelCommand::Serve(args)) => args.run.threads,
             Command::Eval(args) if args.command.is_none() => args.run.threads,
             Command::Quickstart(args) => args.threads,
+            Command::Train(
+                TrainCommand::Grpo(args) | TrainCommand::Distill(args) | TrainCommand::Sft(args),
+            ) => args.threads,
             _ => None,
         }
     }
@@ -60,6 +63,9 @@ pub enum Command {
     /// The environment hub: serve a registry; push, pull, fork, search, leaderboards.
     #[command(subcommand)]
     Hub(HubCommand),
+    /// Train a model with LoRA: GRPO, on-policy distillation or SFT.
+    #[command(subcommand)]
+    Train(TrainCommand),
     /// Launch a task or job group (SkyPilot-style YAML) on local, Slurm, Ray or Kubernetes.
     Launch(LaunchArgs),
     /// Show launches, or one launch's components.
@@ -457,6 +463,46 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     value
         .checked_mul(1 << shift)
         .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// `train`.
+#[derive(Debug, Subcommand)]
+pub enum TrainCommand {
+    /// GRPO (and DAPO, Dr. GRPO, GSPO by configuration) on an environment's rewards.
+    Grpo(TrainArgs),
+    /// On-policy distillation: reverse KL to a teacher on the student's own samples.
+    Distill(TrainArgs),
+    /// Supervised fine-tuning on the trajectories of `eval` runs.
+    Sft(TrainArgs),
+}
+
+/// `train grpo|distill|sft`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The run's configuration (`train.toml`; see `examples/train/`).
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// The run directory's name under --runs-dir (default: `<config file>-<algorithm>`).
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Where runs are written (default: `runs`).
+    #[arg(long)]
+    pub runs_dir: Option<PathBuf>,
+    /// Discard an existing run of that id instead of resuming it.
+    #[arg(long)]
+    pub fresh: bool,
+    /// Override the configuration's step count.
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Override the configuration's model.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// The Python that runs a Python environment package.
+    #[arg(long)]
+    pub python: Option<String>,
 }
 
 /// `eval`.

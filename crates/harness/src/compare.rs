@@ -109,6 +109,11 @@ pub fn table(runs: &[Compared]) -> String {
     out
 }
 
+/// Registers the embedded font as plotters' `sans-serif` (every chart here uses it).
+pub fn register_chart_font() -> bool {
+    register_font("sans-serif", FontStyle::Normal, FONT).is_ok()
+}
+
 /// Draws mean reward with its 95% CI per run, grouped by environment, to `png`.
 pub fn chart(runs: &[Compared], png: &Path) -> Result<(), RunError> {
     let fail = |e: &dyn std::fmt::Display| RunError::Io {

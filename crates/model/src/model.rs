@@ -285,6 +285,10 @@ pub struct SeqCache {
     layers: Vec<KvCache>,
     /// Quantized form: `(keys, values)` per layer, each `[positions, kv_heads·hd]`.
     raw: Vec<(Vec<f32>, Vec<f32>)>,
+    /// Dense form while training: every cached position's keys and values as
+    /// tensors of the autograd graph, so a prefix run once (a GRPO group's shared
+    /// prompt) passes gradients back from every continuation.
+    graph: Vec<(Tensor, Tensor)>,
     len: usize,
 }
 
@@ -308,13 +312,14 @@ impl SeqCache {
         for layer in &self.layers {
             let mut copy = KvCache::new(1, self.len.max(64));
             if let (Some(k), Some(v)) = (layer.k()?, layer.v()?) {
-                copy.append(&k.copy()?, &v.copy()?)?;
+                copy.append(&k.contiguous()?, &v.contiguous()?)?;
             }
             layers.push(copy);
         }
         Ok(Self {
             layers,
             raw: Vec::new(),
+            graph: self.graph.clone(),
             len: self.len,
         })
     }
@@ -615,12 +620,14 @@ impl Model {
                     .map(|_| KvCache::new(1, 256))
                     .collect(),
                 raw: Vec::new(),
+                graph: Vec::new(),
                 len: 0,
             }
         } else {
             SeqCache {
                 layers: Vec::new(),
                 raw: vec![(Vec::new(), Vec::new()); self.config.layers],
+                graph: Vec::new(),
                 len: 0,
             }
         }
@@ -851,9 +858,27 @@ impl Model {
             // The cache copies into its buffer in place, which has no gradient: a
             // sequence scored from an empty cache (the trainer's one pass over a whole
             // sequence) attends to this call's keys and values themselves, so
-            // gradients reach the k and v projections. Cached positions of earlier
-            // calls are constants.
-            let (k, v) = if start == 0 { (k, v) } else { (k_all, v_all) };
+            // gradients reach the k and v projections. While training, the graph's
+            // own keys and values of earlier calls are kept too (a shared prompt run
+            // once for a group); otherwise cached positions are constants.
+            let (k, v) = if k.track_op() || v.track_op() {
+                let graph = &mut item.cache.graph;
+                let (k, v) = match graph.get(layer) {
+                    Some((pk, pv)) if start > 0 => {
+                        (Tensor::cat(&[pk, &k], 1)?, Tensor::cat(&[pv, &v], 1)?)
+                    }
+                    _ => (k, v),
+                };
+                if graph.len() <= layer {
+                    graph.resize(layer + 1, (k.clone(), v.clone()));
+                }
+                graph[layer] = (k.clone(), v.clone());
+                (k, v)
+            } else if start == 0 {
+                (k, v)
+            } else {
+                (k_all, v_all)
+            };
             let s = k.dim(1)?;
             // Grouped-query attention without copying K/V: the query heads that
             // share a KV head are stacked as extra rows.

@@ -18,7 +18,10 @@
 //! ```
 
 pub mod advantage;
+pub mod config;
 pub mod lora;
 pub mod loss;
 pub mod optim;
+pub mod plot;
 pub mod policy;
+pub mod train;

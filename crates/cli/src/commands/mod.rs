@@ -7,10 +7,12 @@ pub mod launch;
 pub mod model;
 pub mod quickstart;
 pub mod sandbox;
+pub mod train;
 
 use crate::Exit;
 use crate::args::{
     Cli, Command, EnvCommand, HubCommand, HubUserCommand, ModelCommand, SandboxCommand,
+    TrainCommand,
 };
 
 /// Runs the parsed command.
@@ -52,6 +54,17 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
             HubCommand::Leaderboard(args) => hub::leaderboard::run(args).await,
             HubCommand::Tag(args) => hub::tag::run(args).await,
             HubCommand::Check(args) => hub::check::run(args).await,
+        },
+        Command::Train(command) => match command {
+            TrainCommand::Grpo(args) => {
+                train::run(args, agentstack_rl::config::Algorithm::Grpo).await
+            }
+            TrainCommand::Distill(args) => {
+                train::run(args, agentstack_rl::config::Algorithm::Distill).await
+            }
+            TrainCommand::Sft(args) => {
+                train::run(args, agentstack_rl::config::Algorithm::Sft).await
+            }
         },
         Command::Launch(args) => launch::start::run(args).await,
         Command::Status(args) => launch::status::run(args).await,

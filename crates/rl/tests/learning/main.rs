@@ -14,7 +14,9 @@ use agentstack_rl::advantage::{Normalization, group_advantages};
 use agentstack_rl::lora::{Lora, LoraConfig, Target};
 use agentstack_rl::loss::{LossConfig, SampleTerms, policy_loss};
 use agentstack_rl::optim::{Optim, OptimConfig};
-use agentstack_rl::policy::{completion_logprobs, completion_logprobs_batch};
+use agentstack_rl::policy::{
+    completion_logprobs, completion_logprobs_batch, completion_logprobs_grouped,
+};
 use candle_core::{D, DType, Device, Tensor};
 use rand::SeedableRng;
 
@@ -120,8 +122,8 @@ fn score(model: &Model) -> f64 {
         / PROMPTS.len() as f64
 }
 
-/// Trains for `STEPS` and returns the score before and after.
-fn train(seed: u64) -> (f64, f64) {
+/// Trains for `STEPS` and returns the score before and after, and the trained policy.
+fn train(seed: u64) -> (f64, f64, Model) {
     let base = tiny_model(seed);
     let lora = Lora::new(
         &base,
@@ -215,13 +217,14 @@ fn train(seed: u64) -> (f64, f64) {
         let mut grads = loss.backward().unwrap();
         optim.step(&mut grads).unwrap();
     }
-    (before, score(&lora.apply(&base).unwrap()))
+    let policy = lora.apply(&base).unwrap();
+    (before, score(&policy), policy)
 }
 
 #[test]
 fn grpo_with_lora_learns_the_task_for_two_seeds() {
     for seed in [1, 2] {
-        let (before, after) = train(seed);
+        let (before, after, _) = train(seed);
         eprintln!("seed {seed}: expected reward {before:.3} -> {after:.3} in {STEPS} steps");
         assert!(
             before < START_BELOW,
@@ -314,4 +317,194 @@ fn adapters_survive_save_and_load() {
     // A file for another model is refused with the shapes it has.
     let other = tiny_model(3);
     assert!(Lora::load(&dir.path().join("missing.safetensors"), &other).is_err());
+}
+
+/// The exact reverse KL `KL(student ‖ teacher)` of the answer distributions, averaged
+/// over the prompts.
+fn reverse_kl(student: &Model, teacher: &Model) -> f64 {
+    PROMPTS
+        .iter()
+        .map(|&x| {
+            let logp = |m: &Model| -> Vec<f32> {
+                let l = Tensor::new(last_logits(m, &[0, x]).as_slice(), &Device::Cpu).unwrap();
+                candle_nn::ops::log_softmax(&l, D::Minus1)
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            let (s, t) = (logp(student), logp(teacher));
+            s.iter()
+                .zip(&t)
+                .map(|(ls, lt)| f64::from(ls.exp()) * f64::from(ls - lt))
+                .sum::<f64>()
+        })
+        .sum::<f64>()
+        / PROMPTS.len() as f64
+}
+
+/// On-policy distillation: a fresh student samples its own answers, and each token's
+/// advantage is minus its reverse KL to the teacher (a GRPO-trained policy); no
+/// reward is used. The student's reverse KL to the teacher must fall, and its score
+/// move most of the way toward the teacher's.
+#[test]
+fn on_policy_distillation_pulls_the_student_to_the_teacher() {
+    // The teacher: the model of seed 3, trained with GRPO.
+    let (_, teacher_score, teacher) = train(3);
+    assert!(
+        teacher_score > END_ABOVE,
+        "the teacher reached {teacher_score}"
+    );
+    // The student: another random model, so it starts far from the teacher.
+    let student_base = tiny_model(5);
+    let lora = Lora::new(
+        &student_base,
+        LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            targets: Target::ALL.to_vec(),
+        },
+        5,
+    )
+    .unwrap();
+    let mut optim = Optim::new(
+        lora.vars(),
+        OptimConfig {
+            lr: 0.012,
+            max_grad_norm: Some(1.0),
+            betas: (0.9, 0.99),
+            ..OptimConfig::default()
+        },
+    )
+    .unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(55);
+    let start = lora.apply(&student_base).unwrap();
+    let (kl_before, score_before) = (reverse_kl(&start, &teacher), score(&start));
+    for _ in 0..60 {
+        let policy = lora.apply(&student_base).unwrap();
+        let mut terms = Vec::new();
+        for &x in &PROMPTS {
+            let student_logp = {
+                let l =
+                    Tensor::new(last_logits(&policy, &[0, x]).as_slice(), &Device::Cpu).unwrap();
+                candle_nn::ops::log_softmax(&l, D::Minus1)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            let teacher_logp = {
+                let l =
+                    Tensor::new(last_logits(&teacher, &[0, x]).as_slice(), &Device::Cpu).unwrap();
+                candle_nn::ops::log_softmax(&l, D::Minus1)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            for _ in 0..8 {
+                let u: f32 = rand::Rng::random(&mut rng);
+                let mut acc = 0.0;
+                let t = student_logp
+                    .iter()
+                    .position(|lp| {
+                        acc += lp.exp();
+                        u < acc
+                    })
+                    .unwrap_or(VOCAB - 1);
+                let mut advantages = vec![0.0f32];
+                agentstack_rl::advantage::add_reverse_kl(
+                    &mut advantages,
+                    &[student_logp[t]],
+                    &[teacher_logp[t]],
+                    1.0,
+                );
+                terms.push(SampleTerms {
+                    logp: completion_logprobs(&policy, &[0, x], &[t as u32]).unwrap(),
+                    old_logp: None,
+                    rollout_logp: Some(vec![student_logp[t]]),
+                    ref_logp: None,
+                    advantages,
+                    mask: vec![1.0],
+                });
+            }
+        }
+        let (loss, _) = policy_loss(&terms, &LossConfig::default()).unwrap();
+        let mut grads = loss.backward().unwrap();
+        optim.step(&mut grads).unwrap();
+    }
+    let end = lora.apply(&student_base).unwrap();
+    let (kl_after, score_after) = (reverse_kl(&end, &teacher), score(&end));
+    eprintln!(
+        "reverse KL {kl_before:.3} -> {kl_after:.3}; score {score_before:.3} -> {score_after:.3} (teacher {teacher_score:.3})"
+    );
+    assert!(
+        kl_after < 0.25 * kl_before,
+        "reverse KL {kl_before} -> {kl_after}"
+    );
+    assert!(
+        (teacher_score - score_after).abs() < 0.5 * (teacher_score - score_before).abs(),
+        "score {score_before} -> {score_after}, teacher {teacher_score}"
+    );
+}
+
+/// Scoring a group's completions after one shared pass over their prompt gives the
+/// values and the adapter gradients of scoring each whole sequence.
+#[test]
+fn a_shared_prompt_scores_and_differentiates_like_whole_sequences() {
+    let base = tiny_model(4);
+    let mut lora = Lora::new(
+        &base,
+        LoraConfig {
+            rank: 2,
+            alpha: 4.0,
+            targets: Target::ALL.to_vec(),
+        },
+        4,
+    )
+    .unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+    for pair in &mut lora.pairs {
+        let (out, r) = pair.b.as_tensor().dims2().unwrap();
+        pair.b.set(&random(&mut rng, (out, r), 0.3)).unwrap();
+    }
+    let policy = lora.apply(&base).unwrap();
+    let prompt = [0u32, 3, 7, 2];
+    let completions: [&[u32]; 4] = [&[5, 6, 1], &[8], &[4, 4, 4, 4, 9], &[10, 2]];
+    let pairs: Vec<(&[u32], &[u32])> = completions.iter().map(|c| (&prompt[..], *c)).collect();
+    let whole = completion_logprobs_batch(&policy, &pairs).unwrap();
+    let grouped = completion_logprobs_grouped(&policy, &prompt, &completions)
+        .map_err(|e| format!("{e:?}"))
+        .unwrap();
+    let weights = [1.0f64, -2.0, 0.5, 3.0];
+    let objective = |lps: &[Tensor]| {
+        lps.iter()
+            .zip(weights)
+            .map(|(t, w)| (t.sum_all().unwrap() * w).unwrap())
+            .reduce(|a, b| (a + b).unwrap())
+            .unwrap()
+    };
+    for (a, b) in whole.iter().zip(&grouped) {
+        let (a, b): (Vec<f32>, Vec<f32>) = (a.to_vec1().unwrap(), b.to_vec1().unwrap());
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+        }
+    }
+    let g_whole = objective(&whole).backward().unwrap();
+    let g_grouped = objective(&grouped).backward().unwrap();
+    for var in lora.vars() {
+        let a = g_whole.get(var.as_tensor()).unwrap();
+        let b = g_grouped.get(var.as_tensor()).unwrap();
+        let diff: f32 = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        let scale: f32 = a.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+        assert!(
+            diff <= 1e-4 * scale.max(1.0),
+            "gradient differs by {diff} (scale {scale})"
+        );
+    }
 }

@@ -1,0 +1,311 @@
+//! `agentstack train` end to end on the SmolLM2 test model:
+//!
+//! - a run killed with SIGKILL after a checkpoint and started again writes the same
+//!   metrics and the same adapters as a run never interrupted, synchronous and with
+//!   rollouts one step ahead;
+//! - adapters reach a separate `agentstack model serve` after every step (timed), and
+//!   requests there pick them by name;
+//! - bad configurations are refused with the key named.
+//!
+//! The first two need the model from `scripts/install-peers`, so they are `#[ignore]`d;
+//! CI runs ignored tests.
+
+#[path = "../interop/processes.rs"]
+mod processes;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use processes::{Server, run_bounded};
+use serde_json::{Value, json};
+
+/// The most one short training run may take on a busy 2-core machine.
+const TRAIN_LIMIT: Duration = Duration::from_secs(900);
+
+fn test_model() -> PathBuf {
+    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+            .join(".cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    };
+    assert!(
+        path.is_file(),
+        "{} is missing\nhint: run scripts/fetch-model",
+        path.display()
+    );
+    path
+}
+
+fn agentstack() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_agentstack"))
+}
+
+/// A small GRPO run: two prompts of 6 samples per step, short answers.
+fn config(dir: &Path, name: &str, steps: usize, staleness: usize, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"model = "{model}"
+env = "arithmetic"
+steps = {steps}
+seed = 3
+
+[env_options]
+difficulty = 1
+
+[profile]
+system = "You are a calculator. Reply with only the resulting integer, nothing else."
+user = "{{{{ observation.problem }}}}"
+
+[rollout]
+group_size = 6
+prompts_per_step = 2
+max_tokens = 10
+max_staleness = {staleness}
+
+[lora]
+rank = 4
+alpha = 8
+targets = ["q_proj", "v_proj"]
+
+[optim]
+lr = 1e-3
+
+[eval]
+every = 0
+
+[checkpoint]
+every = 1
+keep = 10
+{extra}"#,
+        model = test_model().display()
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn train(config: &Path, runs: &Path, id: &str) -> Command {
+    let mut command = agentstack();
+    command
+        .args(["train", "grpo", "--config"])
+        .arg(config)
+        .arg("--runs-dir")
+        .arg(runs)
+        .args(["--run-id", id, "--threads", "2"]);
+    command
+}
+
+/// metrics.jsonl without the wall times (fields ending in `_s` / `_ms`).
+fn metrics(runs: &Path, id: &str) -> Vec<Value> {
+    std::fs::read_to_string(runs.join(id).join("metrics.jsonl"))
+        .expect("metrics.jsonl")
+        .lines()
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).expect("each line is JSON");
+            v.as_object_mut()
+                .unwrap()
+                .retain(|k, _| !k.ends_with("_s") && !k.ends_with("_ms"));
+            v
+        })
+        .collect()
+}
+
+/// One HTTP request; the status and the JSON body.
+fn http(method: reqwest::Method, url: &str, body: Option<Value>) -> (u16, Value) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut request = reqwest::Client::new().request(method, url);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(Value::Null))
+    })
+}
+
+fn adapter(runs: &Path, id: &str, step: usize) -> Vec<u8> {
+    std::fs::read(
+        runs.join(id)
+            .join(format!("checkpoints/step-{step:06}/adapter.safetensors")),
+    )
+    .expect("the last checkpoint's adapters")
+}
+
+#[test]
+#[ignore = "needs the SmolLM2 model from scripts/install-peers"]
+fn a_killed_run_resumes_exactly_as_an_uninterrupted_run() {
+    const STEPS: usize = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    for staleness in [0, 1] {
+        let cfg = config(dir.path(), &format!("s{staleness}"), STEPS, staleness, "");
+        let straight = format!("straight-{staleness}");
+        let finished = run_bounded(train(&cfg, &runs, &straight), TRAIN_LIMIT);
+        assert!(finished.success(), "{finished}");
+
+        // The same run, killed once its second checkpoint is written (mid-step 3).
+        let killed = format!("killed-{staleness}");
+        let mut child = train(&cfg, &runs, &killed)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let marker = runs
+            .join(&killed)
+            .join("checkpoints/step-000002/state.json");
+        let started = Instant::now();
+        while !marker.exists() {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "the run ended before the kill"
+            );
+            assert!(started.elapsed() < TRAIN_LIMIT, "no checkpoint in time");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(700));
+        child.kill().expect("SIGKILL");
+        child.wait().unwrap();
+        let resumed = run_bounded(train(&cfg, &runs, &killed), TRAIN_LIMIT);
+        assert!(resumed.success(), "{resumed}");
+        assert!(resumed.stdout.contains("resumed from step"), "{resumed}");
+
+        let (a, b) = (metrics(&runs, &straight), metrics(&runs, &killed));
+        assert_eq!(a.len(), STEPS);
+        assert_eq!(
+            a, b,
+            "staleness {staleness}: metrics differ after the resume"
+        );
+        assert_eq!(
+            adapter(&runs, &straight, STEPS),
+            adapter(&runs, &killed, STEPS),
+            "staleness {staleness}: adapters differ after the resume"
+        );
+        // Learning happened: some step had rewards to learn from (a group whose
+        // rewards all match has no gradient).
+        assert!(a.iter().all(|m| m["samples"] == 12), "{a:?}");
+        assert!(
+            a.iter().any(|m| m["grad_norm"].as_f64().unwrap() > 0.0),
+            "no step had a gradient: {a:?}"
+        );
+        assert!(runs.join(&straight).join("reward.png").is_file());
+    }
+}
+
+#[test]
+#[ignore = "needs the SmolLM2 model from scripts/install-peers"]
+fn adapters_sync_to_a_model_serve_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let runs = dir.path().join("runs");
+    let mut serve = agentstack();
+    serve
+        .args(["model", "serve", "--port", "0", "--threads", "1"])
+        .arg(test_model());
+    let mut server = Server::start(serve, Duration::from_secs(180));
+    let extra = format!(
+        "\n[sync]\nservers = [\"{}\"]\nname = \"tuned\"\n",
+        server.url
+    );
+    let cfg = config(dir.path(), "sync", 2, 0, &extra);
+    let finished = run_bounded(train(&cfg, &runs, "sync"), TRAIN_LIMIT);
+    assert!(finished.success(), "{finished}\n{}", server.report());
+    let lines: Vec<Value> = std::fs::read_to_string(runs.join("sync/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for m in &lines {
+        assert!(m["remote_sync_ms"].as_f64().unwrap() > 0.0, "{m}");
+    }
+    assert!(
+        lines.iter().any(|m| m["grad_norm"].as_f64().unwrap() > 0.0),
+        "no step had a gradient: {lines:?}"
+    );
+    let (_, listed) = http(
+        reqwest::Method::GET,
+        &format!("{}/v1/adapters", server.url),
+        None,
+    );
+    assert_eq!(listed["data"][0]["name"], "tuned", "{listed}");
+    assert_eq!(
+        listed["data"][0]["version"], 2,
+        "one load per step: {listed}"
+    );
+    // The served adapter is the run's last: the same log-probabilities as a server
+    // that loads the final checkpoint under another name.
+    let last = runs.join("sync/checkpoints/step-000002/adapter.safetensors");
+    let (_, loaded) = http(
+        reqwest::Method::POST,
+        &format!("{}/v1/adapters", server.url),
+        Some(json!({"name": "from-checkpoint", "path": last})),
+    );
+    assert_eq!(loaded["version"], 1, "{loaded}");
+    let generate = |model: &str| -> Value {
+        http(
+            reqwest::Method::POST,
+            &format!("{}/generate", server.url),
+            Some(json!({"prompt": "What is 12 + 7?", "max_tokens": 4, "temperature": 0, "model": model})),
+        )
+        .1
+    };
+    let (tuned, checkpoint, base) = (
+        generate("tuned"),
+        generate("from-checkpoint"),
+        generate("base"),
+    );
+    assert_eq!(tuned["logprobs"], checkpoint["logprobs"]);
+    assert_ne!(
+        tuned["logprobs"], base["logprobs"],
+        "the adapters change the model"
+    );
+    let (status, _) = http(
+        reqwest::Method::DELETE,
+        &format!("{}/v1/adapters/nope", server.url),
+        None,
+    );
+    assert_eq!(status, 404);
+}
+
+#[test]
+fn bad_train_configs_are_refused_with_the_key_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        ("steps = 1\n", "missing field `model`"),
+        (
+            "model = \"m.gguf\"\nsteps = 1\nstepz = 2\n",
+            "unknown field `stepz`",
+        ),
+        (
+            "model = \"m.gguf\"\nsteps = 1\n[loss]\naggregation = \"mean\"\n",
+            "loss.aggregation = \"mean\" is not one of: token_mean, sequence_mean, constant",
+        ),
+        (
+            "model = \"m.gguf\"\nsteps = 1\n[rollout]\ntemperature = 0\n",
+            "rollout.temperature must be above 0",
+        ),
+        (
+            "model = \"missing.gguf\"\nenv = \"arithmetic\"\nsteps = 1\n",
+            "the model missing.gguf does not exist",
+        ),
+    ];
+    for (i, (text, expected)) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("bad{i}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = agentstack()
+            .args(["train", "grpo", "--config"])
+            .arg(&path)
+            .arg("--runs-dir")
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text}: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{text}: expected `{expected}` in\n{stderr}"
+        );
+    }
+}

@@ -1,0 +1,138 @@
+//! `agentstack train grpo|distill|sft --config train.toml`.
+
+use std::time::Duration;
+
+use agentstack_rl::config::{Algorithm, TrainConfig};
+use agentstack_rl::train::{Setup, StepMetrics, train};
+use anyhow::{Context, anyhow};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::Exit;
+use crate::args::TrainArgs;
+use crate::commands::eval::{open_env, runs_dir};
+
+/// Runs (or resumes) a training run.
+pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
+    let text = std::fs::read_to_string(&args.config)
+        .with_context(|| format!("could not read {}", args.config.display()))
+        .map_err(Exit::user)?;
+    let mut config = TrainConfig::parse(&text)
+        .map_err(|e| Exit::user(anyhow!("{}: {e}", args.config.display())))?;
+    if let Some(steps) = args.steps {
+        config.steps = steps;
+    }
+    if let Some(model) = &args.model {
+        config.model = model.clone();
+    }
+    // Paths in the file are relative to the file.
+    let base = args
+        .config
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_default();
+    let relative = |p: &mut std::path::PathBuf| {
+        if p.is_relative() && !p.as_os_str().is_empty() && base.join(&*p).exists() {
+            *p = base.join(&*p);
+        }
+    };
+    if args.model.is_none() {
+        relative(&mut config.model);
+    }
+    if let Some(d) = &mut config.distill {
+        relative(&mut d.teacher);
+    }
+    if let Some(s) = &mut config.sft {
+        s.runs.iter_mut().for_each(relative);
+    }
+    config
+        .check()
+        .map_err(|e| Exit::user(anyhow!("{}: {e}", args.config.display())))?;
+    if !config.model.exists() {
+        return Err(Exit::user(anyhow!(
+            "the model {} does not exist\nhint: scripts/fetch-model fetches the test model; paths in the config are relative to it",
+            config.model.display()
+        )));
+    }
+    let env = if algorithm == Algorithm::Sft && config.env.is_empty() {
+        None
+    } else {
+        if config.env.is_empty() {
+            return Err(Exit::user(anyhow!(
+                "{}: env is required (a built-in name, an OpenEnv URL, a package directory or hub:owner/name)",
+                args.config.display()
+            )));
+        }
+        let target = match crate::commands::hub::pull_hub_target(&config.env).await? {
+            Some(p) => p.dir.to_string_lossy().into_owned(),
+            None => config.env.clone(),
+        };
+        Some(open_env(&target, args.python.as_deref()).await?)
+    };
+    let stem = args
+        .config
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "train".into());
+    let id = args.run_id.clone().unwrap_or_else(|| {
+        format!(
+            "{stem}-{}",
+            serde_json::to_value(algorithm)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default()
+        )
+    });
+    let dir = runs_dir(args.runs_dir.clone()).join(id);
+    let bar = ProgressBar::new(config.steps as u64).with_style(
+        ProgressStyle::with_template(
+            "{msg:>10} {bar:30} {pos}/{len} steps  {elapsed_precise} eta {eta}  {prefix}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message("training");
+    bar.enable_steady_tick(Duration::from_millis(250));
+    let steps = config.steps;
+    let report = train(
+        Setup {
+            config,
+            algorithm,
+            dir: dir.clone(),
+            env: env.as_ref().map(|e| e.handle.clone()),
+            fresh: args.fresh,
+        },
+        |m: &StepMetrics| {
+            bar.set_position(m.step as u64);
+            let mut prefix = format!("reward {:.3}  loss {:+.4}", m.reward_mean, m.loss);
+            if let Some(e) = m.eval_reward {
+                prefix.push_str(&format!("  held-out {e:.3}"));
+            }
+            bar.set_prefix(prefix);
+        },
+    )
+    .await;
+    bar.finish_and_clear();
+    let report = report.map_err(|e| {
+        anyhow!(e).context(format!(
+            "training in {} stopped; rerun the same command to resume from the last checkpoint",
+            dir.display()
+        ))
+    })?;
+    let fmt = |e: Option<(f64, (f64, f64))>| match e {
+        Some((m, (lo, hi))) => format!("{m:.3} (95% CI {lo:.3}–{hi:.3})"),
+        None => "–".into(),
+    };
+    println!("run: {}", report.dir.display());
+    if report.resumed_from > 0 {
+        println!("resumed from step {}", report.resumed_from);
+    }
+    println!("steps: {steps}");
+    println!("held-out reward before: {}", fmt(report.eval_before));
+    println!("held-out reward after:  {}", fmt(report.eval_after));
+    println!(
+        "metrics: {}\nreward curve: {}\nadapters: {}",
+        report.dir.join("metrics.jsonl").display(),
+        report.dir.join("reward.png").display(),
+        report.dir.join("checkpoints").display()
+    );
+    Ok(())
+}

@@ -1,0 +1,582 @@
+//! `train.toml`: what a training run does, read with errors that name the key.
+//!
+//! ```toml
+//! model = "SmolLM2-135M-Instruct.Q4_1.gguf"
+//! env = "arithmetic"
+//! steps = 60
+//! seed = 1
+//!
+//! [env_options]
+//! difficulty = 1
+//!
+//! [rollout]
+//! group_size = 8
+//! prompts_per_step = 4
+//! max_tokens = 32
+//!
+//! [lora]
+//! rank = 8
+//! alpha = 16
+//! targets = ["q_proj", "v_proj"]
+//!
+//! [optim]
+//! lr = 1e-4
+//! ```
+
+use std::path::PathBuf;
+
+use agentstack_harness::Profile;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::advantage::Normalization;
+use crate::lora::{LoraConfig, Target};
+use crate::loss::{Aggregation, KlEstimator, LossConfig, Ratio};
+use crate::optim::{OptimConfig, Schedule};
+
+/// Which algorithm a run trains with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// GRPO and its variants (DAPO, Dr. GRPO, GSPO) on environment rewards.
+    Grpo,
+    /// On-policy distillation: reverse KL to a teacher on the student's own samples
+    /// (plus GRPO advantages when `distill.reward_weight` > 0).
+    Distill,
+    /// Supervised fine-tuning on trajectories from `eval` runs.
+    Sft,
+}
+
+/// A whole training run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The model: a GGUF file (or a Hugging Face checkpoint directory).
+    pub model: PathBuf,
+    /// The environment: a built-in name, an OpenEnv URL, a package directory or
+    /// `hub:owner/name[@version]`.
+    #[serde(default)]
+    pub env: String,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Seeds the adapters' initialisation, task order and sampling.
+    #[serde(default)]
+    pub seed: u64,
+    /// Reset options for every episode (e.g. `difficulty`).
+    #[serde(default)]
+    pub env_options: Map<String, Value>,
+    /// How the environment is presented (the built-in profile when absent).
+    #[serde(default)]
+    pub profile: Option<Profile>,
+    /// Sampling the rollouts.
+    #[serde(default)]
+    pub rollout: RolloutSection,
+    /// The adapters.
+    #[serde(default)]
+    pub lora: LoraSection,
+    /// The policy loss.
+    #[serde(default)]
+    pub loss: LossSection,
+    /// The optimizer.
+    #[serde(default)]
+    pub optim: OptimSection,
+    /// Held-out evaluation during training.
+    #[serde(default)]
+    pub eval: EvalSection,
+    /// Checkpoints.
+    #[serde(default)]
+    pub checkpoint: CheckpointSection,
+    /// Pushing adapters to `model serve` processes.
+    #[serde(default)]
+    pub sync: SyncSection,
+    /// On-policy distillation (`train distill`).
+    #[serde(default)]
+    pub distill: Option<DistillSection>,
+    /// Supervised fine-tuning (`train sft`).
+    #[serde(default)]
+    pub sft: Option<SftSection>,
+}
+
+/// Which weights the rollouts run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutWeights {
+    /// The file's quantized blocks (fast; the learner's f32 differs slightly, which
+    /// TIS corrects and `rollout_mismatch` reports).
+    #[default]
+    Quantized,
+    /// The same f32 weights the learner uses.
+    F32,
+}
+
+/// `[rollout]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutSection {
+    /// Samples per prompt (the GRPO group).
+    pub group_size: usize,
+    /// Prompts (tasks) per step.
+    pub prompts_per_step: usize,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Most tokens per model turn.
+    pub max_tokens: usize,
+    /// Most model turns per episode.
+    pub max_turns: usize,
+    /// The split of the environment's task list to train on (`None`: seeds).
+    pub split: Option<String>,
+    /// Episodes played at once.
+    pub concurrency: usize,
+    /// Quantized or f32 rollout weights.
+    pub weights: RolloutWeights,
+    /// 0: synchronous (rollout, then learn). 1: the rollouts of step k+1 run while
+    /// step k learns, on the weights from before step k.
+    pub max_staleness: usize,
+}
+
+impl Default for RolloutSection {
+    fn default() -> Self {
+        Self {
+            group_size: 8,
+            prompts_per_step: 4,
+            temperature: 1.0,
+            top_p: 1.0,
+            max_tokens: 64,
+            max_turns: 1,
+            split: Some("train".into()),
+            concurrency: 16,
+            weights: RolloutWeights::Quantized,
+            max_staleness: 0,
+        }
+    }
+}
+
+/// `[lora]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraSection {
+    /// Rank.
+    pub rank: usize,
+    /// Alpha (the update is scaled by alpha / rank).
+    pub alpha: f64,
+    /// Weights adapted in every block: `q_proj`, `k_proj`, `v_proj`, `o_proj`,
+    /// `gate_proj`, `up_proj`, `down_proj`, or `all`.
+    pub targets: Vec<String>,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        Self {
+            rank: 8,
+            alpha: 16.0,
+            targets: vec!["q_proj".into(), "v_proj".into()],
+        }
+    }
+}
+
+/// `[loss]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossSection {
+    /// `std` (GRPO) or `mean` (Dr. GRPO: no division by the group's deviation).
+    pub advantage: String,
+    /// `token` (GRPO/DAPO) or `sequence` (GSPO).
+    pub ratio: String,
+    /// ε_low.
+    pub eps_low: f64,
+    /// ε_high (clip-higher: 0.28).
+    pub eps_high: f64,
+    /// `token_mean` (DAPO), `sequence_mean` (GRPO) or `constant` (Dr. GRPO, divided by
+    /// `rollout.max_tokens`).
+    pub aggregation: String,
+    /// `none`, `k1`, `k2` or `k3`: a KL penalty to the base model.
+    pub kl: String,
+    /// β.
+    pub kl_coef: f64,
+    /// `loss` or `reward`: where the KL penalty goes.
+    pub kl_in: String,
+    /// Truncated importance sampling cap (none: no TIS).
+    pub tis_cap: Option<f64>,
+    /// Drop groups whose rewards are all equal (DAPO's dynamic sampling).
+    pub dynamic_sampling: bool,
+    /// `none`, `filter` (mask truncated samples) or `penalty` (DAPO's soft penalty).
+    pub overlong: String,
+    /// The soft penalty's buffer (tokens before `max_tokens` where it starts).
+    pub overlong_cache: usize,
+}
+
+impl Default for LossSection {
+    fn default() -> Self {
+        Self {
+            advantage: "std".into(),
+            ratio: "token".into(),
+            eps_low: 0.2,
+            eps_high: 0.28,
+            aggregation: "token_mean".into(),
+            kl: "none".into(),
+            kl_coef: 0.0,
+            kl_in: "loss".into(),
+            tis_cap: Some(2.0),
+            dynamic_sampling: false,
+            overlong: "none".into(),
+            overlong_cache: 8,
+        }
+    }
+}
+
+/// `[optim]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimSection {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Adam's β1.
+    pub beta1: f64,
+    /// Adam's β2.
+    pub beta2: f64,
+    /// Clip the gradient norm (0: no clipping).
+    pub max_grad_norm: f64,
+    /// Warm-up steps.
+    pub warmup: usize,
+    /// `constant`, `linear` or `cosine` (to 0 at the last step).
+    pub schedule: String,
+    /// Sequences per backward pass (gradient accumulation over the step's batch).
+    pub micro_batch: usize,
+}
+
+impl Default for OptimSection {
+    fn default() -> Self {
+        Self {
+            lr: 1e-4,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            max_grad_norm: 1.0,
+            warmup: 0,
+            schedule: "constant".into(),
+            micro_batch: 8,
+        }
+    }
+}
+
+/// `[eval]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalSection {
+    /// Evaluate every this many steps (and before the first and after the last); 0:
+    /// never.
+    pub every: usize,
+    /// Held-out tasks per evaluation.
+    pub episodes: usize,
+    /// The held-out split.
+    pub split: Option<String>,
+    /// Sampling temperature (0: greedy).
+    pub temperature: f32,
+    /// Seed of the evaluation's tasks when the environment has no split.
+    pub seed: u64,
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        Self {
+            every: 10,
+            episodes: 50,
+            split: Some("test".into()),
+            temperature: 0.0,
+            seed: 1 << 40,
+        }
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointSection {
+    /// Save every this many steps (and after the last); 0: only after the last.
+    pub every: usize,
+    /// Checkpoints kept (the newest).
+    pub keep: usize,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        Self { every: 5, keep: 2 }
+    }
+}
+
+/// `[sync]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SyncSection {
+    /// Base URLs of `agentstack model serve` processes (`http://host:port`) that get
+    /// the adapters after every step (`POST /v1/adapters`).
+    pub servers: Vec<String>,
+    /// The adapter's name there (default: the run id).
+    pub name: Option<String>,
+}
+
+/// `[distill]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistillSection {
+    /// The teacher: a GGUF file with the student's tokenizer.
+    pub teacher: PathBuf,
+    /// Weight of the per-token reverse KL in the advantages.
+    #[serde(default = "one")]
+    pub kl_coef: f64,
+    /// Weight of the environment's GRPO advantages (0: pure distillation).
+    #[serde(default)]
+    pub reward_weight: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// `[sft]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SftSection {
+    /// `eval` run directories (their `results.jsonl`) to learn from.
+    pub runs: Vec<PathBuf>,
+    /// Only episodes with at least this reward.
+    #[serde(default = "one")]
+    pub min_reward: f64,
+    /// Sequences per step.
+    #[serde(default = "eight")]
+    pub batch_size: usize,
+}
+
+fn eight() -> usize {
+    8
+}
+
+/// A configuration that cannot run.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+fn pick<T: Copy>(key: &str, value: &str, options: &[(&str, T)]) -> Result<T, ConfigError> {
+    options
+        .iter()
+        .find(|(name, _)| *name == value)
+        .map(|(_, v)| *v)
+        .ok_or_else(|| {
+            let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+            ConfigError(format!(
+                "{key} = \"{value}\" is not one of: {}",
+                names.join(", ")
+            ))
+        })
+}
+
+impl TrainConfig {
+    /// Reads `train.toml` text; errors name the key and say what is allowed.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let config: Self = toml::from_str(text).map_err(|e| ConfigError(e.to_string()))?;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Checks values that parse but cannot run.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("steps", self.steps),
+            ("rollout.group_size", self.rollout.group_size),
+            ("rollout.prompts_per_step", self.rollout.prompts_per_step),
+            ("rollout.max_tokens", self.rollout.max_tokens),
+            ("rollout.max_turns", self.rollout.max_turns),
+            ("rollout.concurrency", self.rollout.concurrency),
+            ("lora.rank", self.lora.rank),
+            ("optim.micro_batch", self.optim.micro_batch),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(ConfigError(format!("{key} must be at least 1")));
+            }
+        }
+        if self.rollout.max_staleness > 1 {
+            return Err(ConfigError(format!(
+                "rollout.max_staleness = {} is not supported; use 0 (synchronous) or 1 (rollouts one step ahead)",
+                self.rollout.max_staleness
+            )));
+        }
+        if self.rollout.temperature.is_nan() || self.rollout.temperature <= 0.0 {
+            return Err(ConfigError(
+                "rollout.temperature must be above 0: GRPO needs sampled, varied answers".into(),
+            ));
+        }
+        if !self.optim.lr.is_finite() || self.optim.lr <= 0.0 {
+            return Err(ConfigError("optim.lr must be a positive number".into()));
+        }
+        self.lora_config()?;
+        self.loss_config()?;
+        self.optim_config()?;
+        self.normalization()?;
+        pick(
+            "loss.overlong",
+            &self.loss.overlong,
+            &[("none", ()), ("filter", ()), ("penalty", ())],
+        )?;
+        pick(
+            "loss.kl_in",
+            &self.loss.kl_in,
+            &[("loss", ()), ("reward", ())],
+        )?;
+        Ok(())
+    }
+
+    /// The adapters' settings.
+    pub fn lora_config(&self) -> Result<LoraConfig, ConfigError> {
+        let mut targets = Vec::new();
+        for name in &self.lora.targets {
+            if name == "all" || name == "all-linear" {
+                targets = Target::ALL.to_vec();
+                break;
+            }
+            let target = Target::parse(name).ok_or_else(|| {
+                ConfigError(format!(
+                    "lora.targets: `{name}` is not a weight; use q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj or all"
+                ))
+            })?;
+            if !targets.contains(&target) {
+                targets.push(target);
+            }
+        }
+        if targets.is_empty() {
+            return Err(ConfigError(
+                "lora.targets must name at least one weight".into(),
+            ));
+        }
+        Ok(LoraConfig {
+            rank: self.lora.rank,
+            alpha: self.lora.alpha,
+            targets,
+        })
+    }
+
+    /// The loss's settings.
+    pub fn loss_config(&self) -> Result<LossConfig, ConfigError> {
+        let l = &self.loss;
+        let ratio = pick(
+            "loss.ratio",
+            &l.ratio,
+            &[("token", Ratio::Token), ("sequence", Ratio::Sequence)],
+        )?;
+        let aggregation = pick(
+            "loss.aggregation",
+            &l.aggregation,
+            &[
+                ("token_mean", Aggregation::TokenMean),
+                ("sequence_mean", Aggregation::SequenceMean),
+                ("constant", Aggregation::Constant(self.rollout.max_tokens)),
+            ],
+        )?;
+        let kl = pick(
+            "loss.kl",
+            &l.kl,
+            &[
+                ("none", None),
+                ("k1", Some(KlEstimator::K1)),
+                ("k2", Some(KlEstimator::K2)),
+                ("k3", Some(KlEstimator::K3)),
+            ],
+        )?;
+        if !(0.0..1.0).contains(&l.eps_low) || l.eps_high < 0.0 {
+            return Err(ConfigError(
+                "loss.eps_low must be in [0, 1) and loss.eps_high at least 0".into(),
+            ));
+        }
+        if let Some(cap) = l.tis_cap
+            && (cap.is_nan() || cap < 1.0)
+        {
+            return Err(ConfigError(
+                "loss.tis_cap must be at least 1 (2 is usual); leave it out for no TIS".into(),
+            ));
+        }
+        Ok(LossConfig {
+            ratio,
+            eps_low: l.eps_low,
+            eps_high: l.eps_high,
+            aggregation,
+            kl: kl
+                .filter(|_| l.kl_in == "loss" && l.kl_coef > 0.0)
+                .map(|k| (k, l.kl_coef)),
+            tis_cap: l.tis_cap,
+        })
+    }
+
+    /// Group advantage normalisation.
+    pub fn normalization(&self) -> Result<Normalization, ConfigError> {
+        pick(
+            "loss.advantage",
+            &self.loss.advantage,
+            &[
+                ("std", Normalization::Std),
+                ("mean", Normalization::MeanOnly),
+            ],
+        )
+    }
+
+    /// The optimizer's settings.
+    pub fn optim_config(&self) -> Result<OptimConfig, ConfigError> {
+        let o = &self.optim;
+        let schedule = match o.schedule.as_str() {
+            "constant" => Schedule::Constant,
+            "linear" => Schedule::Linear { total: self.steps },
+            "cosine" => Schedule::Cosine { total: self.steps },
+            other => {
+                return Err(ConfigError(format!(
+                    "optim.schedule = \"{other}\" is not one of: constant, linear, cosine"
+                )));
+            }
+        };
+        Ok(OptimConfig {
+            lr: o.lr,
+            weight_decay: o.weight_decay,
+            betas: (o.beta1, o.beta2),
+            eps: 1e-8,
+            max_grad_norm: (o.max_grad_norm > 0.0).then_some(o.max_grad_norm),
+            warmup: o.warmup,
+            schedule,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_minimal_file_gets_the_defaults_and_bad_values_are_named() {
+        let c =
+            TrainConfig::parse("model = \"m.gguf\"\nenv = \"arithmetic\"\nsteps = 3\n").unwrap();
+        assert_eq!(c.rollout.group_size, 8);
+        assert_eq!(c.lora_config().unwrap().targets, vec![Target::Q, Target::V]);
+        let unknown = TrainConfig::parse("model = \"m\"\nsteps = 1\nstep = 2\n").unwrap_err();
+        assert!(
+            unknown.to_string().contains("unknown field `step`"),
+            "{unknown}"
+        );
+        let bad =
+            TrainConfig::parse("model = \"m\"\nsteps = 1\n[loss]\nratio = \"seq\"\n").unwrap_err();
+        assert!(
+            bad.to_string()
+                .contains("loss.ratio = \"seq\" is not one of: token, sequence"),
+            "{bad}"
+        );
+        let zero = TrainConfig::parse("model = \"m\"\nsteps = 1\n[rollout]\ngroup_size = 0\n")
+            .unwrap_err();
+        assert!(
+            zero.to_string()
+                .contains("rollout.group_size must be at least 1")
+        );
+        let target = TrainConfig::parse("model = \"m\"\nsteps = 1\n[lora]\ntargets = [\"qq\"]\n")
+            .unwrap_err();
+        assert!(target.to_string().contains("`qq` is not a weight"));
+    }
+}

@@ -1,0 +1,1116 @@
+//! The training loop behind `agentstack train grpo|distill|sft`.
+//!
+//! Each step: pick the step's tasks (a seeded permutation of the environment's train
+//! split, so the data position is just the step number), play `group_size` episodes
+//! of each through the harness on the in-process engine (quantized weights plus the
+//! current adapters), turn rewards into group advantages, and learn on the very
+//! token ids the engine sampled (never re-tokenized) with the adapters on the f32
+//! weights; then push the new adapters to the engine (and to any `model serve`),
+//! timing the sync. Metrics go to `metrics.jsonl`, a held-out evaluation runs every
+//! `eval.every` steps, the reward curve is drawn to `reward.png`, and checkpoints
+//! (adapters, optimizer moments, the step) let a killed run resume exactly: every
+//! random choice derives from the run's seed and the step, and the rollout engine's
+//! kernels give the same bits whatever the batch.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use agentstack_harness::episode::{LoopConfig, play};
+use agentstack_harness::prompt::Presenter;
+use agentstack_harness::{
+    ContextPolicy, EnvHandle, EvalConfig, ModelClient, Profile, Run, Sampling,
+};
+use agentstack_model::engine::{Engine, EngineConfig};
+use agentstack_model::{LanguageModel, Model, WeightForm};
+use agentstack_protocol::http::ResetRequest;
+use candle_core::{DType, Tensor};
+use futures_util::StreamExt as _;
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::advantage::{
+    add_reverse_kl, group_advantages, is_informative, overlong_mask, overlong_penalty,
+};
+use crate::config::{Algorithm, RolloutWeights, TrainConfig};
+use crate::lora::Lora;
+use crate::loss::{Aggregation, LossConfig, SampleTerms, policy_loss};
+use crate::optim::{Optim, accumulate};
+use crate::policy::completion_logprobs_grouped;
+
+/// The engine's adapter slot the rollouts run on.
+pub const POLICY_ADAPTER: &str = "policy";
+
+/// The slot held-out evaluations run on (apart, so an evaluation never changes the
+/// weights under rollouts running one step ahead).
+pub const EVAL_ADAPTER: &str = "eval";
+
+/// Why training stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The configuration cannot run.
+    #[error("{0}")]
+    Config(String),
+    /// Reading or writing the run directory.
+    #[error("{path}: {source}")]
+    Io {
+        /// Which file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The model runtime failed.
+    #[error("model: {0}")]
+    Model(String),
+    /// An episode could not be played (the environment or the engine failed).
+    #[error("rollout: {0}")]
+    Rollout(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn model_err(e: impl std::fmt::Display) -> TrainError {
+    TrainError::Model(e.to_string())
+}
+
+/// A step's episodes (with their task index) and the seconds they took.
+type Rollout = (Vec<(usize, agentstack_harness::Episode)>, f64);
+
+/// Samples with their per-token advantages and loss masks.
+type Shaped = (Vec<Sample>, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+/// One sampled completion, as the learner takes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The group (the step's task index).
+    pub group: usize,
+    /// Prompt token ids, as the engine saw them.
+    pub prompt: Vec<u32>,
+    /// Completion token ids, as sampled.
+    pub completion: Vec<u32>,
+    /// The rollout engine's log-probability of each completion token.
+    pub logprobs: Vec<f32>,
+    /// The episode's reward.
+    pub reward: f64,
+    /// Whether the completion hit the token limit.
+    pub truncated: bool,
+}
+
+/// One line of `metrics.jsonl`. Fields ending in `_s` or `_ms` are wall times; the
+/// rest is determined by the configuration (a resumed run writes the same values).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// The step (from 1).
+    pub step: usize,
+    /// Mean episode reward of the step's rollouts.
+    pub reward_mean: f64,
+    /// Its standard deviation.
+    pub reward_std: f64,
+    /// Samples learned from.
+    pub samples: usize,
+    /// Groups kept (dynamic sampling drops the uninformative ones).
+    pub groups_kept: usize,
+    /// Completion tokens learned from.
+    pub tokens: usize,
+    /// Mean completion length.
+    pub completion_len: f64,
+    /// The loss.
+    pub loss: f64,
+    /// Fraction of clipped ratios.
+    pub clip_fraction: f64,
+    /// Mean KL estimate to the reference (with a KL term).
+    pub kl: f64,
+    /// Mean |log π_learner − log π_rollout| over trained tokens.
+    pub rollout_mismatch: f64,
+    /// Mean reverse KL to the teacher (distillation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverse_kl: Option<f64>,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Held-out mean reward after this step, when evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_reward: Option<f64>,
+    /// Its 95% confidence interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_ci95: Option<(f64, f64)>,
+    /// Seconds generating the step's rollouts.
+    pub generate_s: f64,
+    /// Seconds learning.
+    pub learn_s: f64,
+    /// Milliseconds pushing the adapters to the rollout engine.
+    pub sync_ms: f64,
+    /// Milliseconds pushing them to `model serve` processes (when configured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_sync_ms: Option<f64>,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The run directory.
+    pub dir: PathBuf,
+    /// Steps in the run.
+    pub steps: usize,
+    /// The step it resumed from (0: a fresh start).
+    pub resumed_from: usize,
+    /// Held-out reward before training, and after.
+    pub eval_before: Option<(f64, (f64, f64))>,
+    /// After the last step.
+    pub eval_after: Option<(f64, (f64, f64))>,
+}
+
+/// What a run needs besides its configuration.
+pub struct Setup {
+    /// The configuration.
+    pub config: TrainConfig,
+    /// Which algorithm.
+    pub algorithm: Algorithm,
+    /// The run directory (`runs/<id>`).
+    pub dir: PathBuf,
+    /// The environment, opened (unused by SFT).
+    pub env: Option<EnvHandle>,
+    /// Discard an existing run in `dir` instead of resuming it.
+    pub fresh: bool,
+}
+
+/// SplitMix64 of several words: the seed of one episode or one shuffle.
+fn mix(words: &[u64]) -> u64 {
+    let mut z = 0x9E37_79B9_7F4A_7C15u64;
+    for &w in words {
+        z ^= w;
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+    }
+    z
+}
+
+struct Learner {
+    base: Model,
+    reference: Option<Model>,
+    lora: Lora,
+    optim: Optim,
+    loss: LossConfig,
+    micro_batch: usize,
+}
+
+/// What one learning step produced.
+#[derive(Debug, Default)]
+struct Learned {
+    loss: f64,
+    clip_fraction: f64,
+    kl: f64,
+    mismatch: f64,
+    tokens: usize,
+    grad_norm: f64,
+    lr: f64,
+}
+
+impl Learner {
+    /// One optimizer step on `samples` with per-token `advantages` and `masks`;
+    /// `sft` trains the plain log-likelihood instead of the policy loss.
+    fn step(
+        &mut self,
+        samples: &[Sample],
+        advantages: &[Vec<f32>],
+        masks: &[Vec<f32>],
+        sft: bool,
+    ) -> candle_core::Result<Learned> {
+        let policy = self.lora.apply(&self.base)?;
+        let vars = self.lora.vars();
+        let mut sum: Vec<Option<Tensor>> = vec![None; vars.len()];
+        let total_tokens: f64 = masks
+            .iter()
+            .flatten()
+            .map(|&m| f64::from(m))
+            .sum::<f64>()
+            .max(1.0);
+        let n = samples.len() as f64;
+        let mut out = Learned::default();
+        let (mut clipped, mut kl, mut mismatch) = (0.0, 0.0, 0.0);
+        // Backward passes over runs of samples that share a prompt (a GRPO group): the
+        // prompt runs once for all of them.
+        let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
+        for i in 0..samples.len() {
+            match chunks.last_mut() {
+                Some(c)
+                    if c.len() < self.micro_batch
+                        && samples[c.start].prompt == samples[i].prompt =>
+                {
+                    c.end = i + 1;
+                }
+                _ => chunks.push(i..i + 1),
+            }
+        }
+        for range in chunks {
+            let offset = range.start;
+            let chunk = &samples[range];
+            let prompt = chunk[0].prompt.as_slice();
+            let completions: Vec<&[u32]> = chunk.iter().map(|s| s.completion.as_slice()).collect();
+            let logps = completion_logprobs_grouped(&policy, prompt, &completions)?;
+            let chunk_masks = &masks[offset..offset + chunk.len()];
+            let chunk_tokens: f64 = chunk_masks.iter().flatten().map(|&m| f64::from(m)).sum();
+            let (loss, weight) = if sft {
+                let mut total: Option<Tensor> = None;
+                for (lp, mask) in logps.iter().zip(chunk_masks) {
+                    let m = Tensor::from_slice(mask, mask.len(), lp.device())?;
+                    let term = (lp * m)?.sum_all()?.neg()?;
+                    total = Some(match total {
+                        Some(t) => (t + term)?,
+                        None => term,
+                    });
+                }
+                let loss = (total.expect("a chunk has samples") / chunk_tokens.max(1.0))?;
+                (loss, chunk_tokens / total_tokens)
+            } else {
+                let references: Option<Vec<Vec<f32>>> = match &self.reference {
+                    Some(reference) => Some(
+                        completion_logprobs_grouped(reference, prompt, &completions)?
+                            .iter()
+                            .map(|t| t.to_vec1::<f32>())
+                            .collect::<candle_core::Result<_>>()?,
+                    ),
+                    None => None,
+                };
+                let terms: Vec<SampleTerms> = chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| SampleTerms {
+                        logp: logps[i].clone(),
+                        old_logp: None,
+                        rollout_logp: Some(s.logprobs.clone()),
+                        ref_logp: references.as_ref().map(|r| r[i].clone()),
+                        advantages: advantages[offset + i].clone(),
+                        mask: chunk_masks[i].clone(),
+                    })
+                    .collect();
+                let (loss, metrics) = policy_loss(&terms, &self.loss)?;
+                let share = match self.loss.aggregation {
+                    Aggregation::TokenMean => chunk_tokens / total_tokens,
+                    _ => chunk.len() as f64 / n,
+                };
+                clipped += metrics.clip_fraction * share;
+                kl += metrics.kl * share;
+                mismatch += metrics.rollout_mismatch * chunk_tokens / total_tokens;
+                (loss, share)
+            };
+            let loss = (loss * weight)?;
+            out.loss += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let grads = loss.backward()?;
+            accumulate(&mut sum, &vars, &grads)?;
+        }
+        let report = self.optim.apply(&sum)?;
+        out.clip_fraction = clipped;
+        out.kl = kl;
+        out.mismatch = mismatch;
+        out.tokens = total_tokens as usize;
+        out.grad_norm = report.grad_norm;
+        out.lr = report.lr;
+        Ok(out)
+    }
+}
+
+/// A checkpoint's `state.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct CheckpointState {
+    /// Steps done.
+    step: usize,
+    /// Lines of `metrics.jsonl` that belong to those steps.
+    metrics_lines: usize,
+}
+
+fn checkpoint_dir(dir: &Path, step: usize) -> PathBuf {
+    dir.join("checkpoints").join(format!("step-{step:06}"))
+}
+
+/// The newest complete checkpoint (written to `.partial` and renamed).
+fn latest_checkpoint(dir: &Path) -> Option<(usize, PathBuf)> {
+    let entries = fs::read_dir(dir.join("checkpoints")).ok()?;
+    entries
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            let step = name.strip_prefix("step-")?.parse::<usize>().ok()?;
+            e.path()
+                .join("state.json")
+                .is_file()
+                .then(|| (step, e.path()))
+        })
+        .max_by_key(|(s, _)| *s)
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
+    let tmp = path.with_extension("partial");
+    let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
+    f.write_all(bytes).map_err(io(&tmp))?;
+    f.sync_all().map_err(io(&tmp))?;
+    fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// Keeps the first `lines` lines of a JSON-lines file (and drops a torn last line).
+fn truncate_lines(path: &Path, lines: usize) -> Result<(), TrainError> {
+    let text = match fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(path)(e)),
+    };
+    let kept: String = text
+        .split_inclusive('\n')
+        .filter(|l| l.ends_with('\n'))
+        .take(lines)
+        .collect();
+    write_atomic(path, kept.as_bytes())
+}
+
+/// The run's task resets for one step: `prompts` tasks from a seeded permutation of
+/// the split (a new one each pass over it), or seeded problems without a split.
+fn step_resets(
+    config: &TrainConfig,
+    env: &EnvHandle,
+    step: usize,
+) -> Result<Vec<ResetRequest>, TrainError> {
+    let per_step = config.rollout.prompts_per_step;
+    let mut resets = Vec::with_capacity(per_step);
+    for j in 0..per_step {
+        let position = (step * per_step + j) as u64;
+        let mut options = config.env_options.clone();
+        let mut seed = Some(mix(&[config.seed, 0x7a5c, position]) >> 1);
+        if let Some(split) = &config.rollout.split {
+            let tasks = env.tasks().ok_or_else(|| {
+                TrainError::Config(format!(
+                    "{} publishes no task list; set rollout.split = \"\" to train on seeded resets",
+                    env.name()
+                ))
+            })?;
+            let n = tasks
+                .num_tasks(split)
+                .map_err(|e| TrainError::Config(e.to_string()))? as u64;
+            if n == 0 {
+                return Err(TrainError::Config(format!("split `{split}` has no tasks")));
+            }
+            let epoch = position / n;
+            let mut order: Vec<u64> = (0..n).collect();
+            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(mix(&[
+                config.seed,
+                epoch,
+            ])));
+            let args = tasks
+                .task(split, order[(position % n) as usize] as usize)
+                .map_err(|e| TrainError::Config(e.to_string()))?;
+            if let Value::Object(args) = args {
+                for (k, v) in args {
+                    if k == "seed" {
+                        seed = v.as_u64();
+                    } else {
+                        options.entry(k).or_insert(v);
+                    }
+                }
+            }
+        }
+        resets.push(ResetRequest {
+            seed,
+            episode_id: Some(format!("train-{step}-{j}")),
+            options,
+        });
+    }
+    Ok(resets)
+}
+
+/// Plays the step's episodes: `group_size` per reset, each seeded from the run's seed,
+/// the step and its place, so the same step always samples the same way.
+async fn rollouts(
+    config: &TrainConfig,
+    model: &ModelClient,
+    env: &EnvHandle,
+    presenter: &Presenter,
+    step: usize,
+    resets: Vec<ResetRequest>,
+) -> Result<Vec<(usize, agentstack_harness::Episode)>, TrainError> {
+    let play_config = LoopConfig {
+        max_turns: config.rollout.max_turns,
+        sampling: Sampling {
+            temperature: config.rollout.temperature,
+            top_p: config.rollout.top_p,
+            max_tokens: config.rollout.max_tokens,
+        },
+        context: ContextPolicy::default(),
+        constrain: false,
+    };
+    let group = config.rollout.group_size;
+    let jobs: Vec<(usize, usize, ResetRequest)> = resets
+        .into_iter()
+        .enumerate()
+        .flat_map(|(j, r)| (0..group).map(move |i| (j, i, r.clone())))
+        .collect();
+    let mut results: Vec<Option<(usize, agentstack_harness::Episode)>> = vec![None; jobs.len()];
+    let play_config = &play_config;
+    let mut stream = futures_util::stream::iter(jobs.into_iter().enumerate().map(
+        |(index, (j, i, reset))| async move {
+            let seed = mix(&[config.seed, step as u64, j as u64, i as u64]);
+            let played = play(model, env, presenter, reset, seed, play_config).await;
+            (index, j, played)
+        },
+    ))
+    .buffer_unordered(config.rollout.concurrency);
+    while let Some((index, j, played)) = stream.next().await {
+        let (episode, _) = played.map_err(|e| TrainError::Rollout(e.to_string()))?;
+        results[index] = Some((j, episode));
+    }
+    Ok(results.into_iter().flatten().collect())
+}
+
+fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> Vec<Sample> {
+    let mut samples = Vec::new();
+    for (group, episode) in episodes {
+        for turn in &episode.turns {
+            let (Some(prompt), Some(completion), Some(logprobs)) =
+                (&turn.prompt_ids, &turn.completion_ids, &turn.logprobs)
+            else {
+                continue;
+            };
+            if completion.is_empty() {
+                continue;
+            }
+            samples.push(Sample {
+                group: *group,
+                prompt: prompt.clone(),
+                completion: completion.clone(),
+                logprobs: logprobs.clone(),
+                reward: episode.reward,
+                truncated: turn.finish_reason == "length",
+            });
+        }
+    }
+    samples
+}
+
+fn mean_std(xs: &[f64]) -> (f64, f64) {
+    if xs.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
+/// Trains as `setup` says, resuming from the newest checkpoint in its directory;
+/// `on_step` sees every step's metrics (and `on_eval` every evaluation) as they are
+/// written.
+pub async fn train(
+    setup: Setup,
+    mut on_step: impl FnMut(&StepMetrics),
+) -> Result<Report, TrainError> {
+    let Setup {
+        config,
+        algorithm,
+        dir,
+        env,
+        fresh,
+    } = setup;
+    config.check().map_err(|e| TrainError::Config(e.0))?;
+    if fresh && dir.exists() {
+        fs::remove_dir_all(&dir).map_err(io(&dir))?;
+    }
+    fs::create_dir_all(dir.join("checkpoints")).map_err(io(&dir))?;
+    // A run directory belongs to one configuration.
+    let recorded = json!({"algorithm": algorithm, "config": config});
+    let config_path = dir.join("config.json");
+    match fs::read_to_string(&config_path) {
+        Ok(text) => {
+            let found: Value = serde_json::from_str(&text).unwrap_or_default();
+            if found != recorded {
+                return Err(TrainError::Config(format!(
+                    "{} holds a run with another configuration; pick another run id, or pass --fresh to discard it",
+                    dir.display()
+                )));
+            }
+        }
+        Err(_) => write_atomic(
+            &config_path,
+            &serde_json::to_vec_pretty(&recorded).unwrap_or_default(),
+        )?,
+    }
+
+    let load = |form| {
+        let path = config.model.clone();
+        move || LanguageModel::load(&path, form)
+    };
+    let learner_lm = tokio::task::spawn_blocking(load(WeightForm::Dense(DType::F32)))
+        .await
+        .map_err(model_err)?
+        .map_err(|e| TrainError::Model(format!("{}: {e}", config.model.display())))?;
+    let rollout_lm = match config.rollout.weights {
+        RolloutWeights::F32 => learner_lm.clone(),
+        RolloutWeights::Quantized => tokio::task::spawn_blocking(load(WeightForm::Quantized))
+            .await
+            .map_err(model_err)?
+            .map_err(model_err)?,
+    };
+    let rollout_lm = Arc::new(rollout_lm);
+    let engine = Engine::start(
+        rollout_lm.clone(),
+        EngineConfig {
+            max_running: config.rollout.concurrency.max(1),
+            ..EngineConfig::default()
+        },
+    );
+    let run_id = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "run".into());
+    let model_client = ModelClient::engine_adapter(engine.clone(), &run_id, Some(POLICY_ADAPTER));
+    let eval_client = ModelClient::engine_adapter(engine.clone(), &run_id, Some(EVAL_ADAPTER));
+
+    let lora_config = config.lora_config().map_err(|e| TrainError::Config(e.0))?;
+    let base = learner_lm.model().clone();
+    let mut lora = Lora::new(&base, lora_config, config.seed).map_err(model_err)?;
+    let mut optim = Optim::new(
+        lora.vars(),
+        config.optim_config().map_err(|e| TrainError::Config(e.0))?,
+    )
+    .map_err(model_err)?;
+    let metrics_path = dir.join("metrics.jsonl");
+    let mut start = 0;
+    // The adapters that sampled the batch of the next step (staleness 1).
+    let mut previous: Option<Lora> = None;
+    if let Some((step, path)) = latest_checkpoint(&dir) {
+        lora = Lora::load(&path.join("adapter.safetensors"), &base).map_err(model_err)?;
+        optim = Optim::new(lora.vars(), optim.config().clone()).map_err(model_err)?;
+        optim
+            .load(&path.join("optim.safetensors"))
+            .map_err(model_err)?;
+        let prev = path.join("adapter_prev.safetensors");
+        if prev.is_file() {
+            previous = Some(Lora::load(&prev, &base).map_err(model_err)?);
+        }
+        let state: CheckpointState =
+            serde_json::from_slice(&fs::read(path.join("state.json")).map_err(io(&path))?)
+                .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        truncate_lines(&metrics_path, state.metrics_lines)?;
+        start = step;
+        tracing::info!(step, "resuming from checkpoint");
+    } else {
+        truncate_lines(&metrics_path, 0)?;
+    }
+    let mut metrics_lines = fs::read_to_string(&metrics_path)
+        .map(|t| t.lines().count())
+        .unwrap_or(0);
+
+    let teacher = match (&config.distill, algorithm) {
+        (Some(d), Algorithm::Distill) => {
+            let path = d.teacher.clone();
+            let teacher = tokio::task::spawn_blocking(move || {
+                LanguageModel::load(&path, WeightForm::Quantized)
+            })
+            .await
+            .map_err(model_err)?
+            .map_err(|e| TrainError::Model(format!("teacher: {e}")))?;
+            if teacher.model().config().vocab_size != base.config().vocab_size {
+                return Err(TrainError::Config(
+                    "the teacher's vocabulary differs from the student's; distillation needs the same tokenizer".into(),
+                ));
+            }
+            Some(Arc::new(teacher))
+        }
+        (None, Algorithm::Distill) => {
+            return Err(TrainError::Config(
+                "train distill needs a [distill] section with teacher = \"teacher.gguf\"".into(),
+            ));
+        }
+        _ => None,
+    };
+    let reference = (config.loss.kl != "none" && config.loss.kl_coef > 0.0).then(|| base.clone());
+    let loss_config = config.loss_config().map_err(|e| TrainError::Config(e.0))?;
+    let normalization = config
+        .normalization()
+        .map_err(|e| TrainError::Config(e.0))?;
+    let learner = Arc::new(Mutex::new(Learner {
+        base: base.clone(),
+        reference,
+        lora: lora.clone(),
+        optim,
+        loss: loss_config,
+        micro_batch: config.optim.micro_batch,
+    }));
+
+    // SFT data, from eval runs.
+    let sft_samples = match algorithm {
+        Algorithm::Sft => Some(sft_data(&config)?),
+        _ => None,
+    };
+    let presenter = match &env {
+        Some(env) => Some(
+            Presenter::new(
+                config
+                    .profile
+                    .clone()
+                    .unwrap_or_else(|| Profile::for_env(env.name())),
+                env.description(),
+                &env.schema().action,
+                env.tools(),
+            )
+            .map_err(|e| TrainError::Config(e.to_string()))?,
+        ),
+        None => None,
+    };
+    if algorithm != Algorithm::Sft && env.is_none() {
+        return Err(TrainError::Config(
+            "training on rollouts needs an environment (env = ...)".into(),
+        ));
+    }
+
+    let rollout_base = rollout_lm.model().clone();
+    let sync_to = |slot: &str, lora: &Lora| -> Result<f64, TrainError> {
+        let t = Instant::now();
+        let adapter = lora.snapshot().map_err(model_err)?;
+        let adapted = adapter.apply(&rollout_base).map_err(model_err)?;
+        engine.set_adapter(slot, adapted);
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    let sync = |lora: &Lora| sync_to(POLICY_ADAPTER, lora);
+    let http = reqwest::Client::new();
+    let adapter_name = config.sync.name.clone().unwrap_or_else(|| run_id.clone());
+
+    let evaluate = |step: usize, lora: &Lora| {
+        let synced = sync_to(EVAL_ADAPTER, lora);
+        let dir = dir.clone();
+        let env = env.clone();
+        let config = config.clone();
+        let client = eval_client.clone();
+        async move {
+            synced?;
+            eval_at(&config, &dir, env.as_ref(), &client, step).await
+        }
+    };
+    let mut report = Report {
+        dir: dir.clone(),
+        steps: config.steps,
+        resumed_from: start,
+        eval_before: None,
+        eval_after: None,
+    };
+    let mut evals: BTreeMap<usize, (f64, (f64, f64))> = read_evals(&metrics_path);
+    if start == 0 && config.eval.every > 0 && env.is_some() {
+        let before = evaluate(0, &lora).await?;
+        evals.insert(0, before);
+        fs::write(
+            dir.join("eval-0.json"),
+            serde_json::to_vec(&before).unwrap_or_default(),
+        )
+        .map_err(io(&dir))?;
+    }
+    if let Ok(bytes) = fs::read(dir.join("eval-0.json")) {
+        report.eval_before = serde_json::from_slice(&bytes).ok();
+    }
+
+    // The batch of the next step when rollouts run one step ahead.
+    let mut pending: Option<tokio::task::JoinHandle<Result<Rollout, TrainError>>> = None;
+    let ahead = config.rollout.max_staleness > 0;
+    let env_arc = env.clone().map(Arc::new);
+    let presenter_arc = presenter.map(Arc::new);
+    let config_arc = Arc::new(config.clone());
+    let spawn_rollout = |step: usize| {
+        let (config, model_client) = (config_arc.clone(), model_client.clone());
+        let (env, presenter) = (env_arc.clone(), presenter_arc.clone());
+        tokio::spawn(async move {
+            let (env, presenter) = (
+                env.expect("checked above"),
+                presenter.expect("checked above"),
+            );
+            let t = Instant::now();
+            let resets = step_resets(&config, &env, step)?;
+            let episodes = rollouts(&config, &model_client, &env, &presenter, step, resets).await?;
+            Ok((episodes, t.elapsed().as_secs_f64()))
+        })
+    };
+
+    for step in start..config.steps {
+        let mut m = StepMetrics {
+            step: step + 1,
+            ..StepMetrics::default()
+        };
+        let (samples, advantages, masks) = if let Some(data) = &sft_samples {
+            let batch = sft_batch(data, &config, step);
+            let masks: Vec<Vec<f32>> = batch
+                .iter()
+                .map(|s| vec![1.0; s.completion.len()])
+                .collect();
+            let advantages = masks.clone();
+            m.reward_mean = f64::NAN;
+            (batch, advantages, masks)
+        } else {
+            // The rollouts of this step: started during the last step (one step
+            // ahead), or now on the current adapters.
+            let handle = match pending.take() {
+                Some(handle) => handle,
+                None => {
+                    // Resuming one step ahead: the batch was sampled by the adapters
+                    // from before the last step.
+                    let sampler = if ahead {
+                        previous.as_ref().unwrap_or(&lora)
+                    } else {
+                        &lora
+                    };
+                    m.sync_ms += sync(sampler)?;
+                    spawn_rollout(step)
+                }
+            };
+            let (episodes, generate_s) = handle
+                .await
+                .map_err(|e| TrainError::Rollout(e.to_string()))??;
+            m.generate_s = generate_s;
+            if ahead && step + 1 < config.steps {
+                // The next batch samples from the adapters as they are now (before
+                // this step learns).
+                m.sync_ms += sync(&lora)?;
+                pending = Some(spawn_rollout(step + 1));
+            }
+            let samples = samples_of(&episodes);
+            let rewards: Vec<f64> = episodes.iter().map(|(_, e)| e.reward).collect();
+            (m.reward_mean, m.reward_std) = mean_std(&rewards);
+            let (samples, advantages, masks) =
+                shape(&config, samples, normalization, teacher.as_deref(), &mut m)?;
+            (samples, advantages, masks)
+        };
+        m.samples = samples.len();
+        m.completion_len = if samples.is_empty() {
+            0.0
+        } else {
+            samples.iter().map(|s| s.completion.len()).sum::<usize>() as f64 / samples.len() as f64
+        };
+        let before_learning = lora.clone();
+        if !samples.is_empty() {
+            let t = Instant::now();
+            let learner = learner.clone();
+            let sft = algorithm == Algorithm::Sft;
+            let learned = tokio::task::spawn_blocking(move || {
+                learner
+                    .lock()
+                    .expect("learner lock")
+                    .step(&samples, &advantages, &masks, sft)
+            })
+            .await
+            .map_err(model_err)?
+            .map_err(model_err)?;
+            m.learn_s = t.elapsed().as_secs_f64();
+            m.loss = learned.loss;
+            m.clip_fraction = learned.clip_fraction;
+            m.kl = learned.kl;
+            m.rollout_mismatch = learned.mismatch;
+            m.tokens = learned.tokens;
+            m.grad_norm = learned.grad_norm;
+            m.lr = learned.lr;
+        }
+        lora = learner.lock().expect("learner lock").lora.clone();
+        previous = Some(before_learning);
+        if !config.sync.servers.is_empty() {
+            let t = Instant::now();
+            let path = dir.join("adapter.safetensors");
+            lora.save(&path).map_err(model_err)?;
+            for server in &config.sync.servers {
+                let url = format!("{}/v1/adapters", server.trim_end_matches('/'));
+                let response = http
+                    .post(&url)
+                    .json(&json!({"name": adapter_name, "path": path}))
+                    .send()
+                    .await
+                    .map_err(|e| TrainError::Rollout(format!("{url}: {e}")))?;
+                if !response.status().is_success() {
+                    let status = response.status();
+                    let body = response.text().await.unwrap_or_default();
+                    return Err(TrainError::Rollout(format!("{url}: {status}: {body}")));
+                }
+            }
+            m.remote_sync_ms = Some(t.elapsed().as_secs_f64() * 1e3);
+        }
+        let last = step + 1 == config.steps;
+        if config.eval.every > 0 && env.is_some() && ((step + 1) % config.eval.every == 0 || last) {
+            let (mean, ci) = evaluate(step + 1, &lora).await?;
+            m.eval_reward = Some(mean);
+            m.eval_ci95 = Some(ci);
+            evals.insert(step + 1, (mean, ci));
+        }
+        let line = serde_json::to_string(&m).unwrap_or_default();
+        let mut file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&metrics_path)
+            .map_err(io(&metrics_path))?;
+        writeln!(file, "{line}").map_err(io(&metrics_path))?;
+        file.sync_data().map_err(io(&metrics_path))?;
+        metrics_lines += 1;
+        on_step(&m);
+        if last || (config.checkpoint.every > 0 && (step + 1) % config.checkpoint.every == 0) {
+            let optim_path;
+            {
+                let learner = learner.lock().expect("learner lock");
+                let target = checkpoint_dir(&dir, step + 1);
+                let partial = target.with_extension("partial");
+                let _ = fs::remove_dir_all(&partial);
+                fs::create_dir_all(&partial).map_err(io(&partial))?;
+                learner
+                    .lora
+                    .save(&partial.join("adapter.safetensors"))
+                    .map_err(model_err)?;
+                optim_path = partial.join("optim.safetensors");
+                learner.optim.save(&optim_path).map_err(model_err)?;
+                if ahead && let Some(prev) = &previous {
+                    prev.save(&partial.join("adapter_prev.safetensors"))
+                        .map_err(model_err)?;
+                }
+                write_atomic(
+                    &partial.join("state.json"),
+                    &serde_json::to_vec(&CheckpointState {
+                        step: step + 1,
+                        metrics_lines,
+                    })
+                    .unwrap_or_default(),
+                )?;
+                let _ = fs::remove_dir_all(&target);
+                fs::rename(&partial, &target).map_err(io(&target))?;
+            }
+            prune_checkpoints(&dir, config.checkpoint.keep.max(1))?;
+        }
+        if m.eval_reward.is_some() || last {
+            let curve: Vec<(usize, f64)> = read_curve(&metrics_path);
+            if let Err(e) =
+                crate::plot::reward_curve(&curve, &evals, &dir.join("reward.png"), &run_id)
+            {
+                tracing::warn!(error = %e, "could not draw the reward curve");
+            }
+        }
+    }
+    if let Some(handle) = pending.take() {
+        handle.abort();
+    }
+    report.eval_after = evals.range(1..).next_back().map(|(_, v)| *v);
+    Ok(report)
+}
+
+fn prune_checkpoints(dir: &Path, keep: usize) -> Result<(), TrainError> {
+    let root = dir.join("checkpoints");
+    let mut steps: Vec<(usize, PathBuf)> = fs::read_dir(&root)
+        .map_err(io(&root))?
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            Some((name.strip_prefix("step-")?.parse().ok()?, e.path()))
+        })
+        .collect();
+    steps.sort();
+    let excess = steps.len().saturating_sub(keep);
+    for (_, path) in steps.into_iter().take(excess) {
+        fs::remove_dir_all(&path).map_err(io(&path))?;
+    }
+    Ok(())
+}
+
+fn read_metrics(path: &Path) -> Vec<StepMetrics> {
+    fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn read_curve(path: &Path) -> Vec<(usize, f64)> {
+    read_metrics(path)
+        .into_iter()
+        .filter(|m| m.reward_mean.is_finite())
+        .map(|m| (m.step, m.reward_mean))
+        .collect()
+}
+
+fn read_evals(path: &Path) -> BTreeMap<usize, (f64, (f64, f64))> {
+    let mut evals = BTreeMap::new();
+    if let Some(before) = path
+        .parent()
+        .and_then(|d| fs::read(d.join("eval-0.json")).ok())
+        .and_then(|b| serde_json::from_slice(&b).ok())
+    {
+        evals.insert(0, before);
+    }
+    for m in read_metrics(path) {
+        if let (Some(r), Some(ci)) = (m.eval_reward, m.eval_ci95) {
+            evals.insert(m.step, (r, ci));
+        }
+    }
+    evals
+}
+
+/// Rewards → per-token advantages and masks (group normalisation, dynamic sampling,
+/// overlong handling, distillation's reverse KL).
+fn shape(
+    config: &TrainConfig,
+    samples: Vec<Sample>,
+    normalization: crate::advantage::Normalization,
+    teacher: Option<&LanguageModel>,
+    m: &mut StepMetrics,
+) -> Result<Shaped, TrainError> {
+    let mut by_group: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, s) in samples.iter().enumerate() {
+        by_group.entry(s.group).or_default().push(i);
+    }
+    let max_tokens = config.rollout.max_tokens;
+    let reward_of = |s: &Sample| -> f64 {
+        match config.loss.overlong.as_str() {
+            "penalty" => {
+                s.reward
+                    + overlong_penalty(s.completion.len(), max_tokens, config.loss.overlong_cache)
+            }
+            _ => s.reward,
+        }
+    };
+    let reward_weight = config.distill.as_ref().map_or(1.0, |d| d.reward_weight);
+    let mut kept = Vec::new();
+    let mut advantages = Vec::new();
+    let mut masks = Vec::new();
+    let mut reverse_kl = (0.0, 0usize);
+    for members in by_group.values() {
+        let rewards: Vec<f64> = members.iter().map(|&i| reward_of(&samples[i])).collect();
+        let informative = is_informative(&rewards);
+        if config.loss.dynamic_sampling && !informative && teacher.is_none() {
+            continue;
+        }
+        m.groups_kept += 1;
+        let group_adv = group_advantages(&rewards, normalization);
+        for (&i, a) in members.iter().zip(group_adv) {
+            let s = &samples[i];
+            let a = if teacher.is_some() {
+                a * reward_weight
+            } else {
+                a
+            };
+            let mut adv = vec![a as f32; s.completion.len()];
+            if let (Some(teacher), Some(d)) = (teacher, &config.distill) {
+                let tokens: Vec<u32> = s.prompt.iter().chain(&s.completion).copied().collect();
+                let scored = teacher.score(&tokens).map_err(model_err)?;
+                let teacher_logp = &scored[scored.len() - s.completion.len()..];
+                for (st, te) in s.logprobs.iter().zip(teacher_logp) {
+                    reverse_kl.0 += f64::from(st - te);
+                    reverse_kl.1 += 1;
+                }
+                add_reverse_kl(&mut adv, &s.logprobs, teacher_logp, d.kl_coef as f32);
+            }
+            let mask = match config.loss.overlong.as_str() {
+                "filter" => overlong_mask(s.truncated, s.completion.len()),
+                _ => vec![1.0; s.completion.len()],
+            };
+            kept.push(s.clone());
+            advantages.push(adv);
+            masks.push(mask);
+        }
+    }
+    if teacher.is_some() {
+        m.reverse_kl = Some(reverse_kl.0 / reverse_kl.1.max(1) as f64);
+    }
+    Ok((kept, advantages, masks))
+}
+
+/// SFT's examples: every model turn of the episodes with at least `min_reward` in
+/// the given eval runs, exactly as the engine sampled them.
+fn sft_data(config: &TrainConfig) -> Result<Vec<Sample>, TrainError> {
+    let sft = config.sft.as_ref().ok_or_else(|| {
+        TrainError::Config(
+            "train sft needs an [sft] section with runs = [\"runs/<eval run>\"]".into(),
+        )
+    })?;
+    let mut samples = Vec::new();
+    for run in &sft.runs {
+        let path = run.join("results.jsonl");
+        let text = fs::read_to_string(&path).map_err(io(&path))?;
+        for (n, line) in text.lines().enumerate() {
+            let record: agentstack_harness::run::EpisodeRecord = serde_json::from_str(line)
+                .map_err(|e| TrainError::Config(format!("{}:{}: {e}", path.display(), n + 1)))?;
+            if record.episode.reward < sft.min_reward {
+                continue;
+            }
+            let episode = [(0usize, record.episode)];
+            samples.extend(samples_of(&episode));
+        }
+    }
+    if samples.is_empty() {
+        return Err(TrainError::Config(format!(
+            "no episode with reward ≥ {} and token ids in {:?}; run eval with an in-process model (it records token ids), or lower sft.min_reward",
+            sft.min_reward, sft.runs
+        )));
+    }
+    Ok(samples)
+}
+
+fn sft_batch(data: &[Sample], config: &TrainConfig, step: usize) -> Vec<Sample> {
+    let size = config.sft.as_ref().map_or(8, |s| s.batch_size).max(1);
+    let n = data.len();
+    (0..size)
+        .map(|j| {
+            let position = (step * size + j) as u64;
+            let epoch = position / n as u64;
+            let mut order: Vec<usize> = (0..n).collect();
+            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(mix(&[
+                config.seed,
+                0x5f7,
+                epoch,
+            ])));
+            data[order[(position % n as u64) as usize]].clone()
+        })
+        .collect()
+}
+
+/// Held-out evaluation of the adapters now in the engine, as an `eval` run in
+/// `<run>/eval/step-<k>` (resumable, like any eval run).
+async fn eval_at(
+    config: &TrainConfig,
+    dir: &Path,
+    env: Option<&EnvHandle>,
+    model: &ModelClient,
+    step: usize,
+) -> Result<(f64, (f64, f64)), TrainError> {
+    let env = env.ok_or_else(|| TrainError::Config("evaluation needs an environment".into()))?;
+    let split = config.eval.split.clone().filter(|_| env.tasks().is_some());
+    let eval = EvalConfig {
+        env: config.env.clone(),
+        model: config.model.display().to_string(),
+        tasks: config.eval.episodes,
+        samples: 1,
+        seed: config.eval.seed,
+        split,
+        reset_options: config.env_options.clone(),
+        play: LoopConfig {
+            max_turns: config.rollout.max_turns,
+            sampling: Sampling {
+                temperature: config.eval.temperature,
+                top_p: 1.0,
+                max_tokens: config.rollout.max_tokens,
+            },
+            context: ContextPolicy::default(),
+            constrain: false,
+        },
+        profile: config
+            .profile
+            .clone()
+            .unwrap_or_else(|| Profile::for_env(env.name())),
+        success_threshold: 1.0,
+    };
+    let run_dir = dir.join("eval").join(format!("step-{step:06}"));
+    let run = Run::open(&run_dir, eval, config.rollout.concurrency, false)
+        .map_err(|e| TrainError::Rollout(e.to_string()))?;
+    let summary = run
+        .play(model, env, |_| {})
+        .await
+        .map_err(|e| TrainError::Rollout(e.to_string()))?;
+    Ok((summary.mean_reward, summary.ci95))
+}
