@@ -691,7 +691,7 @@ impl<B: Backend> Supervisor<B> {
     ) -> Result<(), SuperviseError> {
         if job.state != JobState::Stopping {
             self.store
-                .set_job_state(&self.job_id, JobState::Stopping, Some("cancelled"))
+                .set_job_state(&self.job_id, JobState::Stopping, Some("cancel requested"))
                 .await?;
         }
         for u in units {
