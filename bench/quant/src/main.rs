@@ -237,7 +237,7 @@ fn main() -> anyhow::Result<()> {
         table_md.push_str(&format!(
             "| {} | {:.1} | {:.2} | {:.4} ± {:.4} | {:.3} | {:.3} | {:.3} | {:.1} ± {:.1} | {:.2} | {:.3} | {} |\n",
             r.name, r.bytes as f64 / 1048576.0, r.bpw, get(r, "Mean    KLD").0, get(r, "Mean    KLD").1, get(r, "99.0%   KLD").0, get(r, "99.9%   KLD").0, get(r, "Maximum KLD").0,
-            get(r, "Same top p").0, get(r, "Same top p").1, get(r, "RMS Δp    ").0, get(r, "Mean PPL(Q)").0,
+            get(r, "Same top p").0, get(r, "Same top p").1, get(r, "RMS Δp").0, get(r, "Mean PPL(Q)").0,
             r.predicted.map_or("–".into(), |p| format!("{p:.4}"))
         ));
     }
