@@ -474,6 +474,26 @@ pub enum TrainCommand {
     Distill(TrainArgs),
     /// Supervised fine-tuning on the trajectories of `eval` runs.
     Sft(TrainArgs),
+    /// Merge a run's adapters into its model's GGUF file (llama.cpp loads it).
+    Export(TrainExportArgs),
+}
+
+/// `train export`.
+#[derive(Debug, Args)]
+pub struct TrainExportArgs {
+    /// A run directory (its newest checkpoint's adapters, its model) or an
+    /// `adapter.safetensors` file (then --model is needed).
+    pub source: PathBuf,
+    /// The merged GGUF file to write.
+    #[arg(long, short)]
+    pub out: PathBuf,
+    /// The base model (default: the run's).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The type of the merged weights: f16, f32 or a quantized type such as q8_0
+    /// (other tensors keep theirs).
+    #[arg(long = "type", default_value = "f16")]
+    pub ty: String,
 }
 
 /// `train grpo|distill|sft`.

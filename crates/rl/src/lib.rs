@@ -19,6 +19,7 @@
 
 pub mod advantage;
 pub mod config;
+pub mod export;
 pub mod lora;
 pub mod loss;
 pub mod optim;

@@ -65,6 +65,7 @@ pub async fn run(cli: Cli) -> Result<(), Exit> {
             TrainCommand::Sft(args) => {
                 train::run(args, agentstack_rl::config::Algorithm::Sft).await
             }
+            TrainCommand::Export(args) => train::export(args).await,
         },
         Command::Launch(args) => launch::start::run(args).await,
         Command::Status(args) => launch::status::run(args).await,

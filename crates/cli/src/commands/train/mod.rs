@@ -8,7 +8,7 @@ use anyhow::{Context, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::Exit;
-use crate::args::TrainArgs;
+use crate::args::{TrainArgs, TrainExportArgs};
 use crate::commands::eval::{open_env, runs_dir};
 
 /// Runs (or resumes) a training run.
@@ -133,6 +133,76 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
         report.dir.join("metrics.jsonl").display(),
         report.dir.join("reward.png").display(),
         report.dir.join("checkpoints").display()
+    );
+    Ok(())
+}
+
+/// `train export`: a run's (or an adapter file's) adapters merged into the model.
+pub async fn export(args: TrainExportArgs) -> Result<(), Exit> {
+    let ty: agentstack_quant::types::GgmlType = args
+        .ty
+        .parse()
+        .map_err(|e| Exit::user(anyhow!("--type {}: {e}", args.ty)))?;
+    let (adapter, model) = if args.source.is_dir() {
+        let config: serde_json::Value = std::fs::read(args.source.join("config.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| {
+                Exit::user(anyhow!(
+                    "{} is not a training run (no readable config.json)",
+                    args.source.display()
+                ))
+            })?;
+        let checkpoints = args.source.join("checkpoints");
+        let newest = std::fs::read_dir(&checkpoints)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.join("state.json").is_file())
+                    .max()
+            })
+            .ok()
+            .flatten()
+            .ok_or_else(|| {
+                Exit::user(anyhow!(
+                    "{} has no checkpoint yet; train at least checkpoint.every steps",
+                    args.source.display()
+                ))
+            })?;
+        let model = match &args.model {
+            Some(m) => m.clone(),
+            None => config["config"]["model"]
+                .as_str()
+                .map(std::path::PathBuf::from)
+                .ok_or_else(|| {
+                    Exit::user(anyhow!("the run's config names no model; pass --model"))
+                })?,
+        };
+        (newest.join("adapter.safetensors"), model)
+    } else {
+        let model = args.model.clone().ok_or_else(|| {
+            Exit::user(anyhow!(
+                "--model is needed with an adapter file (the GGUF it was trained on)"
+            ))
+        })?;
+        (args.source.clone(), model)
+    };
+    let out = args.out.clone();
+    let (a, m, o) = (adapter.clone(), model.clone(), out.clone());
+    let exported =
+        tokio::task::spawn_blocking(move || agentstack_rl::export::export(&m, &a, &o, ty))
+            .await
+            .map_err(|e| anyhow!(e))?
+            .map_err(|e| Exit::user(anyhow!(e)))?;
+    println!(
+        "wrote {} ({} bytes): {} weights merged from {} as {}, {} tensors copied from {}",
+        out.display(),
+        exported.bytes,
+        exported.merged,
+        adapter.display(),
+        ty,
+        exported.copied,
+        model.display()
     );
     Ok(())
 }
