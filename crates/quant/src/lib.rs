@@ -8,6 +8,12 @@
 //! - [`quantize`]: quantizers and dequantizers for Q8_0, Q5_0/1, Q4_0/1, Q2_K–Q6_K,
 //!   IQ4_NL and IQ4_XS, ported from ggml so llama.cpp accepts the bytes, with optional
 //!   importance weighting;
+//! - [`imatrix`]: importance matrices collected by the model runtime, in llama.cpp's
+//!   GGUF and legacy `.dat` formats;
+//! - [`recipe`]: a type per tensor (with llama-quantize's fallbacks) and writing the file;
+//! - [`kld`]: KLD and perplexity against a base, as `llama-perplexity --kl-divergence`;
+//! - [`allocate`]: per-weight types under a size budget from measured sensitivity;
+//! - [`plot`]: the size-vs-KLD chart;
 //! - [`types`]: the GGML type table.
 //!
 //! ```no_run

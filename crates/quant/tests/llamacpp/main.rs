@@ -2,7 +2,8 @@
 //! Q4_1): our quantizers write the bytes `llama-quantize` writes, with and without an
 //! importance matrix; files we write load in llama.cpp.
 //!
-//! Needs `scripts/install-llamacpp` and `scripts/fetch-model` (CI runs both).
+//! Needs `scripts/install-llamacpp` and `scripts/fetch-model` (CI runs both, and
+//! `scripts/test` runs ignored tests): `cargo nextest run -p agentstack-quant --run-ignored all`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -147,6 +148,7 @@ fn ours(input: &Path, output: &Path, ty: GgmlType, imatrix: Option<&Imatrix>) {
 /// Every type we write, whole model, `--pure`: the same bytes as llama-quantize for every
 /// tensor (including the fallbacks on 576-wide rows).
 #[test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
 fn every_type_matches_llama_quantize_byte_for_byte() {
     let dir = tempfile::tempdir().unwrap();
     let model = model_path();
@@ -215,6 +217,7 @@ fn tokens_of(text: &str) -> (agentstack_model::LanguageModel, Vec<u32>) {
 /// reads it, and quantizes with it to the same bytes we do (the importance path of every
 /// type that uses it, and the file format, checked at once).
 #[test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
 fn our_imatrix_drives_llama_quantize_and_ours_alike() {
     let dir = tempfile::tempdir().unwrap();
     let model = model_path();
@@ -262,6 +265,7 @@ fn our_imatrix_drives_llama_quantize_and_ours_alike() {
 /// Our collection agrees with llama-imatrix's on the same text and chunking (same
 /// columns matter most): correlation of log importance per weight.
 #[test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
 fn our_imatrix_agrees_with_llama_imatrix() {
     let dir = tempfile::tempdir().unwrap();
     let text_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/calibration.txt");
@@ -371,14 +375,18 @@ fn eval_text() -> PathBuf {
 
 /// Mean KLD of ours and llama-perplexity's on the same pair of files and text may differ
 /// by this fraction: llama.cpp stores the base's log-probabilities as 16-bit integers
-/// and runs its own kernels; measured 0.9% apart on Q4_K + imatrix.
+/// and runs its own kernels; measured 0.9% apart on Q4_K + imatrix, 2.8% on Q4_K.
 const KLD_RELATIVE_TOLERANCE: f64 = 0.05;
-/// Same-top-token share, percentage points.
-const SAME_TOP_TOLERANCE: f64 = 2.0;
+/// Same-top-token share, percentage points. This text scores 189 tokens (one token is
+/// 0.53 points), and the two engines' own top tokens differ at 3–6% of positions on the
+/// same file (`llama_cpp_and_agentstack_agree_on_files_we_write`), so each side's share
+/// against the base moves by a few near-ties: measured 1 and 5 tokens apart.
+const SAME_TOP_TOLERANCE: f64 = 4.0;
 /// Perplexities, relative.
 const PPL_RELATIVE_TOLERANCE: f64 = 0.01;
 
 #[test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
 fn our_kld_agrees_with_llama_perplexity() {
     let dir = tempfile::tempdir().unwrap();
     let model = model_path();
@@ -430,6 +438,7 @@ const ENGINE_SAME_TOP: f64 = 0.90;
 /// Files we write load in llama.cpp, and llama.cpp and agentstack give the same
 /// distributions on them (IQ4_XS: a type candle cannot read; Q4_K + importance).
 #[test]
+#[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
 fn llama_cpp_and_agentstack_agree_on_files_we_write() {
     let dir = tempfile::tempdir().unwrap();
     let model = model_path();
