@@ -517,6 +517,12 @@ pub struct TrainArgs {
     /// Override the configuration's model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Override the configuration's environment (e.g. an env server's URL).
+    #[arg(long)]
+    pub env: Option<String>,
+    /// Also push the adapters to this `model serve` after every step (repeatable).
+    #[arg(long = "sync-server")]
+    pub sync_servers: Vec<String>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,

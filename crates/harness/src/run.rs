@@ -474,21 +474,27 @@ impl Run {
             let args = tasks
                 .task(split, task % n.max(1))
                 .map_err(|e| RunError::Config(e.to_string()))?;
-            if let Value::Object(args) = args {
-                for (k, v) in args {
-                    if k == "seed" {
-                        seed = v.as_u64();
-                    } else {
-                        options.entry(k).or_insert(v);
-                    }
-                }
-            }
+            apply_task(args, &mut options, &mut seed);
         }
         Ok(ResetRequest {
             seed,
             episode_id: Some(format!("episode-{index}")),
             options,
         })
+    }
+}
+
+/// Merges a task from an environment's task list (its reset arguments) into a reset:
+/// its `seed` replaces `seed`, its other keys fill `options` where the caller set none.
+pub fn apply_task(task: Value, options: &mut Map<String, Value>, seed: &mut Option<u64>) {
+    if let Value::Object(args) = task {
+        for (k, v) in args {
+            if k == "seed" {
+                *seed = v.as_u64();
+            } else {
+                options.entry(k).or_insert(v);
+            }
+        }
     }
 }
 

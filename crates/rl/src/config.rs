@@ -125,7 +125,8 @@ pub struct RolloutSection {
     pub max_tokens: usize,
     /// Most model turns per episode.
     pub max_turns: usize,
-    /// The split of the environment's task list to train on (`None`: seeds).
+    /// The split of the environment's task list to train on (`""`: seeded resets,
+    /// for environments without a task list).
     pub split: Option<String>,
     /// Episodes played at once.
     pub concurrency: usize,
@@ -272,7 +273,7 @@ pub struct EvalSection {
     pub every: usize,
     /// Held-out tasks per evaluation.
     pub episodes: usize,
-    /// The held-out split.
+    /// The held-out split (`""`: seeded resets from `seed`).
     pub split: Option<String>,
     /// Sampling temperature (0: greedy).
     pub temperature: f32,

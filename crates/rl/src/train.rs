@@ -165,6 +165,8 @@ pub struct Report {
     pub steps: usize,
     /// The step it resumed from (0: a fresh start).
     pub resumed_from: usize,
+    /// Whether it stopped early (asked to), with a checkpoint of the last step.
+    pub stopped_at: Option<usize>,
     /// Held-out reward before training, and after.
     pub eval_before: Option<(f64, (f64, f64))>,
     /// After the last step.
@@ -183,6 +185,8 @@ pub struct Setup {
     pub env: Option<EnvHandle>,
     /// Discard an existing run in `dir` instead of resuming it.
     pub fresh: bool,
+    /// Set (e.g. on SIGTERM) to stop after the current step with a checkpoint.
+    pub stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// SplitMix64 of several words: the seed of one episode or one shuffle.
@@ -388,7 +392,7 @@ fn step_resets(
         let position = (step * per_step + j) as u64;
         let mut options = config.env_options.clone();
         let mut seed = Some(mix(&[config.seed, 0x7a5c, position]) >> 1);
-        if let Some(split) = &config.rollout.split {
+        if let Some(split) = config.rollout.split.as_deref().filter(|s| !s.is_empty()) {
             let tasks = env.tasks().ok_or_else(|| {
                 TrainError::Config(format!(
                     "{} publishes no task list; set rollout.split = \"\" to train on seeded resets",
@@ -410,15 +414,7 @@ fn step_resets(
             let args = tasks
                 .task(split, order[(position % n) as usize] as usize)
                 .map_err(|e| TrainError::Config(e.to_string()))?;
-            if let Value::Object(args) = args {
-                for (k, v) in args {
-                    if k == "seed" {
-                        seed = v.as_u64();
-                    } else {
-                        options.entry(k).or_insert(v);
-                    }
-                }
-            }
+            agentstack_harness::run::apply_task(args, &mut options, &mut seed);
         }
         resets.push(ResetRequest {
             seed,
@@ -520,6 +516,7 @@ pub async fn train(
         dir,
         env,
         fresh,
+        stop,
     } = setup;
     config.check().map_err(|e| TrainError::Config(e.0))?;
     if fresh && dir.exists() {
@@ -700,6 +697,7 @@ pub async fn train(
         dir: dir.clone(),
         steps: config.steps,
         resumed_from: start,
+        stopped_at: None,
         eval_before: None,
         eval_after: None,
     };
@@ -837,6 +835,7 @@ pub async fn train(
             }
             m.remote_sync_ms = Some(t.elapsed().as_secs_f64() * 1e3);
         }
+        let stopping = stop.load(std::sync::atomic::Ordering::SeqCst);
         let last = step + 1 == config.steps;
         if config.eval.every > 0 && env.is_some() && ((step + 1) % config.eval.every == 0 || last) {
             let (mean, ci) = evaluate(step + 1, &lora).await?;
@@ -854,7 +853,10 @@ pub async fn train(
         file.sync_data().map_err(io(&metrics_path))?;
         metrics_lines += 1;
         on_step(&m);
-        if last || (config.checkpoint.every > 0 && (step + 1) % config.checkpoint.every == 0) {
+        if last
+            || stopping
+            || (config.checkpoint.every > 0 && (step + 1) % config.checkpoint.every == 0)
+        {
             let optim_path;
             {
                 let learner = learner.lock().expect("learner lock");
@@ -892,6 +894,10 @@ pub async fn train(
             {
                 tracing::warn!(error = %e, "could not draw the reward curve");
             }
+        }
+        if stopping && !last {
+            report.stopped_at = Some(step + 1);
+            break;
         }
     }
     if let Some(handle) = pending.take() {
@@ -1080,7 +1086,11 @@ async fn eval_at(
     step: usize,
 ) -> Result<(f64, (f64, f64)), TrainError> {
     let env = env.ok_or_else(|| TrainError::Config("evaluation needs an environment".into()))?;
-    let split = config.eval.split.clone().filter(|_| env.tasks().is_some());
+    let split = config
+        .eval
+        .split
+        .clone()
+        .filter(|s| !s.is_empty() && env.tasks().is_some());
     let eval = EvalConfig {
         env: config.env.clone(),
         model: config.model.display().to_string(),

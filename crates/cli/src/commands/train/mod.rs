@@ -24,6 +24,13 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
     if let Some(model) = &args.model {
         config.model = model.clone();
     }
+    if let Some(env) = &args.env {
+        config.env = env.clone();
+    }
+    config
+        .sync
+        .servers
+        .extend(args.sync_servers.iter().cloned());
     // Paths in the file are relative to the file.
     let base = args
         .config
@@ -92,6 +99,25 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
     bar.set_message("training");
     bar.enable_steady_tick(Duration::from_millis(250));
     let steps = config.steps;
+    // SIGTERM (a scheduler's preemption or cancel) and Ctrl-C: finish the step, write
+    // a checkpoint, exit; the same command resumes.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(term) => term,
+                    Err(_) => return,
+                };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            eprintln!("stopping after this step (a checkpoint will be written)");
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+    }
     let report = train(
         Setup {
             config,
@@ -99,6 +125,7 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
             dir: dir.clone(),
             env: env.as_ref().map(|e| e.handle.clone()),
             fresh: args.fresh,
+            stop,
         },
         |m: &StepMetrics| {
             bar.set_position(m.step as u64);
@@ -124,6 +151,10 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
     println!("run: {}", report.dir.display());
     if report.resumed_from > 0 {
         println!("resumed from step {}", report.resumed_from);
+    }
+    if let Some(step) = report.stopped_at {
+        println!("stopped after step {step} with a checkpoint; run the same command to continue");
+        return Err(Exit::quiet(143));
     }
     println!("steps: {steps}");
     println!("held-out reward before: {}", fmt(report.eval_before));
