@@ -790,7 +790,10 @@ pub async fn train(
         } else {
             samples.iter().map(|s| s.completion.len()).sum::<usize>() as f64 / samples.len() as f64
         };
-        let before_learning = lora.clone();
+        // A copy of the values: `lora`'s variables are the learner's own, which the
+        // optimizer step below changes in place.
+        let before_learning =
+            Lora::from_adapter(&lora.snapshot().map_err(model_err)?).map_err(model_err)?;
         if !samples.is_empty() {
             let t = Instant::now();
             let learner = learner.clone();
