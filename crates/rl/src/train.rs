@@ -202,6 +202,17 @@ fn mix(words: &[u64]) -> u64 {
     z
 }
 
+/// The item at `position` of an endless sequence of passes over `0..n`, each pass a
+/// new permutation seeded from `salt` and the pass number: where a run's data
+/// position is, from the step alone.
+fn shuffled(salt: &[u64], n: usize, position: u64) -> usize {
+    let pass = position / n as u64;
+    let mut order: Vec<usize> = (0..n).collect();
+    let seed = mix(&[salt, &[pass]].concat());
+    order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    order[(position % n as u64) as usize]
+}
+
 struct Learner {
     base: Model,
     reference: Option<Model>,
@@ -405,14 +416,9 @@ fn step_resets(
             if n == 0 {
                 return Err(TrainError::Config(format!("split `{split}` has no tasks")));
             }
-            let epoch = position / n;
-            let mut order: Vec<u64> = (0..n).collect();
-            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(mix(&[
-                config.seed,
-                epoch,
-            ])));
+            let index = shuffled(&[config.seed], n as usize, position);
             let args = tasks
-                .task(split, order[(position % n) as usize] as usize)
+                .task(split, index)
                 .map_err(|e| TrainError::Config(e.to_string()))?;
             agentstack_harness::run::apply_task(args, &mut options, &mut seed);
         }
@@ -1065,17 +1071,7 @@ fn sft_batch(data: &[Sample], config: &TrainConfig, step: usize) -> Vec<Sample> 
     let size = config.sft.as_ref().map_or(8, |s| s.batch_size).max(1);
     let n = data.len();
     (0..size)
-        .map(|j| {
-            let position = (step * size + j) as u64;
-            let epoch = position / n as u64;
-            let mut order: Vec<usize> = (0..n).collect();
-            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(mix(&[
-                config.seed,
-                0x5f7,
-                epoch,
-            ])));
-            data[order[(position % n as u64) as usize]].clone()
-        })
+        .map(|j| data[shuffled(&[config.seed, 0x5f7], n, (step * size + j) as u64)].clone())
         .collect()
 }
 

@@ -106,6 +106,40 @@ fn last_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
         .unwrap()
 }
 
+/// `log p(answer | [BOS, x])` for every answer token.
+fn answer_logp(model: &Model, x: u32) -> Vec<f32> {
+    let logits = Tensor::new(last_logits(model, &[0, x]).as_slice(), &Device::Cpu).unwrap();
+    candle_nn::ops::log_softmax(&logits, D::Minus1)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Rank-4 adapters on every weight of `base`, and the optimizer both learning tests use.
+fn adapters_and_optim(base: &Model, seed: u64) -> (Lora, Optim) {
+    let lora = Lora::new(
+        base,
+        LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            targets: Target::ALL.to_vec(),
+        },
+        seed,
+    )
+    .unwrap();
+    let optim = Optim::new(
+        lora.vars(),
+        OptimConfig {
+            lr: 0.012,
+            max_grad_norm: Some(1.0),
+            betas: (0.9, 0.99),
+            ..OptimConfig::default()
+        },
+    )
+    .unwrap();
+    (lora, optim)
+}
+
 /// The expected reward at temperature 1.
 fn score(model: &Model) -> f64 {
     PROMPTS
@@ -125,26 +159,7 @@ fn score(model: &Model) -> f64 {
 /// Trains for `STEPS` and returns the score before and after, and the trained policy.
 fn train(seed: u64) -> (f64, f64, Model) {
     let base = tiny_model(seed);
-    let lora = Lora::new(
-        &base,
-        LoraConfig {
-            rank: 4,
-            alpha: 8.0,
-            targets: Target::ALL.to_vec(),
-        },
-        seed,
-    )
-    .unwrap();
-    let mut optim = Optim::new(
-        lora.vars(),
-        OptimConfig {
-            lr: 0.012,
-            max_grad_norm: Some(1.0),
-            betas: (0.9, 0.99),
-            ..OptimConfig::default()
-        },
-    )
-    .unwrap();
+    let (lora, mut optim) = adapters_and_optim(&base, seed);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
     let before = score(&lora.apply(&base).unwrap());
     for _ in 0..STEPS {
@@ -325,14 +340,7 @@ fn reverse_kl(student: &Model, teacher: &Model) -> f64 {
     PROMPTS
         .iter()
         .map(|&x| {
-            let logp = |m: &Model| -> Vec<f32> {
-                let l = Tensor::new(last_logits(m, &[0, x]).as_slice(), &Device::Cpu).unwrap();
-                candle_nn::ops::log_softmax(&l, D::Minus1)
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap()
-            };
-            let (s, t) = (logp(student), logp(teacher));
+            let (s, t) = (answer_logp(student, x), answer_logp(teacher, x));
             s.iter()
                 .zip(&t)
                 .map(|(ls, lt)| f64::from(ls.exp()) * f64::from(ls - lt))
@@ -356,26 +364,7 @@ fn on_policy_distillation_pulls_the_student_to_the_teacher() {
     );
     // The student: another random model, so it starts far from the teacher.
     let student_base = tiny_model(5);
-    let lora = Lora::new(
-        &student_base,
-        LoraConfig {
-            rank: 4,
-            alpha: 8.0,
-            targets: Target::ALL.to_vec(),
-        },
-        5,
-    )
-    .unwrap();
-    let mut optim = Optim::new(
-        lora.vars(),
-        OptimConfig {
-            lr: 0.012,
-            max_grad_norm: Some(1.0),
-            betas: (0.9, 0.99),
-            ..OptimConfig::default()
-        },
-    )
-    .unwrap();
+    let (lora, mut optim) = adapters_and_optim(&student_base, 5);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(55);
     let start = lora.apply(&student_base).unwrap();
     let (kl_before, score_before) = (reverse_kl(&start, &teacher), score(&start));
@@ -383,22 +372,7 @@ fn on_policy_distillation_pulls_the_student_to_the_teacher() {
         let policy = lora.apply(&student_base).unwrap();
         let mut terms = Vec::new();
         for &x in &PROMPTS {
-            let student_logp = {
-                let l =
-                    Tensor::new(last_logits(&policy, &[0, x]).as_slice(), &Device::Cpu).unwrap();
-                candle_nn::ops::log_softmax(&l, D::Minus1)
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-            };
-            let teacher_logp = {
-                let l =
-                    Tensor::new(last_logits(&teacher, &[0, x]).as_slice(), &Device::Cpu).unwrap();
-                candle_nn::ops::log_softmax(&l, D::Minus1)
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-            };
+            let (student_logp, teacher_logp) = (answer_logp(&policy, x), answer_logp(&teacher, x));
             for _ in 0..8 {
                 let u: f32 = rand::Rng::random(&mut rng);
                 let mut acc = 0.0;
