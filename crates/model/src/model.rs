@@ -95,15 +95,36 @@ impl Linear {
     /// Several layers applied to the same input; this crate's kernels quantize the input
     /// once for all of them.
     pub fn forward_many<const N: usize>(layers: [&Self; N], x: &Tensor) -> Result<[Tensor; N]> {
+        // Adapters at inference ride along: their bases share the quantized input,
+        // and each low-rank term is added after.
+        let inference = !x.track_op();
         let fast: Option<Vec<&FastLinear>> = layers
             .iter()
             .map(|l| match l {
                 Self::Fast { weight, bias: None } => Some(weight.as_ref()),
+                Self::Adapted { base, a, b, .. } if inference && !a.track_op() && !b.track_op() => {
+                    match base.as_ref() {
+                        Self::Fast { weight, bias: None } => Some(weight.as_ref()),
+                        _ => None,
+                    }
+                }
                 _ => None,
             })
             .collect();
         let outputs = match fast {
-            Some(weights) => FastLinear::forward_many(&weights, x)?,
+            Some(weights) => {
+                let bases = FastLinear::forward_many(&weights, x)?;
+                layers
+                    .iter()
+                    .zip(bases)
+                    .map(|(l, y)| match l {
+                        Self::Adapted { a, b, scale, .. } => {
+                            Ok((y + low_rank_rows(x, a, b, *scale)?)?)
+                        }
+                        _ => Ok(y),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
             None => layers
                 .iter()
                 .map(|l| l.forward(x))
@@ -147,29 +168,67 @@ impl Linear {
     }
 }
 
-/// `scale · (x Aᵀ) Bᵀ` one row at a time, each a plain sequential sum: the same bits
-/// whatever the batch (candle's matmul may block the sum differently for another
-/// number of rows), so a sequence decodes identically alone or among others, as the
-/// base kernels do. Ranks are small, so this costs little next to the base layer.
+/// `scale · (x Aᵀ) Bᵀ` one row at a time, each element a sum in one fixed order
+/// ([`dot_fixed`]): the same bits whatever the batch (candle's matmul may block the
+/// sum differently for another number of rows), so a sequence decodes identically
+/// alone or among others, as the base kernels do. Ranks are small, so this costs
+/// little next to the base layer.
 fn low_rank_rows(x: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
     let (rank, inp) = a.dims2()?;
     let out = b.dim(0)?;
     let rows = x.dims2()?.0;
     let xs: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    let av: Vec<f32> = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    let bv: Vec<f32> = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let scale = scale as f32;
     let mut y = vec![0f32; rows * out];
     let mut u = vec![0f32; rank];
-    for (row, yr) in xs.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
-        for (uj, aj) in u.iter_mut().zip(av.chunks_exact(inp)) {
-            *uj = row.iter().zip(aj).map(|(p, q)| p * q).sum::<f32>() * scale;
-        }
-        for (yo, bo) in yr.iter_mut().zip(bv.chunks_exact(rank)) {
-            *yo = bo.iter().zip(&u).map(|(p, q)| p * q).sum();
+    with_f32(a, |av| {
+        with_f32(b, |bv| {
+            for (row, yr) in xs.chunks_exact(inp).zip(y.chunks_exact_mut(out)) {
+                for (uj, aj) in u.iter_mut().zip(av.chunks_exact(inp)) {
+                    *uj = dot_fixed(row, aj) * scale;
+                }
+                for (yo, bo) in yr.iter_mut().zip(bv.chunks_exact(rank)) {
+                    *yo = dot_fixed(bo, &u);
+                }
+            }
+        })
+    })??;
+    Ok(Tensor::from_vec(y, (rows, out), x.device())?.to_dtype(x.dtype())?)
+}
+
+/// Runs `f` on the tensor's values as one f32 slice: borrowed when the tensor already is
+/// a contiguous f32 tensor in memory (adapter weights are), copied otherwise.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((lo, hi))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&data[lo..hi]));
         }
     }
-    Ok(Tensor::from_vec(y, (rows, out), x.device())?.to_dtype(x.dtype())?)
+    let copy: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    Ok(f(&copy))
+}
+
+/// `Σ pᵢ qᵢ` summed in eight lanes (lane `k` takes `i ≡ k mod 8`), then the lanes in a
+/// fixed tree: one order for a given length, so the same bits every call, and the
+/// lanes vectorise (a single running sum cannot, since float addition does not
+/// reassociate).
+fn dot_fixed(p: &[f32], q: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let mut acc = [0f32; LANES];
+    let (pc, pr) = p.as_chunks::<LANES>();
+    let (qc, qr) = q.as_chunks::<LANES>();
+    for (pv, qv) in pc.iter().zip(qc) {
+        for ((s, x), y) in acc.iter_mut().zip(pv).zip(qv) {
+            *s += x * y;
+        }
+    }
+    for ((s, x), y) in acc.iter_mut().zip(pr).zip(qr) {
+        *s += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
 /// `x Wᵀ` for a float weight. When `x` carries gradients and `W` is frozen (not a
@@ -1019,4 +1078,62 @@ fn causal_mask(n: usize, start: usize, s: usize, device: &Device, dtype: DType) 
         })
         .collect();
     Ok(Tensor::from_vec(mask, (n, s), device)?.to_dtype(dtype)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::*;
+
+    fn adapted(device: &Device, out: usize, inp: usize, rank: usize) -> Linear {
+        let w = Tensor::randn(0f32, 1.0, (out, inp), device).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
+        Linear::Adapted {
+            base: Box::new(Linear::Fast {
+                weight: Arc::new(FastLinear::from_qtensor(&q).unwrap()),
+                bias: None,
+            }),
+            a: Tensor::randn(0f32, 1.0, (rank, inp), device).unwrap(),
+            b: Tensor::randn(0f32, 1.0, (out, rank), device).unwrap(),
+            scale: 0.5,
+        }
+    }
+
+    fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+        t.to_vec2().unwrap()
+    }
+
+    /// Adapters over this crate's kernels, alone or several sharing one quantized
+    /// input: the low-rank term matches candle's matmul, every row is the same bits
+    /// whatever rows come with it, and `forward_many` gives `forward`'s bits.
+    #[test]
+    fn adapted_fast_layers_are_exact_and_batch_invariant() {
+        let device = Device::Cpu;
+        // Rank 5: the sums over the rank are not a whole number of lanes.
+        let (q, v) = (adapted(&device, 24, 96, 5), adapted(&device, 9, 96, 5));
+        let x = Tensor::randn(0f32, 1.0, (6, 96), &device).unwrap();
+        let Linear::Adapted { base, a, b, scale } = &q else {
+            unreachable!()
+        };
+        let low = (x
+            .matmul(&a.t().unwrap())
+            .unwrap()
+            .matmul(&b.t().unwrap())
+            .unwrap()
+            * *scale)
+            .unwrap();
+        let want = rows(&(base.forward(&x).unwrap() + low).unwrap());
+        let got = rows(&q.forward(&x).unwrap());
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "{g} vs {w}");
+        }
+        for n in [1, 2, 5] {
+            let part = rows(&q.forward(&x.narrow(0, 0, n).unwrap()).unwrap());
+            assert_eq!(part[..], got[..n], "{n} rows");
+        }
+        let [qm, vm] = Linear::forward_many([&q, &v], &x).unwrap();
+        assert_eq!(rows(&qm), got);
+        assert_eq!(rows(&vm), rows(&v.forward(&x).unwrap()));
+    }
 }
