@@ -218,6 +218,9 @@ impl Sampler {
     fn draw(&mut self, work: &mut [f32]) -> Option<u32> {
         let p = &self.params;
         let t = p.temperature;
+        if (p.top_k == 0 || p.top_k >= work.len()) && p.top_p >= 1.0 && p.min_p <= 0.0 {
+            return self.draw_full(work);
+        }
         let mut candidates: Vec<(u32, f32)> = work
             .iter()
             .enumerate()
@@ -261,6 +264,42 @@ impl Sampler {
             r -= v;
         }
         Some(candidates[keep - 1].0)
+    }
+
+    /// A draw from the whole softmax (no top-k, top-p or min-p), in id order: without a
+    /// cut there is nothing to sort, and sorting the vocabulary (49,152 ids for SmolLM2)
+    /// for every token was the largest part of sampling.
+    fn draw_full(&mut self, work: &mut [f32]) -> Option<u32> {
+        let t = self.params.temperature;
+        let max = work
+            .iter()
+            .copied()
+            .filter(|l| l.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        if !max.is_finite() {
+            return None;
+        }
+        let mut total = 0f32;
+        for l in work.iter_mut() {
+            *l = if l.is_finite() {
+                ((*l - max) / t).exp()
+            } else {
+                0.0
+            };
+            total += *l;
+        }
+        let mut r = self.rng.random::<f32>() * total;
+        let mut last = None;
+        for (i, &v) in work.iter().enumerate() {
+            if v > 0.0 {
+                if r < v {
+                    return Some(i as u32);
+                }
+                r -= v;
+                last = Some(i as u32);
+            }
+        }
+        last
     }
 }
 
@@ -406,6 +445,57 @@ mod tests {
         }
         assert_eq!(detect_loop(&t, 8, 4, 24), Some(3));
         assert_eq!(detect_loop(&[1, 2, 3, 4, 5, 6], 3, 2, 4), None);
+    }
+
+    /// Both ways of drawing (the whole softmax, and the sorted cut, here with a top-k of
+    /// the four unmasked ids, which cuts nothing) follow the tempered softmax, and never
+    /// give a masked token.
+    #[test]
+    fn draws_follow_the_tempered_softmax() {
+        let logits = [1.0f32, 0.0, 2.0, -1.0, 0.5];
+        let t = 0.7f32;
+        let masked = 3u32;
+        let exp: Vec<f64> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                if i as u32 == masked {
+                    0.0
+                } else {
+                    f64::from((l / t).exp())
+                }
+            })
+            .collect();
+        let total: f64 = exp.iter().sum();
+        for top_k in [0, 4] {
+            let params = SamplingParams {
+                temperature: t,
+                top_k,
+                seed: Some(3),
+                ..Default::default()
+            };
+            let mut s = Sampler::new(params, &[]);
+            let n = 40_000;
+            let mut counts = [0usize; 5];
+            for _ in 0..n {
+                counts[s
+                    .sample(&logits, Some(&|id| id != masked), 0)
+                    .unwrap()
+                    .token
+                    .id as usize] += 1;
+            }
+            assert_eq!(counts[masked as usize], 0);
+            for (i, &c) in counts.iter().enumerate() {
+                let p = exp[i] / total;
+                // Five standard errors of a binomial proportion.
+                let tolerance = 5.0 * (p * (1.0 - p) / n as f64).sqrt();
+                let seen = c as f64 / n as f64;
+                assert!(
+                    (seen - p).abs() <= tolerance,
+                    "top_k {top_k}, id {i}: {seen} vs {p}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -209,7 +209,23 @@ fn adapters_sync_to_a_model_serve_process() {
         "\n[sync]\nservers = [\"{}\"]\nname = \"tuned\"\n",
         server.url
     );
+    // The echo environment rewards a reply by its length (0.1 a character, at most 1):
+    // three-token replies differ in length, so every group has a spread of rewards and
+    // every step a gradient, whatever is sampled (on arithmetic a 135M model at
+    // temperature 1 can miss every problem of a short run, and then nothing moves).
     let cfg = config(dir.path(), "sync", 2, 0, &extra);
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("env = \"arithmetic\"", "env = \"echo\"")
+        .replace("[env_options]\ndifficulty = 1\n", "")
+        .replace(
+            "You are a calculator. Reply with only the resulting integer, nothing else.",
+            "Reply briefly.",
+        )
+        .replace("{{ observation.problem }}", "Say a few words.")
+        .replace("max_tokens = 10", "max_tokens = 3\nsplit = \"\"");
+    assert!(text.contains("env = \"echo\"") && text.contains("max_tokens = 3"));
+    std::fs::write(&cfg, text).unwrap();
     let finished = run_bounded(train(&cfg, &runs, "sync"), TRAIN_LIMIT);
     assert!(finished.success(), "{finished}\n{}", server.report());
     let lines: Vec<Value> = std::fs::read_to_string(runs.join("sync/metrics.jsonl"))
