@@ -31,7 +31,8 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Bytes of finished sequences' KV caches kept for reuse (prefix caching); 0 turns
     /// it off. A request whose prompt starts with a kept sequence's tokens (the next
-    /// turn of a conversation) runs only the rest through the model.
+    /// turn of a conversation) runs only the rest through the model; so does one whose
+    /// prompt starts like a running sequence's (a group of samples of one prompt).
     pub prefix_cache_bytes: usize,
 }
 
@@ -169,6 +170,7 @@ pub struct Engine {
     lm: Arc<LanguageModel>,
     waiting: Arc<AtomicUsize>,
     running: Arc<AtomicUsize>,
+    reused: Arc<AtomicUsize>,
     config: EngineConfig,
     adapters: Arc<Mutex<HashMap<String, Arc<Slot>>>>,
     _thread: Arc<ThreadGuard>,
@@ -200,13 +202,15 @@ impl Engine {
         let (queue, jobs) = sync_channel(config.max_waiting.max(1));
         let waiting = Arc::new(AtomicUsize::new(0));
         let running = Arc::new(AtomicUsize::new(0));
+        let reused = Arc::new(AtomicUsize::new(0));
         let thread = {
             let lm = lm.clone();
             let waiting = waiting.clone();
             let running = running.clone();
+            let reused = reused.clone();
             std::thread::Builder::new()
                 .name("agentstack-engine".into())
-                .spawn(move || run(&lm, config, &jobs, &waiting, &running))
+                .spawn(move || run(&lm, config, &jobs, &waiting, &running, &reused))
                 .expect("spawning the engine thread")
         };
         Self {
@@ -214,6 +218,7 @@ impl Engine {
             lm,
             waiting,
             running,
+            reused,
             config,
             adapters: Arc::default(),
             _thread: Arc::new(ThreadGuard(Some(thread))),
@@ -287,6 +292,12 @@ impl Engine {
             self.waiting.load(Ordering::Relaxed),
             self.running.load(Ordering::Relaxed),
         )
+    }
+
+    /// Prompt tokens taken from a cache (a finished sequence's, or a running one's with
+    /// the same start) instead of being read by the model, since the engine started.
+    pub fn reused_prompt_tokens(&self) -> usize {
+        self.reused.load(Ordering::Relaxed)
     }
 
     /// Queues a request. The request is checked first (bad input is an error here, not
@@ -407,13 +418,16 @@ fn run(
     jobs: &Receiver<Job>,
     waiting: &AtomicUsize,
     running_count: &AtomicUsize,
+    reused_count: &AtomicUsize,
 ) {
     let mut running: Vec<Running> = Vec::new();
+    // Admitted, waiting for a sibling to finish reading the prompt they share.
+    let mut deferred: Vec<Running> = Vec::new();
     let mut pool = PrefixPool::new(config.prefix_cache_bytes);
     loop {
         // Admit new work: block when idle, otherwise take what is there.
-        while running.len() < config.max_running.max(1) {
-            let job = if running.is_empty() {
+        while running.len() + deferred.len() < config.max_running.max(1) {
+            let job = if running.is_empty() && deferred.is_empty() {
                 match jobs.recv() {
                     Ok(job) => job,
                     Err(_) => return,
@@ -433,9 +447,10 @@ fn run(
                     let tag = tag_of(job.slot.as_ref());
                     if let Some((tokens, cache)) = pool.take(seq.prompt(), &tag) {
                         let reused = seq.reuse_prefix(cache, &tokens);
+                        reused_count.fetch_add(reused, Ordering::Relaxed);
                         tracing::debug!(reused, "prefix cache hit");
                     }
-                    running.push(Running {
+                    deferred.push(Running {
                         seq,
                         events: job.events,
                         slot: job.slot,
@@ -449,7 +464,13 @@ fn run(
         }
         // Cancel those whose client went away.
         running.retain(|r| !r.events.is_closed());
-        running_count.store(running.len(), Ordering::Relaxed);
+        deferred.retain(|r| !r.events.is_closed());
+        if config.prefix_cache_bytes > 0 {
+            start_deferred(&mut running, &mut deferred, reused_count);
+        } else {
+            running.append(&mut deferred);
+        }
+        running_count.store(running.len() + deferred.len(), Ordering::Relaxed);
         if running.is_empty() {
             continue;
         }
@@ -475,7 +496,82 @@ fn run(
                 }
             }
         }
-        running_count.store(running.len(), Ordering::Relaxed);
+        running_count.store(running.len() + deferred.len(), Ordering::Relaxed);
+    }
+}
+
+/// Where a new sequence's prompt can come from.
+enum Share {
+    /// A running sequence on the same weights has read this many of its first tokens.
+    From(usize, usize),
+    /// One is still reading them.
+    Wait,
+    /// None shares enough.
+    Alone,
+}
+
+/// The running sequence whose prompt shares the most of `new`'s first tokens (at least
+/// [`MIN_PREFIX_TOKENS`]), on the same weights, unchanged since it started.
+fn share_for(running: &[Running], new: &Running) -> Share {
+    if !new.seq.cache().is_empty() {
+        return Share::Alone;
+    }
+    let best = running
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.tag == new.tag && tag_of(r.slot.as_ref()) == r.tag)
+        .map(|(i, r)| {
+            let common = r
+                .seq
+                .prompt()
+                .iter()
+                .zip(new.seq.prompt())
+                .take_while(|(a, b)| a == b)
+                .count();
+            (common, i)
+        })
+        .max();
+    match best {
+        Some((common, i)) if common >= MIN_PREFIX_TOKENS => {
+            if running[i].seq.cache().len() >= common {
+                Share::From(i, common)
+            } else {
+                Share::Wait
+            }
+        }
+        _ => Share::Alone,
+    }
+}
+
+/// Starts the deferred sequences that can start. One whose prompt begins like a running
+/// sequence's waits until that one has read the shared tokens, then starts from a copy
+/// of its cache: a GRPO group (or `n` > 1) sends the same prompt many times at once, and
+/// each would otherwise read it in full. Reusing a prefix gives the same bits as reading
+/// it (see [`Sequence::reuse_prefix`]), so results do not depend on who waited.
+fn start_deferred(
+    running: &mut Vec<Running>,
+    deferred: &mut Vec<Running>,
+    reused_count: &AtomicUsize,
+) {
+    let mut i = 0;
+    while i < deferred.len() {
+        match share_for(running, &deferred[i]) {
+            Share::Wait => i += 1,
+            Share::From(from, common) => {
+                let mut r = deferred.remove(i);
+                let source = &running[from].seq;
+                match source.cache().fork() {
+                    Ok(cache) => {
+                        let reused = r.seq.reuse_prefix(cache, &source.prompt()[..common]);
+                        reused_count.fetch_add(reused, Ordering::Relaxed);
+                        tracing::debug!(reused, "shared a running sequence's prompt");
+                    }
+                    Err(error) => tracing::warn!(%error, "could not copy a prompt's cache"),
+                }
+                running.push(r);
+            }
+            Share::Alone => running.push(deferred.remove(i)),
+        }
     }
 }
 

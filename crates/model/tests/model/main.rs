@@ -333,3 +333,52 @@ fn constrained_tool_calls_are_always_well_formed() {
         assert!(args["a"].is_i64() && args["b"].is_i64(), "{args}");
     }
 }
+
+/// A group of samples of one prompt sent at once (GRPO's groups, `n` > 1): the prompt is
+/// read once and the others start from a copy of its cache, and every sample is what an
+/// engine without any reuse gives.
+#[tokio::test]
+#[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
+async fn a_group_of_one_prompt_reads_it_once_without_changing_it() {
+    let lm = lm();
+    let shared = Engine::start(lm.clone(), EngineConfig::default());
+    let fresh = Engine::start(
+        lm.clone(),
+        EngineConfig {
+            prefix_cache_bytes: 0,
+            ..Default::default()
+        },
+    );
+    let prompt = chat(&lm, "Write one sentence about the sea.");
+    let group: Vec<GenerateRequest> = (0..6u64)
+        .map(|seed| GenerateRequest {
+            sampling: SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                ..Default::default()
+            },
+            ..GenerateRequest::greedy(prompt.clone(), 12)
+        })
+        .collect();
+    let receivers: Vec<_> = group
+        .iter()
+        .map(|r| shared.submit(r.clone()).unwrap())
+        .collect();
+    let mut outputs = Vec::new();
+    for mut rx in receivers {
+        let out = loop {
+            match rx.recv().await.expect("an event") {
+                agentstack_model::engine::Event::Done(out) => break out,
+                agentstack_model::engine::Event::Error(e) => panic!("{e}"),
+                agentstack_model::engine::Event::Token(_) => {}
+            }
+        };
+        outputs.push(out);
+    }
+    // Five of the six started from the first one's cache: all but its last token.
+    assert_eq!(shared.reused_prompt_tokens(), 5 * (prompt.len() - 1));
+    for (request, out) in group.into_iter().zip(outputs) {
+        assert_eq!(out, fresh.generate(request).await.unwrap());
+    }
+    assert_eq!(fresh.reused_prompt_tokens(), 0);
+}
