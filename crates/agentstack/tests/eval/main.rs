@@ -13,6 +13,8 @@
 //! Every test needs the model (and the last-but-one the OpenEnv venv) from
 //! `scripts/install-peers`, so each is `#[ignore]`d; CI runs ignored tests.
 
+#[path = "../interop/peers.rs"]
+mod peers;
 #[path = "../interop/processes.rs"]
 mod processes;
 
@@ -20,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use peers::{cache_dir, test_model};
 use processes::{Finished, Server, run_bounded};
 use serde_json::Value;
 
@@ -28,28 +31,6 @@ const EVAL_LIMIT: Duration = Duration::from_secs(900);
 
 /// How long `agentstack model serve` and the Python package may take to start.
 const SERVER_READY: Duration = Duration::from_secs(180);
-
-fn cache_dir() -> PathBuf {
-    match std::env::var_os("AGENTSTACK_CACHE") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/agentstack")
-        }
-    }
-}
-
-fn test_model() -> PathBuf {
-    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
-        Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "{} is missing\nhint: run scripts/fetch-model",
-        path.display()
-    );
-    path
-}
 
 fn openenv_python() -> PathBuf {
     let python = match std::env::var_os("AGENTSTACK_OPENENV_PYTHON") {

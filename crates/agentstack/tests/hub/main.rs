@@ -5,12 +5,16 @@
 //! packages, forks/search/leaderboards, validation in the sandbox, `env validate
 //! hub:...`, and the web page in headless Chromium.
 
+#[path = "../interop/peers.rs"]
+mod peers;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use peers::test_model;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_agentstack");
@@ -962,26 +966,6 @@ async fn the_environment_page_shows_the_package_and_its_leaderboard_in_a_browser
     }
     let index = dom(format!("{}/?q=grid", hub.url));
     assert!(index.contains("href=\"/alice/maze\""), "{index}");
-}
-
-fn test_model() -> PathBuf {
-    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
-        Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => {
-            let cache = match std::env::var_os("AGENTSTACK_CACHE") {
-                Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-                _ => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
-                    .join(".cache/agentstack"),
-            };
-            cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        }
-    };
-    assert!(
-        path.is_file(),
-        "{} is missing\nhint: run scripts/fetch-model",
-        path.display()
-    );
-    path
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -22,6 +22,7 @@
 //! cargo nextest run -p agentstack --test interop --run-ignored all
 //! ```
 
+mod peers;
 mod processes;
 mod verifiers;
 
@@ -29,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use peers::{cache_dir, test_model};
 use processes::{Finished, Server, run_bounded};
 use serde_json::Value;
 
@@ -71,16 +73,6 @@ fn interop_dir() -> PathBuf {
     repo_root().join("tests/interop")
 }
 
-fn cache_dir() -> PathBuf {
-    match std::env::var_os("AGENTSTACK_CACHE") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => {
-            let home = std::env::var_os("HOME").expect("HOME is set");
-            PathBuf::from(home).join(".cache/agentstack")
-        }
-    }
-}
-
 /// A peer's Python: `$variable`, else `<cache>/<venv>/bin/python`. Fails (does not
 /// skip) when it is missing, so an unprovisioned CI run cannot pass silently.
 fn peer_python(variable: &str, venv: &str) -> PathBuf {
@@ -107,19 +99,6 @@ fn openai_python() -> PathBuf {
 }
 
 /// The SmolLM2 test model from `scripts/fetch-model`.
-fn test_model() -> PathBuf {
-    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
-        Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "{} is missing\nhint: run scripts/fetch-model",
-        path.display()
-    );
-    path
-}
-
 /// Python with `openenv-core` 0.3.0.
 fn openenv030_python() -> PathBuf {
     peer_python("AGENTSTACK_OPENENV030_PYTHON", "venv-openenv-core-0.3.0")

@@ -10,6 +10,8 @@
 //! The first two need the model from `scripts/install-peers`, so they are `#[ignore]`d;
 //! CI runs ignored tests.
 
+#[path = "../interop/peers.rs"]
+mod peers;
 #[path = "../interop/processes.rs"]
 mod processes;
 
@@ -17,25 +19,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use peers::test_model;
 use processes::{Server, run_bounded};
 use serde_json::{Value, json};
 
 /// The most one short training run may take on a busy 2-core machine.
 const TRAIN_LIMIT: Duration = Duration::from_secs(900);
-
-fn test_model() -> PathBuf {
-    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
-        Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
-            .join(".cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "{} is missing\nhint: run scripts/fetch-model",
-        path.display()
-    );
-    path
-}
 
 fn agentstack() -> Command {
     Command::new(env!("CARGO_BIN_EXE_agentstack"))
