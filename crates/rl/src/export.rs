@@ -44,7 +44,7 @@ pub struct Exported {
 /// Merges the adapters in `adapter` into `base` (a GGUF file) and writes `out`
 /// atomically; merged weights are stored as `ty`.
 pub fn export(base: &Path, adapter: &Path, out: &Path, ty: GgmlType) -> Result<Exported, String> {
-    if !ty.is_quantizable() && ty != GgmlType::F32 && ty != GgmlType::F16 {
+    if !ty.is_quantizable() {
         return Err(format!(
             "{ty} cannot hold merged weights; use q8_0, f16 or f32"
         ));
@@ -88,49 +88,42 @@ pub fn export(base: &Path, adapter: &Path, out: &Path, ty: GgmlType) -> Result<E
         .collect();
     let infos = file.tensors.clone();
     let mut merged = 0;
-    let bytes =
-        write(out, &metadata, &specs, |i| {
-            let info = &infos[i];
-            let Some(w) = deltas.get(&info.name) else {
-                return file.read(i);
-            };
-            merged += 1;
-            let mut weight = file.read_f32(i)?;
-            let (rank, inp) = (adapter.rank, info.row_len());
-            let a: Vec<f32> =
-                w.a.flatten_all()
-                    .and_then(|t| t.to_vec1())
-                    .map_err(candle)?;
-            let b: Vec<f32> =
-                w.b.flatten_all()
-                    .and_then(|t| t.to_vec1())
-                    .map_err(candle)?;
-            for (o, row) in weight.chunks_exact_mut(inp).enumerate() {
-                let bo = &b[o * rank..(o + 1) * rank];
-                for (j, &bj) in bo.iter().enumerate() {
-                    let coef = scale * bj;
-                    if coef != 0.0 {
-                        for (x, aj) in row.iter_mut().zip(&a[j * inp..(j + 1) * inp]) {
-                            *x += coef * aj;
-                        }
+    let bytes = write(out, &metadata, &specs, |i| {
+        let info = &infos[i];
+        let Some(w) = deltas.get(&info.name) else {
+            return file.read(i);
+        };
+        merged += 1;
+        let mut weight = file.read_f32(i)?;
+        let (rank, inp) = (adapter.rank, info.row_len());
+        let a: Vec<f32> =
+            w.a.flatten_all()
+                .and_then(|t| t.to_vec1())
+                .map_err(candle)?;
+        let b: Vec<f32> =
+            w.b.flatten_all()
+                .and_then(|t| t.to_vec1())
+                .map_err(candle)?;
+        for (o, row) in weight.chunks_exact_mut(inp).enumerate() {
+            let bo = &b[o * rank..(o + 1) * rank];
+            for (j, &bj) in bo.iter().enumerate() {
+                let coef = scale * bj;
+                if coef != 0.0 {
+                    for (x, aj) in row.iter_mut().zip(&a[j * inp..(j + 1) * inp]) {
+                        *x += coef * aj;
                     }
                 }
             }
-            Ok(match ty {
-                GgmlType::F32 => weight.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                GgmlType::F16 => weight
-                    .iter()
-                    .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
-                    .collect(),
-                _ => agentstack_quant::quantize::quantize(ty, &weight, inp, None).map_err(
-                    |reason| agentstack_quant::QuantError::Unquantizable {
-                        name: info.name.clone(),
-                        reason,
-                    },
-                )?,
-            })
+        }
+        // The float types too: the quantizer writes them as ggml does.
+        agentstack_quant::quantize::quantize(ty, &weight, inp, None).map_err(|reason| {
+            agentstack_quant::QuantError::Unquantizable {
+                name: info.name.clone(),
+                reason,
+            }
         })
-        .map_err(|e| e.to_string())?;
+    })
+    .map_err(|e| e.to_string())?;
     Ok(Exported {
         merged,
         copied: infos.len() - merged,
