@@ -15,7 +15,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::LanguageModel;
 use crate::error::{ModelError, Result};
-use crate::generate::{GenerateOutput, GenerateRequest, Sequence, TokenEvent};
+use crate::generate::{GenerateOutput, GenerateRequest, Sequence, TokenEvent, common_prefix};
 use candle_core::Tensor;
 
 use crate::model::{Model, SeqCache};
@@ -78,16 +78,7 @@ impl PrefixPool {
             .iter()
             .enumerate()
             .filter(|(_, (_, _, t))| t == tag)
-            .map(|(i, (tokens, _, _))| {
-                (
-                    i,
-                    tokens
-                        .iter()
-                        .zip(prompt)
-                        .take_while(|(a, b)| a == b)
-                        .count(),
-                )
-            })
+            .map(|(i, (tokens, _, _))| (i, common_prefix(tokens, prompt)))
             .max_by_key(|&(i, shared)| (shared, i))?;
         if shared < MIN_PREFIX_TOKENS {
             return None;
@@ -511,25 +502,18 @@ enum Share {
 }
 
 /// The running sequence whose prompt shares the most of `new`'s first tokens (at least
-/// [`MIN_PREFIX_TOKENS`]), on the same weights, unchanged since it started.
+/// [`MIN_PREFIX_TOKENS`]), on the same weights, unchanged since it started. Only a
+/// cache that can be cut at the shared prefix (the quantized form's) is worth waiting
+/// for.
 fn share_for(running: &[Running], new: &Running) -> Share {
-    if !new.seq.cache().is_empty() {
+    if !new.seq.cache().is_empty() || !new.seq.cache().can_truncate() {
         return Share::Alone;
     }
     let best = running
         .iter()
         .enumerate()
         .filter(|(_, r)| r.tag == new.tag && tag_of(r.slot.as_ref()) == r.tag)
-        .map(|(i, r)| {
-            let common = r
-                .seq
-                .prompt()
-                .iter()
-                .zip(new.seq.prompt())
-                .take_while(|(a, b)| a == b)
-                .count();
-            (common, i)
-        })
+        .map(|(i, r)| (common_prefix(r.seq.prompt(), new.seq.prompt()), i))
         .max();
     match best {
         Some((common, i)) if common >= MIN_PREFIX_TOKENS => {

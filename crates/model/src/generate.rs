@@ -240,13 +240,9 @@ impl Sequence {
             return 0;
         }
         let usable = tokens.len().min(cache.len());
-        let mut common = tokens[..usable]
-            .iter()
-            .zip(&self.pending)
-            .take_while(|(a, b)| a == b)
-            .count();
         // At least one prompt token must go through the model, for its logits.
-        common = common.min(self.prompt_len.saturating_sub(1));
+        let common =
+            common_prefix(&tokens[..usable], &self.pending).min(self.prompt_len.saturating_sub(1));
         if common == 0 || !cache.truncate(common) {
             return 0;
         }
@@ -465,4 +461,9 @@ pub fn generate_batch(
         }
     }
     Ok(seqs.iter().map(Sequence::output).collect())
+}
+
+/// How many first tokens `a` and `b` have in common.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }

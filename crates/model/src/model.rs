@@ -383,11 +383,17 @@ impl SeqCache {
         })
     }
 
+    /// Whether [`SeqCache::truncate`] can cut this cache: the quantized form's can, the
+    /// dense form's cannot.
+    pub fn can_truncate(&self) -> bool {
+        self.layers.is_empty()
+    }
+
     /// Keeps the first `len` positions and forgets the rest, so that a cached prefix
     /// can be continued differently. Only the quantized form's cache can be cut; false
     /// (and unchanged) for the dense form's.
     pub fn truncate(&mut self, len: usize) -> bool {
-        if !self.layers.is_empty() || len > self.len {
+        if !self.can_truncate() || len > self.len {
             return false;
         }
         if let Some((k, _)) = self.raw.first() {
