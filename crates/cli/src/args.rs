@@ -251,6 +251,23 @@ pub struct HubServeArgs {
     /// Extra host paths validation runs may read (a virtual environment).
     #[arg(long, value_name = "PATH")]
     pub validate_read_only: Vec<PathBuf>,
+    /// Also run the `lift` check on every pushed version: a short GRPO run of this
+    /// model (a GGUF file) on the environment, in the sandbox, reporting held-out
+    /// mean reward before and after.
+    #[arg(long, value_name = "GGUF")]
+    pub lift_model: Option<PathBuf>,
+    /// The lift run's train.toml (default: 10 steps of 2 prompts x 8 samples, LoRA
+    /// on the attention weights, 32 held-out episodes before and after); its model
+    /// and env are set by the hub.
+    #[arg(long, value_name = "FILE", requires = "lift_model")]
+    pub lift_config: Option<PathBuf>,
+    /// Compute threads of a lift run.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub lift_threads: usize,
+    /// Longest a lift run may take, in seconds; a run cut short is reported as
+    /// skipped.
+    #[arg(long, default_value_t = 1800, value_name = "SECONDS")]
+    pub lift_timeout: u64,
 }
 
 /// `hub user`.
@@ -529,6 +546,10 @@ pub struct TrainArgs {
     /// The Python that runs a Python environment package.
     #[arg(long)]
     pub python: Option<String>,
+    /// Print the run's report as JSON on stdout (run directory, steps, held-out
+    /// reward before and after with 95% intervals) instead of lines of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `eval`.

@@ -5,13 +5,17 @@
 //! - `conformance` ([`Conformance`]): the package is started **inside the sandbox**
 //!   (it is untrusted code) and `agentstack env validate` checks it speaks the OpenEnv
 //!   protocol, all within the sandbox's own loopback network.
-//! - `lift`: the hook for a short training run before/after. Anything that implements
-//!   [`Validator`] can be added to [`Validators`]; the RL crate adds this one.
+//! - `lift` ([`Lift`], when the hub is given a model): a short GRPO run on the package,
+//!   also inside the sandbox: `agentstack train grpo` evaluates the model on held-out
+//!   tasks, trains it briefly with LoRA, evaluates again, and the check reports the
+//!   change in mean reward with both 95% intervals.
+//!
+//! Anything that implements [`Validator`] can be added to [`Validators`].
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentstack_sandbox::{End, Job, JobFile, Limits, Sandbox};
+use agentstack_sandbox::{End, Job, JobFile, LimitKind, Limits, Sandbox};
 use futures_util::future::BoxFuture;
 
 use crate::api::ValidationCheck;
@@ -223,15 +227,7 @@ impl Validator for Conformance {
                     "the package has more files than a sandbox run takes",
                 );
             }
-            let files = input
-                .files
-                .iter()
-                .map(|(path, (contents, executable))| JobFile {
-                    path: format!("pkg/{path}"),
-                    contents: contents.clone(),
-                    executable: *executable,
-                })
-                .collect();
+            let files = package_files(input);
             let mut job = Job::new([
                 agentstack_sandbox::PROGRAM_IN_SANDBOX,
                 "--quiet",
@@ -243,10 +239,7 @@ impl Validator for Conformance {
             job.files = files;
             job.limits = self.limits;
             job.env = self.env.clone();
-            job.env.push((
-                "PATH".into(),
-                "/opt/agentstack/bin:/usr/local/bin:/usr/bin:/bin".into(),
-            ));
+            job.env.push(("PATH".into(), SANDBOX_PATH.into()));
             let outcome = match sandbox.run(&job).await {
                 Ok(o) => o,
                 Err(e) => {
@@ -262,25 +255,223 @@ impl Validator for Conformance {
                 (End::Exited { code: 1 }, Some(report)) => {
                     check("conformance", "failed", summary(&report))
                 }
-                (end, _) => {
-                    let stderr = outcome.stderr_text();
-                    let tail: String = stderr
-                        .chars()
-                        .rev()
-                        .take(2000)
-                        .collect::<Vec<_>>()
-                        .into_iter()
-                        .rev()
-                        .collect();
-                    check(
-                        "conformance",
-                        "failed",
-                        format!(
-                            "the package did not start or answer ({end:?}): {}",
-                            tail.trim()
+                (end, _) => check(
+                    "conformance",
+                    "failed",
+                    format!(
+                        "the package did not start or answer ({end:?}): {}",
+                        tail(&outcome.stderr_text())
+                    ),
+                ),
+            }
+        })
+    }
+}
+
+/// The package's files under `pkg/` in the sandbox's scratch directory.
+fn package_files(input: &ValidationInput) -> Vec<JobFile> {
+    input
+        .files
+        .iter()
+        .map(|(path, (contents, executable))| JobFile {
+            path: format!("pkg/{path}"),
+            contents: contents.clone(),
+            executable: *executable,
+        })
+        .collect()
+}
+
+/// The last 2,000 characters of a run's standard error, trimmed.
+fn tail(stderr: &str) -> String {
+    let start = stderr.char_indices().rev().nth(1999).map_or(0, |(i, _)| i);
+    stderr[start..].trim().to_owned()
+}
+
+/// `PATH` inside the sandbox, with the exposed `agentstack` first.
+const SANDBOX_PATH: &str = "/opt/agentstack/bin:/usr/local/bin:/usr/bin:/bin";
+
+/// A short GRPO run on the pushed environment, inside the sandbox: `agentstack train
+/// grpo` with the hub's configuration, on the hub's model (bound read-only into the
+/// sandbox at its own path), evaluating held-out tasks before the first step and after
+/// the last. The check passes when the run completes; its message is the change in
+/// held-out mean reward. A run the hub's time limit cuts short is `skipped`, since
+/// the limit, not the package, ended it; a run that fails is `failed`, with its error.
+pub struct Lift {
+    sandbox: Option<Arc<Sandbox>>,
+    /// Why there is no sandbox (shown as the check's message).
+    unavailable: String,
+    /// The run's `train.toml` (its `model` and `env` are replaced).
+    config: String,
+    /// The model file, readable inside the sandbox at this path.
+    model: std::path::PathBuf,
+    /// Compute threads of the run.
+    pub threads: usize,
+    /// Limits of one run.
+    pub limits: Limits,
+    /// Extra environment for the run (e.g. `AGENTSTACK_PYTHON`).
+    pub env: Vec<(String, String)>,
+}
+
+impl Lift {
+    /// Lift runs of `config` (a `train.toml`) on `model` in `sandbox`, which must
+    /// expose its program and bind `model` read-only.
+    pub fn new(sandbox: Arc<Sandbox>, config: String, model: std::path::PathBuf) -> Self {
+        Self {
+            sandbox: Some(sandbox),
+            unavailable: String::new(),
+            config,
+            model,
+            threads: 1,
+            limits: Limits {
+                wall: Duration::from_secs(30 * 60),
+                cpu: Duration::from_secs(30 * 60),
+                // Address space, not resident memory: the f32 learner, the rollout
+                // weights and every thread's reservations.
+                memory_bytes: 32 << 30,
+                processes: 256,
+                file_bytes: 1 << 30,
+                output_bytes: 1 << 20,
+                scratch_bytes: 2 << 30,
+            },
+            env: Vec::new(),
+        }
+    }
+
+    /// Reports the check as skipped, saying why.
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        Self {
+            sandbox: None,
+            unavailable: reason.into(),
+            config: String::new(),
+            model: std::path::PathBuf::new(),
+            threads: 1,
+            limits: Limits::default(),
+            env: Vec::new(),
+        }
+    }
+
+    fn job(&self, input: &ValidationInput) -> Job {
+        let threads = self.threads.max(1).to_string();
+        let model = self.model.to_string_lossy().into_owned();
+        let mut job = Job::new([
+            agentstack_sandbox::PROGRAM_IN_SANDBOX,
+            "--quiet",
+            "train",
+            "grpo",
+            "--config",
+            "lift.toml",
+            "--model",
+            &model,
+            "--env",
+            "pkg",
+            "--runs-dir",
+            "runs",
+            "--run-id",
+            "lift",
+            "--fresh",
+            "--json",
+            "--threads",
+            &threads,
+        ]);
+        job.files = package_files(input);
+        job.files.push(JobFile {
+            path: "lift.toml".into(),
+            contents: self.config.clone().into_bytes(),
+            executable: false,
+        });
+        job.limits = self.limits;
+        job.env = self.env.clone();
+        job.env.push(("PATH".into(), SANDBOX_PATH.into()));
+        job
+    }
+}
+
+/// `0.230 (95% CI 0.150–0.310)` from a run report's `[mean, [lo, hi]]`.
+fn held_out(value: &serde_json::Value) -> Option<(f64, String)> {
+    let mean = value.get(0)?.as_f64()?;
+    let lo = value.get(1)?.get(0)?.as_f64()?;
+    let hi = value.get(1)?.get(1)?.as_f64()?;
+    Some((mean, format!("{mean:.3} (95% CI {lo:.3}–{hi:.3})")))
+}
+
+/// The check from a finished run's JSON report (`train --json`).
+fn lift_result(report: &serde_json::Value, model: &str) -> ValidationCheck {
+    let steps = report["steps"].as_u64().unwrap_or(0);
+    match (
+        held_out(&report["eval_before"]),
+        held_out(&report["eval_after"]),
+    ) {
+        (Some((before, b)), Some((after, a))) => check(
+            "lift",
+            "passed",
+            format!(
+                "held-out mean reward {b} before, {a} after {steps} GRPO steps of {model}: {:+.3}",
+                after - before
+            ),
+        ),
+        _ => check(
+            "lift",
+            "failed",
+            "the training run finished without held-out evaluations before and after it",
+        ),
+    }
+}
+
+impl Validator for Lift {
+    fn name(&self) -> &str {
+        "lift"
+    }
+
+    fn validate<'a>(&'a self, input: &'a ValidationInput) -> BoxFuture<'a, ValidationCheck> {
+        Box::pin(async move {
+            let Some(sandbox) = &self.sandbox else {
+                return check("lift", "skipped", format!("not run: {}", self.unavailable));
+            };
+            if input.files.len() > agentstack_sandbox::job::MAX_JOB_FILES - 8 {
+                return check(
+                    "lift",
+                    "skipped",
+                    "the package has more files than a sandbox run takes",
+                );
+            }
+            let outcome = match sandbox.run(&self.job(input)).await {
+                Ok(o) => o,
+                Err(e) => return check("lift", "failed", format!("the sandbox failed: {e}")),
+            };
+            let model = self
+                .model
+                .file_name()
+                .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+            match outcome.end {
+                End::Exited { code: 0 } => {
+                    match serde_json::from_str::<serde_json::Value>(outcome.stdout_text().trim()) {
+                        Ok(report) => lift_result(&report, &model),
+                        Err(e) => check(
+                            "lift",
+                            "failed",
+                            format!("the training run's report is not JSON ({e})"),
                         ),
-                    )
+                    }
                 }
+                End::Limit {
+                    limit: limit @ (LimitKind::WallTime | LimitKind::CpuTime),
+                } => check(
+                    "lift",
+                    "skipped",
+                    format!(
+                        "the training run did not finish within this hub's {} ({} s)",
+                        limit.describe(),
+                        self.limits.wall.as_secs()
+                    ),
+                ),
+                end => check(
+                    "lift",
+                    "failed",
+                    format!(
+                        "the training run failed ({end:?}): {}",
+                        tail(&outcome.stderr_text())
+                    ),
+                ),
             }
         })
     }
@@ -319,5 +510,32 @@ mod tests {
         assert_eq!(overall(&[c("passed"), c("passed")]), "passed");
         assert_eq!(overall(&[c("passed"), c("skipped")]), "incomplete");
         assert_eq!(overall(&[c("skipped"), c("failed")]), "failed");
+    }
+
+    #[test]
+    fn a_lift_reports_the_change_in_held_out_reward() {
+        let report = serde_json::json!({
+            "steps": 10,
+            "eval_before": [0.25, [0.125, 0.375]],
+            "eval_after": [0.5, [0.375, 0.625]],
+        });
+        let c = lift_result(&report, "m.gguf");
+        assert_eq!(c.status, "passed");
+        assert_eq!(
+            c.message,
+            "held-out mean reward 0.250 (95% CI 0.125–0.375) before, 0.500 (95% CI 0.375–0.625) after 10 GRPO steps of m.gguf: +0.250"
+        );
+        // A run without both evaluations measured nothing.
+        let c = lift_result(&serde_json::json!({"steps": 10, "eval_before": null}), "m");
+        assert_eq!(c.status, "failed");
+    }
+
+    #[test]
+    fn tails_keep_the_last_characters() {
+        let long = format!("{}é{}", "a".repeat(3000), "b".repeat(1998));
+        let t = tail(&long);
+        assert_eq!(t.chars().count(), 2000);
+        assert!(t.starts_with("aé") && t.ends_with('b'));
+        assert_eq!(tail("  short \n"), "short");
     }
 }

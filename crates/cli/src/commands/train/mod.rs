@@ -148,6 +148,14 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
         Some((m, (lo, hi))) => format!("{m:.3} (95% CI {lo:.3}–{hi:.3})"),
         None => "–".into(),
     };
+    if args.json {
+        let text = serde_json::to_string(&report).map_err(|e| anyhow!(e))?;
+        println!("{text}");
+        return match report.stopped_at {
+            Some(_) => Err(Exit::quiet(143)),
+            None => Ok(()),
+        };
+    }
     println!("run: {}", report.dir.display());
     if report.resumed_from > 0 {
         println!("resumed from step {}", report.resumed_from);
