@@ -12,6 +12,7 @@ use agentstack_protocol::http::{
     EnvironmentMetadata, HealthResponse, ResetRequest, SchemaResponse,
 };
 use agentstack_protocol::mcp::{JsonRpcRequest, JsonRpcResponse, RequestId};
+use agentstack_protocol::tasks::{Split, SplitRequest, TasksResponse};
 use agentstack_protocol::ws::{ClientMessage, ServerMessage, StepResult, WsError};
 use futures_util::{SinkExt, StreamExt};
 use serde::Serialize;
@@ -21,6 +22,8 @@ use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use crate::tasks::TaskList;
 
 /// Time and size limits of a client.
 #[derive(Debug, Clone)]
@@ -446,6 +449,53 @@ impl HttpClient {
     /// `GET /schema`.
     pub async fn schema(&self) -> Result<SchemaResponse, ClientError> {
         self.get_typed("/schema").await
+    }
+
+    /// The task list of the environment `env_name` through the Task API: `GET
+    /// /{env}/splits`, then `POST /{env}/tasks` for each split. `None` when the server
+    /// has no Task API or no tasks for it (any non-2xx answer to `/splits`, as
+    /// OpenEnv's servers without one give). The base URL may be the server's root or
+    /// the environment's own prefix (`http://host:port/{env}`).
+    pub async fn task_list(&self, env_name: &str) -> Result<Option<TaskList>, ClientError> {
+        let prefix = if self.base.ends_with(&format!("/{env_name}")) {
+            String::new()
+        } else {
+            format!("/{env_name}")
+        };
+        let (status, body) = self.get_json(&format!("{prefix}/splits")).await?;
+        if !(200..300).contains(&status) {
+            return Ok(None);
+        }
+        let url = |route: &str| format!("{}{prefix}{route}", self.base);
+        let splits: Vec<Split> = serde_json::from_value(body.clone()).map_err(|e| {
+            ClientError::Protocol(format!(
+                "unexpected body from {}: {e}: {body}",
+                url("/splits")
+            ))
+        })?;
+        let mut list = TaskList::new();
+        for split in splits {
+            let request = serde_json::to_string(&SplitRequest {
+                split: split.name.clone(),
+            })
+            .expect("requests serialize");
+            let (status, body) = self.post_json(&format!("{prefix}/tasks"), request).await?;
+            if !(200..300).contains(&status) {
+                return Err(ClientError::Status {
+                    url: url("/tasks"),
+                    status,
+                    body: body.to_string(),
+                });
+            }
+            let reply: TasksResponse = serde_json::from_value(body.clone()).map_err(|e| {
+                ClientError::Protocol(format!(
+                    "unexpected body from {}: {e}: {body}",
+                    url("/tasks")
+                ))
+            })?;
+            list.insert(split, reply.tasks);
+        }
+        Ok(Some(list))
     }
 
     /// `POST /mcp` with a JSON-RPC request.

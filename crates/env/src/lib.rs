@@ -35,4 +35,4 @@ pub use environment::{
     StepJson, ToolCallError,
 };
 pub use spec::EnvSpec;
-pub use tasks::{TaskError, TaskSource};
+pub use tasks::{TaskError, TaskList, TaskSource};

@@ -68,12 +68,16 @@ impl EnvHandle {
         })
     }
 
-    /// An OpenEnv server at `url` (`http://host:port`); reads `/metadata`, `/schema`
-    /// and the MCP tool list.
+    /// An OpenEnv server at `url` (`http://host:port`); reads `/metadata`, `/schema`,
+    /// the MCP tool list and the task list, when the server has the Task API.
     pub async fn remote(url: &str, client: ClientConfig) -> Result<Self, EnvError> {
         let http = HttpClient::new(url, client.message_timeout)?;
         let metadata = http.metadata().await?;
         let schema = http.schema().await?;
+        let tasks = http
+            .task_list(&metadata.name)
+            .await?
+            .map(|list| Arc::new(list) as Arc<dyn TaskSource>);
         let mut probe = EnvClient::connect(url, client.clone()).await?;
         let tools = list_tools(&mut probe).await.unwrap_or_default();
         let _ = probe.close().await;
@@ -82,7 +86,7 @@ impl EnvHandle {
             description: metadata.description.clone(),
             schema,
             tools,
-            tasks: None,
+            tasks,
             target: Target::Remote(url.trim_end_matches('/').to_owned()),
             client,
         })
@@ -108,7 +112,8 @@ impl EnvHandle {
         &self.tools
     }
 
-    /// Its task list, when it publishes one (built-in environments only, for now).
+    /// Its task list, when it publishes one (in process, or through a server's Task
+    /// API).
     pub fn tasks(&self) -> Option<&Arc<dyn TaskSource>> {
         self.tasks.as_ref()
     }

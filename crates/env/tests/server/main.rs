@@ -716,3 +716,34 @@ async fn pool_drives_parallel_sessions_and_typed_client_decodes() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(server.handle.active_sessions(), 0);
 }
+
+/// A client reads a server's whole task list through the Task API, from the server's
+/// root or from the environment's own prefix; a server without one gives `None`.
+#[tokio::test]
+async fn a_client_reads_the_task_list_through_the_task_api() {
+    let server = start(ServerConfig::default()).await;
+    for base in [server.url.clone(), format!("{}/counter", server.url)] {
+        let http = HttpClient::new(&base, Duration::from_secs(10)).unwrap();
+        let list = http
+            .task_list("counter")
+            .await
+            .unwrap()
+            .expect("a task list");
+        assert_eq!(list.splits(), Numbers.splits(), "{base}");
+        assert_eq!(list.num_tasks("train").unwrap(), 5);
+        for i in 0..5 {
+            assert_eq!(
+                list.task("train", i).unwrap(),
+                Numbers.task("train", i).unwrap()
+            );
+        }
+        assert_eq!(list.task("train", 5), Err(TaskError::InvalidIndex));
+        assert!(matches!(
+            list.num_tasks("test"),
+            Err(TaskError::UnknownSplit { .. })
+        ));
+    }
+    // An environment the server does not have: no Task API for it.
+    let http = HttpClient::new(&server.url, Duration::from_secs(10)).unwrap();
+    assert!(http.task_list("nothing").await.unwrap().is_none());
+}
