@@ -1,6 +1,9 @@
 //! `agentstack launch | status | logs | cancel | down`: the real binary in a temporary
 //! home, on local processes.
 
+#[path = "../interop/peers.rs"]
+mod peers;
+
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -307,4 +310,101 @@ run: |
     );
     let out = cli(&["down"]);
     assert_eq!(out.code, 0, "{}", snapshot(&out));
+}
+
+/// The example job group (`examples/rl-job.yaml`) end to end on this machine: two
+/// environment servers, a model server and a GRPO trainer that finds both through the
+/// discovery variables, plays its rollouts and held-out evaluations against the first
+/// environment server (task list included), pushes its adapters to the model server
+/// after every step, and finishes; the servers are then stopped.
+#[test]
+#[ignore = "needs the SmolLM2 model from scripts/install-peers"]
+fn the_example_rl_job_group_trains_against_its_own_servers() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path();
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/rl-job.yaml");
+    let model = peers::test_model();
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_agentstack"))
+        .parent()
+        .unwrap();
+    let out = Command::cargo_bin("agentstack")
+        .unwrap()
+        .arg("launch")
+        .arg(&example)
+        .arg("--env")
+        .arg(format!("MODEL={}", model.display()))
+        .args(["--env", "STEPS=2"])
+        .current_dir(h)
+        .env("HOME", h)
+        .env("AGENTSTACK_HOME", h.join("data"))
+        .env("AGENTSTACK_LOCAL_CPUS", "6")
+        .env(
+            "PATH",
+            format!(
+                "{}:{}",
+                bin_dir.display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        )
+        .env_remove("AGENTSTACK_LOG")
+        .env_remove("KUBECONFIG")
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    let out = Output {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    let logs =
+        |component: &str| agentstack(h, &["logs", &format!("rl-arithmetic/{component}")]).stdout;
+    assert_eq!(
+        out.code,
+        0,
+        "{}\ntrainer:\n{}",
+        snapshot(&out),
+        logs("trainer")
+    );
+    assert!(
+        out.stderr.contains("`rl-arithmetic` succeeded"),
+        "{}",
+        out.stderr
+    );
+    let trainer = logs("trainer");
+    assert!(trainer.contains("steps: 2"), "{trainer}");
+    assert!(trainer.contains("held-out reward before: 0."), "{trainer}");
+    assert!(trainer.contains("held-out reward after:  0."), "{trainer}");
+    // Both steps' adapters reached the model server, by the run's name.
+    let server = without_colours(&logs("model-server"));
+    for version in [1, 2] {
+        assert!(
+            server.lines().any(|l| l.contains("adapter loaded")
+                && l.contains("name=\"arithmetic-grpo\"")
+                && l.contains(&format!("version={version} "))),
+            "{server}"
+        );
+    }
+    let metrics =
+        std::fs::read_to_string(h.join("data/runs/arithmetic-grpo/metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2, "{metrics}");
+    let status = agentstack(h, &["status", "rl-arithmetic"]).stdout;
+    assert!(status.contains("on local: succeeded"), "{status}");
+}
+
+/// `text` without ANSI escape sequences (`ESC [ ... letter`).
+fn without_colours(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
