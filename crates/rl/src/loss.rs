@@ -264,10 +264,103 @@ pub fn policy_loss(samples: &[SampleTerms], config: &LossConfig) -> Result<(Tens
 }
 
 /// `log softmax(logits)[token]` for each row: `[T, vocab]`, `[T]` → `[T]`.
+///
+/// For f32 logits on the CPU (the learner's) this is one fused operation: a pass per
+/// row for its log-normalizer, and in the backward pass one more writing
+/// `g·(onehot − softmax)`. Built from candle's operations instead, it made and read a
+/// handful of `[T, vocab]` tensors each way (`vocab` is 49,152 for SmolLM2).
 pub fn token_logprobs(logits: &Tensor, tokens: &[u32]) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    if tokens.len() != rows {
+        candle_core::bail!("{} tokens for {rows} rows of logits", tokens.len());
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        candle_core::bail!("token id {bad} is outside the vocabulary of {vocab}");
+    }
+    if logits.dtype() == DType::F32 && logits.device().is_cpu() {
+        return logits.apply_op1_arc(std::sync::Arc::new(Box::new(TokenLogprobs(
+            tokens.to_vec(),
+        ))));
+    }
     let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
     let index = Tensor::from_slice(tokens, (tokens.len(), 1), logits.device())?;
     log_probs.gather(&index, D::Minus1)?.squeeze(D::Minus1)
+}
+
+/// `log Σ exp(row)`, summed in f64 after subtracting the row's maximum.
+fn log_normalizer(row: &[f32]) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let sum: f64 = row.iter().map(|&x| f64::from((x - max).exp())).sum();
+    max + sum.ln() as f32
+}
+
+/// [`token_logprobs`] as one operation with its own backward pass.
+struct TokenLogprobs(Vec<u32>);
+
+impl TokenLogprobs {
+    /// The rows of an f32 `[rows, vocab]` tensor on the CPU, contiguous.
+    fn with_rows<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+        let (storage, layout) = t.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) => {
+                f(&data[a..b])
+            }
+            _ => {
+                drop(storage);
+                let values = t.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+                f(&values)
+            }
+        }
+    }
+}
+
+impl candle_core::CustomOp1 for TokenLogprobs {
+    fn name(&self) -> &'static str {
+        "token-logprobs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use rayon::prelude::*;
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("token-logprobs takes f32 logits");
+        };
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            candle_core::bail!("token-logprobs takes contiguous logits");
+        };
+        let (rows, vocab) = layout.shape().dims2()?;
+        let data = &data[a..b];
+        let out: Vec<f32> = (0..rows)
+            .into_par_iter()
+            .map(|r| {
+                let row = &data[r * vocab..(r + 1) * vocab];
+                row[self.0[r] as usize] - log_normalizer(row)
+            })
+            .collect();
+        Ok((candle_core::CpuStorage::F32(out), rows.into()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        use rayon::prelude::*;
+        let (rows, vocab) = arg.dims2()?;
+        let g = grad_res.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; rows * vocab];
+        Self::with_rows(arg, |data| {
+            out.par_chunks_mut(vocab).enumerate().for_each(|(r, dst)| {
+                let row = &data[r * vocab..(r + 1) * vocab];
+                let lse = log_normalizer(row);
+                for (d, &x) in dst.iter_mut().zip(row) {
+                    *d = -g[r] * (x - lse).exp();
+                }
+                dst[self.0[r] as usize] += g[r];
+            });
+            Ok(())
+        })?;
+        Ok(Some(Tensor::from_vec(out, (rows, vocab), arg.device())?))
+    }
 }
 
 #[cfg(test)]
@@ -485,6 +578,67 @@ mod tests {
             assert!((k[2][j] - (l.exp() - 1.0 - l)).abs() < 1e-12);
             assert!(k[2][j] >= 0.0);
         }
+    }
+
+    #[test]
+    fn token_logprobs_fused_matches_log_softmax_in_value_and_gradient() {
+        use candle_core::Var;
+        let (rows, vocab) = (5, 300);
+        let values: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
+            .collect();
+        let tokens: Vec<u32> = (0..rows as u32).map(|r| r * 61 % vocab as u32).collect();
+        let weights = Tensor::new(&[1.0f32, -2.0, 0.5, 3.0, -1.5], &Device::Cpu).unwrap();
+        let x = Var::from_vec(values, (rows, vocab), &Device::Cpu).unwrap();
+        let fused = token_logprobs(x.as_tensor(), &tokens).unwrap();
+        let g_fused = (&fused * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let log_probs = candle_nn::ops::log_softmax(x.as_tensor(), D::Minus1).unwrap();
+        let index = Tensor::from_slice(&tokens, (rows, 1), &Device::Cpu).unwrap();
+        let plain = log_probs
+            .gather(&index, D::Minus1)
+            .unwrap()
+            .squeeze(D::Minus1)
+            .unwrap();
+        let g_plain = (&plain * &weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let (a, b): (Vec<f32>, Vec<f32>) = (fused.to_vec1().unwrap(), plain.to_vec1().unwrap());
+        for (a, b) in a.iter().zip(&b) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        let ga: Vec<f32> = g_fused
+            .get(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let gb: Vec<f32> = g_plain
+            .get(&x)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (a, b) in ga.iter().zip(&gb) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+        // A view into a larger tensor (a narrowed row range) reads the right rows.
+        let narrowed =
+            token_logprobs(&x.as_tensor().narrow(0, 2, 3).unwrap(), &tokens[2..]).unwrap();
+        let n: Vec<f32> = narrowed.to_vec1().unwrap();
+        assert_eq!(n, a[2..].to_vec());
+        // Bad input is refused with a message.
+        assert!(token_logprobs(x.as_tensor(), &tokens[1..]).is_err());
+        assert!(token_logprobs(x.as_tensor(), &[0, 0, 0, 0, vocab as u32]).is_err());
     }
 
     #[test]

@@ -123,13 +123,16 @@ pub fn completion_logprobs_grouped(
     completions
         .iter()
         .map(|c| {
-            let logits = if c.len() > 1 {
+            // The first token from the prompt's last row, the rest from the
+            // completion's own rows (the log-probabilities are joined, not the
+            // vocabulary-wide logits).
+            let head = token_logprobs(&first, &c[..1])?;
+            if c.len() > 1 {
                 let more = rest.next().expect("one output per longer completion");
-                Tensor::cat(&[&first, &more], 0)?
+                Tensor::cat(&[&head, &token_logprobs(&more, &c[1..])?], 0)
             } else {
-                first.clone()
-            };
-            token_logprobs(&logits, c)
+                Ok(head)
+            }
         })
         .collect()
 }
