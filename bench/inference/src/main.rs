@@ -2,9 +2,9 @@
 //! run, on one GGUF file:
 //!
 //! 1. **Prefill and decode** (`pp`, `tg`) at each thread count, llama-bench's
-//!    protocol: `llama-bench -m MODEL -p 64 -n 128 -t T -r 3 -o json` against the
-//!    same tests on our `Model::forward`, in a child process per thread count (see
-//!    [`in_process`]).
+//!    protocol: `llama-bench -m MODEL -p 64 -n 128 -t T -r 1 -o json` against the
+//!    same tests on our `Model::forward` in a child process (see [`in_process`]),
+//!    alternating, one timed run each per round, 3 rounds.
 //! 2. **Aggregate throughput** of concurrent requests: `llama-server -np 8` against
 //!    `agentstack model serve`, both started with the same thread count, both
 //!    answering rounds of 8 concurrent `/v1/completions` requests (greedy,
@@ -35,7 +35,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use in_process::MeasureArgs;
 use report::{Concurrent, PpTg, Rate, Results, RoundRecord, ServerFigures, Versions};
 use servers::{Engine, Server};
-use settings::{Phase, Settings, UserError};
+use settings::{Phase, Plan, Settings, UserError};
 
 /// How often the spinners redraw.
 const SPINNER_TICK: Duration = Duration::from_millis(120);
@@ -199,13 +199,53 @@ async fn run(args: Args) -> Result<()> {
             "prefill/decode: pp{} and tg{}, {} runs after a warm-up, at {:?} thread(s)",
             plan.prompt_tokens, plan.gen_tokens, plan.repetitions, plan.threads
         );
+        // One timed run per side per round, alternating (llama-bench -r 1, then ours),
+        // so that a shared machine's slow drifts reach both sides alike instead of
+        // whichever ran during them.
+        let once = Plan {
+            repetitions: 1,
+            ..plan.clone()
+        };
         for &threads in &plan.threads {
-            let spinner = spinner(format!("llama-bench -t {threads}"));
             let log = log_dir.join(format!("llama-bench-t{threads}.stderr"));
-            let theirs =
-                llama_bench::run(&settings.llama_bench, &settings.model, plan, threads, &log).await;
-            spinner.finish_and_clear();
-            let theirs = theirs?;
+            let (mut their_pp, mut their_tg, mut our_pp, mut our_tg) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut load_seconds = Vec::new();
+            let mut build_commit = String::new();
+            for round in 1..=plan.repetitions {
+                let spinner = spinner(format!(
+                    "llama-bench -t {threads} -r 1, round {round}/{}",
+                    plan.repetitions
+                ));
+                let theirs =
+                    llama_bench::run(&settings.llama_bench, &settings.model, &once, threads, &log)
+                        .await;
+                spinner.finish_and_clear();
+                let theirs = theirs?;
+                let ours = in_process::run_child(&settings.model, &once, threads).await?;
+                eprintln!(
+                    "  {threads} thread(s), round {round}: llama.cpp pp {:.0} tg {:.1} tok/s; agentstack pp {:.0} tg {:.1} tok/s",
+                    theirs.pp.mean, theirs.tg.mean, ours.pp.mean, ours.tg.mean
+                );
+                their_pp.extend(theirs.pp.samples);
+                their_tg.extend(theirs.tg.samples);
+                our_pp.extend(ours.pp.samples);
+                our_tg.extend(ours.tg.samples);
+                load_seconds.push(ours.load_seconds);
+                build_commit = theirs.build_commit;
+            }
+            let theirs = llama_bench::LlamaBench {
+                build_commit,
+                pp: Rate::of(their_pp),
+                tg: Rate::of(their_tg),
+            };
+            let ours = in_process::InProcess {
+                candle_threads: threads,
+                rayon_threads: threads,
+                load_seconds: load_seconds.iter().sum::<f64>() / load_seconds.len().max(1) as f64,
+                pp: Rate::of(our_pp),
+                tg: Rate::of(our_tg),
+            };
             eprintln!(
                 "  llama.cpp,  {threads} thread(s): pp {:.0} tok/s, tg {:.1} tok/s",
                 theirs.pp.mean, theirs.tg.mean
@@ -217,7 +257,6 @@ async fn run(args: Args) -> Result<()> {
                     theirs.build_commit
                 );
             }
-            let ours = in_process::run_child(&settings.model, plan, threads).await?;
             eprintln!(
                 "  agentstack, {threads} thread(s): pp {:.0} tok/s, tg {:.1} tok/s (model loaded in {:.2} s)",
                 ours.pp.mean, ours.tg.mean, ours.load_seconds
@@ -227,7 +266,7 @@ async fn run(args: Args) -> Result<()> {
                 llamacpp_command: format!(
                     "{} {}",
                     settings.llama_bench.display(),
-                    llama_bench::arguments(&settings.model, plan, threads).join(" ")
+                    llama_bench::arguments(&settings.model, &once, threads).join(" ")
                 ),
                 pp_ratio: report::ratio(ours.pp.mean, theirs.pp.mean),
                 tg_ratio: report::ratio(ours.tg.mean, theirs.tg.mean),
@@ -488,10 +527,11 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
     let _ = writeln!(s, "- llama.cpp: {}.", results.versions.llamacpp);
     let _ = writeln!(
         s,
-        "- Prefill/decode: llama-bench's protocol on both sides (`llama-bench -p {} -n {} -r {} -t T -o json`; ours: \
+        "- Prefill/decode: llama-bench's protocol on both sides, {} rounds alternating between them, one timed run \
+         per side per round (`llama-bench -p {} -n {} -r 1 -t T -o json`; ours: \
          `Model::forward` in a child process with RAYON_NUM_THREADS=CANDLE_NUM_THREADS=T, a {}-token prompt in one call \
-         on a fresh cache, then {} one-token calls on another, random token ids, one warm-up).",
-        plan.prompt_tokens, plan.gen_tokens, plan.repetitions, plan.prompt_tokens, plan.gen_tokens
+         on a fresh cache, then {} one-token calls on another, random token ids, one warm-up each).",
+        plan.repetitions, plan.prompt_tokens, plan.gen_tokens, plan.prompt_tokens, plan.gen_tokens
     );
     let _ = writeln!(
         s,

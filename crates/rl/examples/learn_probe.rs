@@ -1,0 +1,41 @@
+//! Times the learner's work on one GRPO group, as bench/rl's step does it: a 46-token
+//! prompt and 8 completions of 22 tokens scored with `completion_logprobs_grouped` on
+//! the f32 weights with LoRA (r 8, q and v), then the backward pass. Six iterations;
+//! for profiling the learner alone (`perf record` on it), without rollouts.
+//!
+//!     cargo build --release -p agentstack-rl --example learn_probe
+//!     RAYON_NUM_THREADS=2 CANDLE_NUM_THREADS=2 target/release/examples/learn_probe MODEL.gguf
+use std::time::Instant;
+
+use agentstack_model::{LanguageModel, WeightForm};
+use agentstack_rl::lora::{Lora, LoraConfig};
+use agentstack_rl::policy::completion_logprobs_grouped;
+use candle_core::DType;
+
+fn main() {
+    let path = std::env::args().nth(1).expect("model path");
+    let lm = LanguageModel::load(&path, WeightForm::Dense(DType::F32)).unwrap();
+    let base = lm.model().clone();
+    let lora = Lora::new(&base, LoraConfig::default(), 1).unwrap();
+    let prompt: Vec<u32> = (0..46).map(|i| 100 + i * 37).collect();
+    let comps: Vec<Vec<u32>> = (0..8)
+        .map(|j| (0..22).map(|i| 200 + i * 53 + j * 7).collect())
+        .collect();
+    let refs: Vec<&[u32]> = comps.iter().map(|c| c.as_slice()).collect();
+    for it in 0..6 {
+        let t = Instant::now();
+        let policy = lora.apply(&base).unwrap();
+        let lps = completion_logprobs_grouped(&policy, &prompt, &refs).unwrap();
+        let mut total = lps[0].sum_all().unwrap();
+        for lp in &lps[1..] {
+            total = (total + lp.sum_all().unwrap()).unwrap();
+        }
+        let f = t.elapsed().as_secs_f64();
+        let _g = total.backward().unwrap();
+        eprintln!(
+            "iter {it}: forward {:.2}s total {:.2}s",
+            f,
+            t.elapsed().as_secs_f64()
+        );
+    }
+}
