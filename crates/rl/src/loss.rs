@@ -614,20 +614,10 @@ mod tests {
         for (a, b) in a.iter().zip(&b) {
             assert!((a - b).abs() < 1e-5, "{a} vs {b}");
         }
-        let ga: Vec<f32> = g_fused
-            .get(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let gb: Vec<f32> = g_plain
-            .get(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let grad = |g: &candle_core::backprop::GradStore| -> Vec<f32> {
+            g.get(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        let (ga, gb) = (grad(&g_fused), grad(&g_plain));
         for (a, b) in ga.iter().zip(&gb) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
         }

@@ -237,6 +237,17 @@ fn package(dir: &Path, name: &str, version: &str, readme: &str) {
     std::fs::write(dir.join("data/cases.jsonl"), "{\"x\": 1}\n{\"x\": 2}\n").unwrap();
 }
 
+/// A package `arith` that serves the built-in arithmetic environment.
+fn arithmetic_package(dir: &Path, version: &str, readme: &str) {
+    package(dir, "arith", version, readme);
+    let yaml = std::fs::read_to_string(dir.join("openenv.yaml")).unwrap();
+    std::fs::write(
+        dir.join("openenv.yaml"),
+        yaml.replace("env serve echo", "env serve arithmetic"),
+    )
+    .unwrap();
+}
+
 fn packed(dir: &Path) -> Vec<u8> {
     agentstack_hub::package::pack(dir).unwrap().bytes
 }
@@ -997,13 +1008,7 @@ async fn a_lift_check_trains_briefly_in_the_sandbox_and_reports_the_change() {
     );
     let alice = hub.user("alice");
     let src = tempfile::tempdir().unwrap();
-    package(src.path(), "arith", "1.0.0", "# Arithmetic\n");
-    let yaml = std::fs::read_to_string(src.path().join("openenv.yaml")).unwrap();
-    std::fs::write(
-        src.path().join("openenv.yaml"),
-        yaml.replace("env serve echo", "env serve arithmetic"),
-    )
-    .unwrap();
+    arithmetic_package(src.path(), "1.0.0", "# Arithmetic\n");
     hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
     let v = validation_within(&hub, "alice/arith", "1.0.0", Duration::from_secs(900)).await;
     let checks = v["checks"].as_array().unwrap();
@@ -1153,13 +1158,7 @@ async fn eval_on_a_hub_package_records_its_version_and_posts_to_its_leaderboard(
     let hub = Hub::start(Backend::Sqlite);
     let alice = hub.user("alice");
     let src = tempfile::tempdir().unwrap();
-    package(src.path(), "arith", "2.0.0", "# Arithmetic from the hub\n");
-    let yaml = std::fs::read_to_string(src.path().join("openenv.yaml")).unwrap();
-    std::fs::write(
-        src.path().join("openenv.yaml"),
-        yaml.replace("env serve echo", "env serve arithmetic"),
-    )
-    .unwrap();
+    arithmetic_package(src.path(), "2.0.0", "# Arithmetic from the hub\n");
     hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
     let model = test_model();
     let eval = |token: Option<&str>, post: bool| {
