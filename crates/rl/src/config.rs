@@ -310,7 +310,7 @@ impl Default for CheckpointSection {
 }
 
 /// `[sync]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SyncSection {
     /// Base URLs of `agentstack model serve` processes (`http://host:port`) that get
@@ -318,6 +318,19 @@ pub struct SyncSection {
     pub servers: Vec<String>,
     /// The adapter's name there (default: the run id).
     pub name: Option<String>,
+    /// How long, in seconds, a push keeps retrying a server that cannot be reached or
+    /// answers 5xx (one still starting, or being replaced) before the run fails.
+    pub wait_seconds: u64,
+}
+
+impl Default for SyncSection {
+    fn default() -> Self {
+        Self {
+            servers: Vec::new(),
+            name: None,
+            wait_seconds: 120,
+        }
+    }
 }
 
 /// `[distill]`.

@@ -338,6 +338,45 @@ impl Learner {
     }
 }
 
+/// `POST {server}/v1/adapters` with `body`. A server that cannot be reached or answers
+/// 5xx (still starting, or being replaced by its supervisor) is retried, backing off
+/// from 0.25 s to 4 s, for up to `wait`; any other failure, or the last one, ends the
+/// run with the server's answer.
+async fn push_adapter(
+    http: &reqwest::Client,
+    server: &str,
+    body: &Value,
+    wait: std::time::Duration,
+) -> Result<(), TrainError> {
+    let url = format!("{}/v1/adapters", server.trim_end_matches('/'));
+    let deadline = Instant::now() + wait;
+    let mut pause = std::time::Duration::from_millis(250);
+    loop {
+        let failure = match http.post(&url).json(body).send().await {
+            Ok(response) if response.status().is_success() => return Ok(()),
+            Ok(response) => {
+                let status = response.status();
+                let text = response.text().await.unwrap_or_default();
+                let message = format!("{url}: {status}: {text}");
+                if !status.is_server_error() {
+                    return Err(TrainError::Rollout(message));
+                }
+                message
+            }
+            Err(e) => format!("{url}: {e}"),
+        };
+        if Instant::now() + pause > deadline {
+            return Err(TrainError::Rollout(format!(
+                "{failure} (still failing after {} s; sync.wait_seconds sets how long to retry)",
+                wait.as_secs()
+            )));
+        }
+        tracing::warn!(server = %url, error = %failure, "adapter push failed; retrying");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(std::time::Duration::from_secs(4));
+    }
+}
+
 /// A checkpoint's `state.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct CheckpointState {
@@ -828,19 +867,10 @@ pub async fn train(
             let t = Instant::now();
             let path = dir.join("adapter.safetensors");
             lora.save(&path).map_err(model_err)?;
+            let wait = std::time::Duration::from_secs(config.sync.wait_seconds);
+            let body = json!({"name": adapter_name, "path": path});
             for server in &config.sync.servers {
-                let url = format!("{}/v1/adapters", server.trim_end_matches('/'));
-                let response = http
-                    .post(&url)
-                    .json(&json!({"name": adapter_name, "path": path}))
-                    .send()
-                    .await
-                    .map_err(|e| TrainError::Rollout(format!("{url}: {e}")))?;
-                if !response.status().is_success() {
-                    let status = response.status();
-                    let body = response.text().await.unwrap_or_default();
-                    return Err(TrainError::Rollout(format!("{url}: {status}: {body}")));
-                }
+                push_adapter(&http, server, &body, wait).await?;
             }
             m.remote_sync_ms = Some(t.elapsed().as_secs_f64() * 1e3);
         }
@@ -1122,4 +1152,113 @@ async fn eval_at(
         .await
         .map_err(|e| TrainError::Rollout(e.to_string()))?;
     Ok((summary.mean_reward, summary.ci95))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// Whether `got` holds a whole HTTP request (headers and `content-length` bytes).
+    fn complete(got: &[u8]) -> bool {
+        let text = String::from_utf8_lossy(got);
+        let Some(end) = text.find("\r\n\r\n") else {
+            return false;
+        };
+        let length = text[..end]
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+            })
+            .unwrap_or(0);
+        got.len() >= end + 4 + length
+    }
+
+    /// Answers one request on `listener` with `status` and `body`; returns the request.
+    async fn answer(listener: &TcpListener, status: &str, body: &str) -> String {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let (mut buf, mut got) = (vec![0u8; 8192], Vec::new());
+        while !complete(&got) {
+            let n = socket.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        let reply = format!(
+            "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        socket.write_all(reply.as_bytes()).await.unwrap();
+        String::from_utf8_lossy(&got).into_owned()
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// A model server that is not up yet, then answers 503 while it loads, gets the
+    /// adapters once it is ready; a 4xx fails at once with the server's message; a
+    /// server that never comes fails the push after `wait`, saying how to wait longer.
+    #[tokio::test]
+    async fn adapter_pushes_wait_for_a_starting_server_but_not_for_a_refusal() {
+        let http = reqwest::Client::new();
+        let body = json!({"name": "run", "path": "/x/adapter.safetensors"});
+        let port = free_port();
+        let server = format!("http://127.0.0.1:{port}");
+        let push = {
+            let (http, body, server) = (http.clone(), body.clone(), server.clone());
+            tokio::spawn(async move {
+                push_adapter(&http, &server, &body, Duration::from_secs(20)).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let listener = TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+        answer(&listener, "503 Service Unavailable", "loading").await;
+        let request = answer(&listener, "200 OK", "{}").await;
+        push.await.unwrap().unwrap();
+        assert!(request.starts_with("POST /v1/adapters "), "{request}");
+        assert!(request.contains("\"name\":\"run\""), "{request}");
+
+        let refusing = {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            tokio::spawn(async move {
+                answer(
+                    &listener,
+                    "400 Bad Request",
+                    "the adapter's shapes do not fit",
+                )
+                .await;
+            });
+            format!("http://{addr}")
+        };
+        let t = Instant::now();
+        let e = push_adapter(&http, &refusing, &body, Duration::from_secs(20))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("400") && e.contains("shapes do not fit"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+        let nobody = format!("http://127.0.0.1:{}", free_port());
+        let e = push_adapter(&http, &nobody, &body, Duration::from_secs(1))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("still failing after 1 s") && e.contains("sync.wait_seconds"),
+            "{e}"
+        );
+    }
 }
