@@ -424,6 +424,27 @@ impl HttpClient {
 
     async fn get_typed<T: DeserializeOwned>(&self, route: &str) -> Result<T, ClientError> {
         let (status, body) = self.get_json(route).await?;
+        self.decode(route, status, body)
+    }
+
+    async fn post_typed<T: DeserializeOwned>(
+        &self,
+        route: &str,
+        request: &impl Serialize,
+    ) -> Result<T, ClientError> {
+        let body = serde_json::to_string(request).expect("requests serialize");
+        let (status, body) = self.post_json(route, body).await?;
+        self.decode(route, status, body)
+    }
+
+    /// A 2xx answer's body as `T`; any other status, or a body of another shape, is an
+    /// error naming the URL.
+    fn decode<T: DeserializeOwned>(
+        &self,
+        route: &str,
+        status: u16,
+        body: Value,
+    ) -> Result<T, ClientError> {
         let url = format!("{}{route}", self.base);
         if !(200..300).contains(&status) {
             return Err(ClientError::Status {
@@ -462,37 +483,20 @@ impl HttpClient {
         } else {
             format!("/{env_name}")
         };
-        let (status, body) = self.get_json(&format!("{prefix}/splits")).await?;
+        let route = format!("{prefix}/splits");
+        let (status, body) = self.get_json(&route).await?;
         if !(200..300).contains(&status) {
             return Ok(None);
         }
-        let url = |route: &str| format!("{}{prefix}{route}", self.base);
-        let splits: Vec<Split> = serde_json::from_value(body.clone()).map_err(|e| {
-            ClientError::Protocol(format!(
-                "unexpected body from {}: {e}: {body}",
-                url("/splits")
-            ))
-        })?;
+        let splits: Vec<Split> = self.decode(&route, status, body)?;
         let mut list = TaskList::new();
         for split in splits {
-            let request = serde_json::to_string(&SplitRequest {
+            let request = SplitRequest {
                 split: split.name.clone(),
-            })
-            .expect("requests serialize");
-            let (status, body) = self.post_json(&format!("{prefix}/tasks"), request).await?;
-            if !(200..300).contains(&status) {
-                return Err(ClientError::Status {
-                    url: url("/tasks"),
-                    status,
-                    body: body.to_string(),
-                });
-            }
-            let reply: TasksResponse = serde_json::from_value(body.clone()).map_err(|e| {
-                ClientError::Protocol(format!(
-                    "unexpected body from {}: {e}: {body}",
-                    url("/tasks")
-                ))
-            })?;
+            };
+            let reply: TasksResponse = self
+                .post_typed(&format!("{prefix}/tasks"), &request)
+                .await?;
             list.insert(split, reply.tasks);
         }
         Ok(Some(list))

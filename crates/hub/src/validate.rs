@@ -213,33 +213,18 @@ impl Validator for Conformance {
 
     fn validate<'a>(&'a self, input: &'a ValidationInput) -> BoxFuture<'a, ValidationCheck> {
         Box::pin(async move {
-            let Some(sandbox) = &self.sandbox else {
-                return check(
-                    "conformance",
-                    "skipped",
-                    format!("not run: {}", self.unavailable),
-                );
+            let sandbox = match sandbox_for("conformance", &self.sandbox, &self.unavailable, input)
+            {
+                Ok(sandbox) => sandbox,
+                Err(skipped) => return skipped,
             };
-            if input.files.len() > agentstack_sandbox::job::MAX_JOB_FILES - 8 {
-                return check(
-                    "conformance",
-                    "skipped",
-                    "the package has more files than a sandbox run takes",
-                );
-            }
-            let files = package_files(input);
-            let mut job = Job::new([
-                agentstack_sandbox::PROGRAM_IN_SANDBOX,
-                "--quiet",
-                "env",
-                "validate",
-                "--json",
-                "pkg",
-            ]);
-            job.files = files;
-            job.limits = self.limits;
-            job.env = self.env.clone();
-            job.env.push(("PATH".into(), SANDBOX_PATH.into()));
+            let job = package_job(
+                &["env", "validate", "--json", "pkg"],
+                input,
+                Vec::new(),
+                self.limits,
+                &self.env,
+            );
             let outcome = match sandbox.run(&job).await {
                 Ok(o) => o,
                 Err(e) => {
@@ -268,9 +253,44 @@ impl Validator for Conformance {
     }
 }
 
-/// The package's files under `pkg/` in the sandbox's scratch directory.
-fn package_files(input: &ValidationInput) -> Vec<JobFile> {
-    input
+/// The sandbox a check runs in, or the check's result when it cannot run there:
+/// skipped when this hub cannot isolate, or when the package has more files than one
+/// sandbox run takes.
+fn sandbox_for<'a>(
+    name: &str,
+    sandbox: &'a Option<Arc<Sandbox>>,
+    unavailable: &str,
+    input: &ValidationInput,
+) -> Result<&'a Sandbox, ValidationCheck> {
+    let Some(sandbox) = sandbox else {
+        return Err(check(name, "skipped", format!("not run: {unavailable}")));
+    };
+    if input.files.len() > agentstack_sandbox::job::MAX_JOB_FILES - 8 {
+        return Err(check(
+            name,
+            "skipped",
+            "the package has more files than a sandbox run takes",
+        ));
+    }
+    Ok(sandbox)
+}
+
+/// A sandbox job running the exposed `agentstack --quiet ARGS...` on the package, whose
+/// files are under `pkg/` in the scratch directory (with `extra` files beside it).
+fn package_job(
+    args: &[&str],
+    input: &ValidationInput,
+    extra: Vec<JobFile>,
+    limits: Limits,
+    env: &[(String, String)],
+) -> Job {
+    let mut job = Job::new(
+        [agentstack_sandbox::PROGRAM_IN_SANDBOX, "--quiet"]
+            .iter()
+            .chain(args)
+            .copied(),
+    );
+    job.files = input
         .files
         .iter()
         .map(|(path, (contents, executable))| JobFile {
@@ -278,7 +298,12 @@ fn package_files(input: &ValidationInput) -> Vec<JobFile> {
             contents: contents.clone(),
             executable: *executable,
         })
-        .collect()
+        .chain(extra)
+        .collect();
+    job.limits = limits;
+    job.env = env.to_vec();
+    job.env.push(("PATH".into(), SANDBOX_PATH.into()));
+    job
 }
 
 /// The last 2,000 characters of a run's standard error, trimmed.
@@ -353,36 +378,35 @@ impl Lift {
     fn job(&self, input: &ValidationInput) -> Job {
         let threads = self.threads.max(1).to_string();
         let model = self.model.to_string_lossy().into_owned();
-        let mut job = Job::new([
-            agentstack_sandbox::PROGRAM_IN_SANDBOX,
-            "--quiet",
-            "train",
-            "grpo",
-            "--config",
-            "lift.toml",
-            "--model",
-            &model,
-            "--env",
-            "pkg",
-            "--runs-dir",
-            "runs",
-            "--run-id",
-            "lift",
-            "--fresh",
-            "--json",
-            "--threads",
-            &threads,
-        ]);
-        job.files = package_files(input);
-        job.files.push(JobFile {
+        let config = JobFile {
             path: "lift.toml".into(),
             contents: self.config.clone().into_bytes(),
             executable: false,
-        });
-        job.limits = self.limits;
-        job.env = self.env.clone();
-        job.env.push(("PATH".into(), SANDBOX_PATH.into()));
-        job
+        };
+        package_job(
+            &[
+                "train",
+                "grpo",
+                "--config",
+                "lift.toml",
+                "--model",
+                &model,
+                "--env",
+                "pkg",
+                "--runs-dir",
+                "runs",
+                "--run-id",
+                "lift",
+                "--fresh",
+                "--json",
+                "--threads",
+                &threads,
+            ],
+            input,
+            vec![config],
+            self.limits,
+            &self.env,
+        )
     }
 }
 
@@ -424,16 +448,10 @@ impl Validator for Lift {
 
     fn validate<'a>(&'a self, input: &'a ValidationInput) -> BoxFuture<'a, ValidationCheck> {
         Box::pin(async move {
-            let Some(sandbox) = &self.sandbox else {
-                return check("lift", "skipped", format!("not run: {}", self.unavailable));
+            let sandbox = match sandbox_for("lift", &self.sandbox, &self.unavailable, input) {
+                Ok(sandbox) => sandbox,
+                Err(skipped) => return skipped,
             };
-            if input.files.len() > agentstack_sandbox::job::MAX_JOB_FILES - 8 {
-                return check(
-                    "lift",
-                    "skipped",
-                    "the package has more files than a sandbox run takes",
-                );
-            }
             let outcome = match sandbox.run(&self.job(input)).await {
                 Ok(o) => o,
                 Err(e) => return check("lift", "failed", format!("the sandbox failed: {e}")),
@@ -461,7 +479,11 @@ impl Validator for Lift {
                     format!(
                         "the training run did not finish within this hub's {} ({} s)",
                         limit.describe(),
-                        self.limits.wall.as_secs()
+                        match limit {
+                            LimitKind::CpuTime => self.limits.cpu,
+                            _ => self.limits.wall,
+                        }
+                        .as_secs()
                     ),
                 ),
                 end => check(

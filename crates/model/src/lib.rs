@@ -41,7 +41,7 @@ pub use crate::chat::{ChatTemplate, Message};
 pub use crate::config::{Architecture, ModelConfig};
 pub use crate::error::{ModelError, Result};
 pub use crate::gguf::GgufFile;
-pub use crate::model::{Logits, MatmulObserver, Model, SeqCache, SeqInput, WeightForm};
+pub use crate::model::{Logits, MatmulObserver, Model, SeqCache, SeqInput, WeightForm, with_f32};
 pub use crate::sampling::{SamplingParams, TokenLogprob};
 pub use crate::tokenizer::Tokenizer;
 

@@ -198,7 +198,7 @@ fn low_rank_rows(x: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tenso
 
 /// Runs `f` on the tensor's values as one f32 slice: borrowed when the tensor already is
 /// a contiguous f32 tensor in memory (adapter weights are), copied otherwise.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     {
         let (storage, layout) = t.storage_and_layout();
         if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((lo, hi))) =

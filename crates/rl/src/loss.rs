@@ -297,23 +297,6 @@ fn log_normalizer(row: &[f32]) -> f32 {
 /// [`token_logprobs`] as one operation with its own backward pass.
 struct TokenLogprobs(Vec<u32>);
 
-impl TokenLogprobs {
-    /// The rows of an f32 `[rows, vocab]` tensor on the CPU, contiguous.
-    fn with_rows<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-        let (storage, layout) = t.storage_and_layout();
-        match (&*storage, layout.contiguous_offsets()) {
-            (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) => {
-                f(&data[a..b])
-            }
-            _ => {
-                drop(storage);
-                let values = t.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-                f(&values)
-            }
-        }
-    }
-}
-
 impl candle_core::CustomOp1 for TokenLogprobs {
     fn name(&self) -> &'static str {
         "token-logprobs"
@@ -348,7 +331,7 @@ impl candle_core::CustomOp1 for TokenLogprobs {
         let (rows, vocab) = arg.dims2()?;
         let g = grad_res.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         let mut out = vec![0f32; rows * vocab];
-        Self::with_rows(arg, |data| {
+        agentstack_model::with_f32(arg, |data| {
             out.par_chunks_mut(vocab).enumerate().for_each(|(r, dst)| {
                 let row = &data[r * vocab..(r + 1) * vocab];
                 let lse = log_normalizer(row);
@@ -357,7 +340,6 @@ impl candle_core::CustomOp1 for TokenLogprobs {
                 }
                 dst[self.0[r] as usize] += g[r];
             });
-            Ok(())
         })?;
         Ok(Some(Tensor::from_vec(out, (rows, vocab), arg.device())?))
     }

@@ -927,6 +927,29 @@ async fn pushed_packages_are_started_in_the_sandbox_and_validated() {
     );
 }
 
+/// Runs `hub serve --port 0 ARGS` with `home` as its data folder, expecting it to
+/// refuse to start: its output, or `None` (after stopping it) when it serves instead.
+fn serve_refusal(home: &Path, args: &[&str]) -> Option<Output> {
+    let mut child = Command::new(BIN)
+        .args(["hub", "serve", "--port", "0"])
+        .args(args)
+        .env("AGENTSTACK_HOME", home)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some(child.wait_with_output().unwrap())
+}
+
 /// `(mean, lo, hi)` from `0.250 (95% CI 0.125–0.375)`.
 fn held_out(text: &str) -> (f64, f64, f64) {
     let (mean, ci) = text
@@ -952,27 +975,16 @@ async fn a_lift_check_trains_briefly_in_the_sandbox_and_reports_the_change() {
     // folders open to all (the cache under /root is not), and the hub says so.
     let cached = test_model();
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(BIN)
-        .args([
-            "hub",
-            "serve",
-            "--port",
-            "0",
-            "--lift-model",
-            cached.to_str().unwrap(),
-        ])
-        .env("AGENTSTACK_HOME", dir.path())
-        .output()
-        .unwrap();
-    if out.status.success() {
-        eprintln!("the model cache is readable by all users; the refusal is not tested");
-    } else {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            stderr.contains("closed to other users")
-                || stderr.contains("not readable by other users"),
-            "{stderr}"
-        );
+    match serve_refusal(dir.path(), &["--lift-model", cached.to_str().unwrap()]) {
+        None => eprintln!("the model cache is readable by all users; the refusal is not tested"),
+        Some(out) => {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                stderr.contains("closed to other users")
+                    || stderr.contains("not readable by other users"),
+                "{stderr}"
+            );
+        }
     }
     // Sandboxes refuse to bind paths under /tmp (their own /tmp is scratch).
     let shared = tempfile::Builder::new().tempdir_in("/var/tmp").unwrap();
@@ -1066,20 +1078,16 @@ async fn a_lift_check_trains_briefly_in_the_sandbox_and_reports_the_change() {
 
     // A configuration that cannot work is refused before the hub starts.
     std::fs::write(&config, "model = \"m\"\nsteps = 0\n").unwrap();
-    let out = Command::new(BIN)
-        .args([
-            "hub",
-            "serve",
-            "--port",
-            "0",
+    let out = serve_refusal(
+        dir.path(),
+        &[
             "--lift-model",
             model.to_str().unwrap(),
             "--lift-config",
-        ])
-        .arg(&config)
-        .env("AGENTSTACK_HOME", dir.path())
-        .output()
-        .unwrap();
+            config.to_str().unwrap(),
+        ],
+    )
+    .expect("the hub refuses the configuration");
     assert_eq!(out.status.code(), Some(1));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("--lift-config"),

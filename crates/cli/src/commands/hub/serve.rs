@@ -36,7 +36,7 @@ fn lift_setup(args: &HubServeArgs) -> Result<Option<LiftSetup>, Exit> {
     let model = std::fs::canonicalize(model)
         .with_context(|| format!("--lift-model {}", model.display()))
         .map_err(Exit::user)?;
-    unreadable_by_others(&model).map_err(Exit::user)?;
+    require_readable_by_all(&model).map_err(Exit::user)?;
     let config = match &args.lift_config {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("--lift-config {}", path.display()))
@@ -68,7 +68,7 @@ fn lift_setup(args: &HubServeArgs) -> Result<Option<LiftSetup>, Exit> {
 
 /// Sandboxed runs are a user with no rights on the host's files: the model and every
 /// folder above it must be open to all users, or the run cannot read it.
-fn unreadable_by_others(model: &Path) -> anyhow::Result<()> {
+fn require_readable_by_all(model: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     let mode = |p: &Path| {
         std::fs::metadata(p)
