@@ -25,8 +25,15 @@ const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+/// Round half to even, as ggml's `nearest_int`: adding 1.5·2²³ leaves the rounded
+/// integer in the low mantissa bits. It is exact for |x| < 2²², which every caller's
+/// values are (scaled quants), and it is a few instructions where `round_ties_even` is a
+/// libm call on CPUs without SSE4.1 (the baseline x86-64 target).
+#[inline]
 fn nearest_int(x: f32) -> i32 {
-    x.round_ties_even() as i32
+    debug_assert!(x.abs() <= 4_194_303.0 || !x.is_finite(), "{x}");
+    let v = (x + 12_582_912.0).to_bits() as i32;
+    (v & 0x007f_ffff) - 0x0040_0000
 }
 
 fn f16_bytes(x: f32) -> [u8; 2] {
@@ -1065,28 +1072,47 @@ fn q6_k(x: &[f32], y: &mut [u8], qw: Option<&[f32]>) {
 
 // ---------------------------------------------------------------- IQ4
 
-fn best_index_int8(val: &[i8; 16], x: f32) -> usize {
-    if x <= f32::from(val[0]) {
+/// The IQ4_NL level nearest `x` by table. The levels are integers, so the midpoints
+/// between neighbours are multiples of ½ and `floor(2x)` decides the index exactly, a tie
+/// going to the upper level as in ggml's `best_index_int8` (whose binary search this
+/// replaces: several unpredictable branches per value).
+#[inline]
+fn iq4_index(x: f32) -> usize {
+    let (lo, hi) = (f32::from(KVALUES_IQ4NL[0]), f32::from(KVALUES_IQ4NL[15]));
+    if x <= lo {
         return 0;
     }
-    if x >= f32::from(val[15]) {
+    if x >= hi {
         return 15;
     }
-    let (mut ml, mut mu) = (0usize, 15usize);
-    while mu - ml > 1 {
-        let mav = (ml + mu) / 2;
-        if x < f32::from(val[mav]) {
-            mu = mav;
-        } else {
-            ml = mav;
-        }
+    // floor(2x), exactly: 2x is exact, truncation rounds toward zero.
+    let two_x = 2.0 * x;
+    let mut t = two_x as i32;
+    if t as f32 > two_x {
+        t -= 1;
     }
-    if x - f32::from(val[mu - 1]) < f32::from(val[mu]) - x {
-        mu - 1
-    } else {
-        mu
-    }
+    IQ4_INDEX[(t - 2 * i32::from(KVALUES_IQ4NL[0])) as usize] as usize
 }
+
+/// `IQ4_INDEX[t]`: the nearest level's index for `floor(2x) = t + 2·levels[0]`.
+const IQ4_INDEX: [u8; 2 * (KVALUES_IQ4NL[15] as i32 - KVALUES_IQ4NL[0] as i32) as usize] = {
+    let mut lut = [0u8; 2 * (KVALUES_IQ4NL[15] as i32 - KVALUES_IQ4NL[0] as i32) as usize];
+    let mut t = 0;
+    while t < lut.len() {
+        let two_x = t as i32 + 2 * KVALUES_IQ4NL[0] as i32;
+        let (mut k, mut index) = (0, 0u8);
+        while k < 15 {
+            // Past the midpoint of levels k and k+1 (or on it): level k+1 or above.
+            if KVALUES_IQ4NL[k] as i32 + KVALUES_IQ4NL[k + 1] as i32 <= two_x {
+                index += 1;
+            }
+            k += 1;
+        }
+        lut[t] = index;
+        t += 1;
+    }
+    lut
+};
 
 /// ggml's `quantize_row_iq4_nl_impl` for one super-block: IQ4_NL (`sbs` 32: d, qs[16])
 /// or IQ4_XS (`sbs` 256: d, scales_h u16, scales_l[4], qs[128]).
@@ -1116,7 +1142,7 @@ fn iq4_impl(sbs: usize, x: &[f32], y: &mut [u8], qw: Option<&[f32]>, ntry: i32) 
         let mut id = 1.0 / d;
         let (mut sumqx, mut sumq2) = (0f32, 0f32);
         for j in 0..32 {
-            let k = best_index_int8(values, id * xb[j]);
+            let k = iq4_index(id * xb[j]);
             l[32 * ib + j] = k as u8;
             let q = f32::from(values[k]);
             sumqx += weight[j] * q * xb[j];
@@ -1129,7 +1155,7 @@ fn iq4_impl(sbs: usize, x: &[f32], y: &mut [u8], qw: Option<&[f32]>, ntry: i32) 
             sumqx = 0.0;
             sumq2 = 0.0;
             for j in 0..32 {
-                let q = f32::from(values[best_index_int8(values, id * xb[j])]);
+                let q = f32::from(values[iq4_index(id * xb[j])]);
                 sumqx += weight[j] * q * xb[j];
                 sumq2 += weight[j] * q * q;
             }
@@ -1155,7 +1181,7 @@ fn iq4_impl(sbs: usize, x: &[f32], y: &mut [u8], qw: Option<&[f32]>, ntry: i32) 
             let dl = d * lv as f32;
             let idl = if dl != 0.0 { 1.0 / dl } else { 0.0 };
             for j in 0..32 {
-                l[32 * ib + j] = best_index_int8(values, idl * x[32 * ib + j]) as u8;
+                l[32 * ib + j] = iq4_index(idl * x[32 * ib + j]) as u8;
             }
             lv += 32;
             let (lo, hi) = ((lv & 0xF) as u8, (lv >> 4) as u16);
@@ -1178,7 +1204,7 @@ fn iq4_impl(sbs: usize, x: &[f32], y: &mut [u8], qw: Option<&[f32]>, ntry: i32) 
                 0.0
             };
             for j in 0..sbs {
-                l[j] = best_index_int8(values, id * x[j]) as u8;
+                l[j] = iq4_index(id * x[j]) as u8;
             }
         }
         2
@@ -1593,6 +1619,44 @@ mod tests {
         let err = quantize(GgmlType::Q8_0, &[0.0; 64], 32, Some(&[1.0; 16])).unwrap_err();
         assert!(err.contains("importance"), "{err}");
         assert!(dequantize(GgmlType::Q8_0, &[0; 33], 32).is_err());
+    }
+
+    /// ggml's `best_index_int8`, by binary search.
+    fn best_index_int8(val: &[i8; 16], x: f32) -> usize {
+        if x <= f32::from(val[0]) {
+            return 0;
+        }
+        if x >= f32::from(val[15]) {
+            return 15;
+        }
+        let (mut ml, mut mu) = (0usize, 15usize);
+        while mu - ml > 1 {
+            let mav = (ml + mu) / 2;
+            if x < f32::from(val[mav]) {
+                mu = mav;
+            } else {
+                ml = mav;
+            }
+        }
+        if x - f32::from(val[mu - 1]) < f32::from(val[mu]) - x {
+            mu - 1
+        } else {
+            mu
+        }
+    }
+
+    #[test]
+    fn iq4_table_picks_the_levels_ggml_picks() {
+        let mut xs: Vec<f32> = (-2600..2600).map(|i| i as f32 * 0.05 + 0.013).collect();
+        // Every midpoint, and the floats on either side of it.
+        for k in 0..15 {
+            let m = (f32::from(KVALUES_IQ4NL[k]) + f32::from(KVALUES_IQ4NL[k + 1])) / 2.0;
+            xs.extend([m, m.next_down(), m.next_up(), f32::from(KVALUES_IQ4NL[k])]);
+        }
+        xs.extend([-1e6, 1e6, 0.0, -0.0, 113.0, -127.0]);
+        for x in xs {
+            assert_eq!(iq4_index(x), best_index_int8(&KVALUES_IQ4NL, x), "x = {x}");
+        }
     }
 
     #[test]
