@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use agentstack_model::{LanguageModel, WeightForm};
-use agentstack_quant::allocate::{allocate, error_table, measure_sensitivity};
+use agentstack_quant::allocate::{allocate, error_table, measure_sensitivity, per_tensor};
 use agentstack_quant::gguf::Gguf;
 use agentstack_quant::imatrix::Imatrix;
 use agentstack_quant::plot::{Point, draw};
@@ -77,6 +77,17 @@ fn stats_of(out: &str) -> BTreeMap<String, (f64, f64)> {
     m
 }
 
+/// A file made for the comparison.
+struct Made {
+    name: String,
+    series: String,
+    path: PathBuf,
+    /// The allocator's predicted mean KLD.
+    predicted: Option<f64>,
+    /// Seconds to write the file from its plan.
+    seconds: Option<f64>,
+}
+
 struct Row {
     name: String,
     series: String,
@@ -84,6 +95,7 @@ struct Row {
     bpw: f64,
     stats: BTreeMap<String, (f64, f64)>,
     predicted: Option<f64>,
+    seconds: Option<f64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -110,9 +122,13 @@ fn main() -> anyhow::Result<()> {
         .arg(&calib)
         .args(["-c", &c, "-b", &c, "-t", "1", "--no-ppl", "-o"])
         .arg(&im_llama))?;
-    let mut files: Vec<(String, String, PathBuf, Option<f64>)> = Vec::new();
+    let mut files: Vec<Made> = Vec::new();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .to_string();
     for mix in ["Q4_K_M", "Q3_K_M", "Q2_K"] {
         let out = work.join(format!("llama-{mix}.gguf"));
+        let t = Instant::now();
         run(Command::new(bin("llama-quantize"))
             .arg("--allow-requantize")
             .arg("--imatrix")
@@ -120,13 +136,14 @@ fn main() -> anyhow::Result<()> {
             .arg(&model)
             .arg(&out)
             .arg(mix)
-            .arg("1"))?;
-        files.push((
-            format!("llama.cpp {mix} + imatrix"),
-            "llama.cpp + imatrix".into(),
-            out,
-            None,
-        ));
+            .arg(&threads))?;
+        files.push(Made {
+            name: format!("llama.cpp {mix} + imatrix"),
+            series: "llama.cpp + imatrix".into(),
+            path: out,
+            predicted: None,
+            seconds: Some(t.elapsed().as_secs_f64()),
+        });
     }
     let f16 = work.join("llama-F16.gguf");
     run(Command::new(bin("llama-quantize"))
@@ -146,11 +163,16 @@ fn main() -> anyhow::Result<()> {
         &tokens,
         IMATRIX_CTX,
         "calibration.txt",
+        true,
         &mut |_, _| {},
     )?;
     let mut src = Gguf::open(&model)?;
     let t1 = Instant::now();
-    let table = error_table(&mut src, &im, &mut |_, _| {})?;
+    let mut table = error_table(&mut src, &im, &mut |_, _| {})?;
+    if args.iter().any(|a| a == "--per-tensor") {
+        per_tensor(&mut table);
+    }
+    eprintln!("error table in {:.0} s", t1.elapsed().as_secs_f64());
     let sens = measure_sensitivity(
         &mut src,
         &lm,
@@ -170,20 +192,36 @@ fn main() -> anyhow::Result<()> {
         let alloc = allocate(&src, &table, &sens, theirs.tensor_bytes())?;
         let out = work.join(format!("ours-{mix}-size.gguf"));
         let plan = alloc.plan(&src);
+        std::fs::write(
+            work.join(format!("ours-{mix}-size.json")),
+            serde_json::to_vec_pretty(
+                &serde_json::json!({"sensitivity": sens, "allocation": alloc}),
+            )?,
+        )?;
+        eprintln!(
+            "{mix}'s size: token_embd as {}",
+            alloc
+                .choice
+                .get("token_embd.weight")
+                .map_or("-".into(), |t| t.to_string())
+        );
+        let t = Instant::now();
         quantize_file(&mut src, &out, &plan, Some(&im), &mut |_, _, _| {})?;
-        files.push((
-            format!("agentstack at {mix}'s size"),
-            "agentstack allocated".into(),
-            out,
-            Some(alloc.predicted_kld),
-        ));
+        files.push(Made {
+            name: format!("agentstack at {mix}'s size"),
+            series: "agentstack allocated".into(),
+            path: out,
+            predicted: Some(alloc.predicted_kld),
+            seconds: Some(t.elapsed().as_secs_f64()),
+        });
     }
-    files.push((
-        "noise floor: F16 (exact dequantization)".into(),
-        "noise floor".into(),
-        f16,
-        None,
-    ));
+    files.push(Made {
+        name: "noise floor: F16 (exact dequantization)".into(),
+        series: "noise floor".into(),
+        path: f16,
+        predicted: None,
+        seconds: None,
+    });
 
     // Every file measured by llama-perplexity against the original on the eval text.
     let base = work.join("base.kld");
@@ -204,7 +242,14 @@ fn main() -> anyhow::Result<()> {
         .arg(&base))?;
     let params = src.parameters() as f64;
     let mut rows = Vec::new();
-    for (name, series, path, predicted) in files {
+    for Made {
+        name,
+        series,
+        path,
+        predicted,
+        seconds,
+    } in files
+    {
         let out = run(Command::new(bin("llama-perplexity"))
             .arg("-m")
             .arg(&path)
@@ -227,18 +272,20 @@ fn main() -> anyhow::Result<()> {
             bpw: g.tensor_bytes() as f64 * 8.0 / params,
             stats: stats_of(&out),
             predicted,
+            seconds,
         });
     }
     let mut table_md = String::from(
-        "| mix | MiB | bpw | mean KLD | 99% KLD | 99.9% KLD | max KLD | same top % | RMS Δp % | PPL | predicted KLD |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| mix | MiB | bpw | mean KLD | 99% KLD | 99.9% KLD | max KLD | same top % | RMS Δp % | PPL | predicted KLD | write s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     let get = |r: &Row, k: &str| r.stats.get(k).copied().unwrap_or((f64::NAN, 0.0));
     for r in &rows {
         table_md.push_str(&format!(
-            "| {} | {:.1} | {:.2} | {:.4} ± {:.4} | {:.3} | {:.3} | {:.3} | {:.1} ± {:.1} | {:.2} | {:.3} | {} |\n",
+            "| {} | {:.1} | {:.2} | {:.4} ± {:.4} | {:.3} | {:.3} | {:.3} | {:.1} ± {:.1} | {:.2} | {:.3} | {} | {} |\n",
             r.name, r.bytes as f64 / 1048576.0, r.bpw, get(r, "Mean    KLD").0, get(r, "Mean    KLD").1, get(r, "99.0%   KLD").0, get(r, "99.9%   KLD").0, get(r, "Maximum KLD").0,
             get(r, "Same top p").0, get(r, "Same top p").1, get(r, "RMS Δp").0, get(r, "Mean PPL(Q)").0,
-            r.predicted.map_or("–".into(), |p| format!("{p:.4}"))
+            r.predicted.map_or("–".into(), |p| format!("{p:.4}")),
+            r.seconds.map_or("–".into(), |t| format!("{t:.1}"))
         ));
     }
     let mut ratios = String::new();
@@ -252,9 +299,11 @@ fn main() -> anyhow::Result<()> {
             .find(|r| r.name.contains(mix) && r.series.starts_with("agentstack"))
             .expect("row");
         ratios.push_str(&format!(
-            "- at {mix}'s size ({:.1} vs {:.1} MiB): mean KLD ours/llama.cpp = {:.2}; 99.9% KLD {:.3} vs {:.3}\n",
+            "- at {mix}'s size ({:.1} vs {:.1} MiB): mean KLD ours/llama.cpp = {:.2}; 99.9% KLD {:.3} vs {:.3}; writing the file from its plan {:.1} s vs {:.1} s ({:.2}x)\n",
             ours.bytes as f64 / 1048576.0, theirs.bytes as f64 / 1048576.0,
-            get(ours, "Mean    KLD").0 / get(theirs, "Mean    KLD").0, get(ours, "99.9%   KLD").0, get(theirs, "99.9%   KLD").0
+            get(ours, "Mean    KLD").0 / get(theirs, "Mean    KLD").0, get(ours, "99.9%   KLD").0, get(theirs, "99.9%   KLD").0,
+            ours.seconds.unwrap_or(f64::NAN), theirs.seconds.unwrap_or(f64::NAN),
+            ours.seconds.unwrap_or(f64::NAN) / theirs.seconds.unwrap_or(f64::NAN)
         ));
     }
     let png = root.join("size_vs_kld.png");

@@ -750,6 +750,10 @@ pub struct QuantizeArgs {
     /// not given, and with a target, each weight group's sensitivity is measured on it.
     #[arg(long, value_name = "TEXT")]
     pub calibration: Option<PathBuf>,
+    /// With a target: measure each weight's sensitivity alone (about 5× the probes of the
+    /// default, one per weight kind and layer band).
+    #[arg(long, requires = "calibration")]
+    pub per_tensor: bool,
     /// With a target: also write the error table, sensitivities and chosen types as JSON.
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
@@ -773,6 +777,10 @@ pub struct ImatrixArgs {
     /// Tokens per chunk.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
+    /// Collect the output projection too (the token embedding when tied), over every
+    /// position, as `llama-imatrix --process-output` does.
+    #[arg(long)]
+    pub process_output: bool,
 }
 
 /// `model kld`.

@@ -233,5 +233,5 @@ pub(crate) fn model_from_tensors(
         (_, WeightForm::Quantized) => Embedding::Fast(Arc::new(quantize(&embed)?)),
         (_, WeightForm::Dense(dtype)) => Embedding::Dense(embed.to_dtype(dtype)?),
     };
-    Model::assemble(config, form, embedding, blocks, norm, output)
+    Ok(Model::assemble(config, form, embedding, blocks, norm, output)?.with_tied_output(tied))
 }

@@ -329,6 +329,8 @@ pub struct Model {
     blocks: Vec<Block>,
     norm: Tensor,
     output: Linear,
+    /// Whether the output projection is the token embedding table (no `output.weight`).
+    tied_output: bool,
     cos: Tensor,
     sin: Tensor,
     /// The same tables as flat f32 `[positions, hd/2]`, for the fast path.
@@ -605,7 +607,10 @@ impl Model {
             }
             (WeightForm::Quantized, _) => Embedding::Quantized(Arc::new(embd)),
         };
-        Self::assemble(config, form, embedding, blocks, norm, output)
+        Ok(
+            Self::assemble(config, form, embedding, blocks, norm, output)?
+                .with_tied_output(!file.has_tensor("output.weight")),
+        )
     }
 
     /// Puts loaded parts together and precomputes the rotary tables.
@@ -648,8 +653,25 @@ impl Model {
             blocks,
             norm,
             output,
+            tied_output: false,
             device,
         })
+    }
+
+    /// Marks the output projection as the token embedding table (tied embeddings), so
+    /// observers see it under `token_embd.weight` as llama.cpp names it.
+    pub fn with_tied_output(mut self, tied: bool) -> Self {
+        self.tied_output = tied;
+        self
+    }
+
+    /// The GGUF name of the output projection's weight: `token_embd.weight` when tied.
+    pub fn output_weight_name(&self) -> &'static str {
+        if self.tied_output {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        }
     }
 
     /// The hyperparameters.
@@ -670,6 +692,16 @@ impl Model {
     /// Mutable access to the blocks (adapters replace linear layers).
     pub fn blocks_mut(&mut self) -> &mut [Block] {
         &mut self.blocks
+    }
+
+    /// Mutable access to the token embeddings (quantizers measuring a changed table).
+    pub fn embedding_mut(&mut self) -> &mut Embedding {
+        &mut self.embedding
+    }
+
+    /// Mutable access to the output projection (the embedding table when tied).
+    pub fn output_mut(&mut self) -> &mut Linear {
+        &mut self.output
     }
 
     /// The longest sequence the rotary tables cover.
@@ -750,8 +782,9 @@ impl Model {
 
     /// [`Model::forward`], showing `observer` the input of every matrix multiplication
     /// with a weight: the GGUF names of the weights that multiply it (q, k and v share
-    /// one input, as do gate and up) and the input rows `[tokens, in]`. An importance
-    /// matrix (Σx² per input column) is collected this way.
+    /// one input, as do gate and up) and the input rows `[tokens, in]`. The output
+    /// projection is shown last, with only the rows whose logits are wanted. An
+    /// importance matrix (Σx² per input column) is collected this way.
     pub fn forward_observed(
         &self,
         batch: &mut [SeqInput<'_>],
@@ -867,6 +900,9 @@ impl Model {
             x.index_select(&Tensor::from_vec(rows, len, &self.device)?, 0)?
         };
         let x = self.rms_norm(&x, &self.norm)?;
+        if let Some(f) = observer {
+            f(&[self.output_weight_name().to_owned()], &x)?;
+        }
         let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
         let mut out = Vec::with_capacity(counts.len());
         let mut at = 0;

@@ -340,12 +340,18 @@ impl Gguf {
                     ty.block_size()
                 )));
             }
-            if dims
+            // No tensor is larger than the file that holds it (which also keeps every
+            // offset sum below in range).
+            let fits = dims
                 .iter()
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
-                .is_none()
-            {
-                return Err(c.bad(format!("tensor `{name}` has an overflowing shape")));
+                .and_then(|n| n.checked_div(ty.block_size() as u64))
+                .and_then(|blocks| blocks.checked_mul(ty.type_size() as u64))
+                .is_some_and(|bytes| bytes <= size);
+            if !fits {
+                return Err(c.bad(format!(
+                    "tensor `{name}` has shape {dims:?}, larger than the file ({size} bytes)"
+                )));
             }
             if offset != expected {
                 return Err(c.bad(format!(
@@ -840,6 +846,13 @@ mod tests {
         let off = u64::from_le_bytes(moved[second_offset..second_offset + 8].try_into().unwrap());
         moved[second_offset..second_offset + 8].copy_from_slice(&(off + 64).to_le_bytes());
         expect_err(&moved, "llama.cpp requires");
+        // A shape whose byte count overflows, and one merely larger than the file.
+        let dims_at = find_offset_field(&good, "a") - 4 - 8;
+        for rows in [1u64 << 58, 1 << 20] {
+            let mut huge = good.clone();
+            huge[dims_at..dims_at + 8].copy_from_slice(&rows.to_le_bytes());
+            expect_err(&huge, "larger than the file");
+        }
     }
 
     /// Position of the offset field of tensor `name` in a file written by `write`.
@@ -856,6 +869,40 @@ mod tests {
                 .unwrap(),
         );
         at + pat.len() + 4 + 8 * n_dims as usize + 4
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+
+        /// Damaged files (bytes overwritten anywhere, or cut short) are refused with an
+        /// error or read consistently; the reader never panics or over-allocates.
+        #[test]
+        fn damaged_files_never_panic_the_reader(
+            edits in proptest::collection::vec((0usize..4096, proptest::num::u8::ANY), 1..8),
+            cut in proptest::option::of(0usize..4096),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("m.gguf");
+            let specs = specs();
+            write(&path, &sample_metadata(), &specs, |i| Ok(data_for(&specs[i], 0))).unwrap();
+            let mut bytes = std::fs::read(&path).unwrap();
+            for (at, b) in edits {
+                let at = at % bytes.len();
+                bytes[at] = b;
+            }
+            if let Some(cut) = cut {
+                bytes.truncate(cut.min(bytes.len()));
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            if let Ok(mut g) = Gguf::open(&path) {
+                for i in 0..g.tensors.len() {
+                    let want = g.tensors[i].bytes();
+                    proptest::prop_assert!(want <= bytes.len() as u64);
+                    let data = g.read(i).unwrap();
+                    proptest::prop_assert_eq!(data.len() as u64, want);
+                }
+            }
+        }
     }
 
     #[test]

@@ -58,12 +58,15 @@ impl Imatrix {
 
     /// Collects the importance matrix of `model` over `tokens`, cut into chunks of
     /// `chunk_size` tokens (each run from an empty cache, as `llama-imatrix` does).
+    /// With `process_output` the output projection is collected too, over every position
+    /// (`llama-imatrix --process-output`); without, only the blocks' weights are.
     /// `progress(done, total)` is called after each chunk.
     pub fn collect(
         model: &Model,
         tokens: &[u32],
         chunk_size: usize,
         dataset: &str,
+        process_output: bool,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         if chunk_size < 2 {
@@ -87,6 +90,9 @@ impl Imatrix {
                 let sq = x.sqr()?.sum(0)?.to_vec1::<f32>()?;
                 let rows = x.dim(0)? as f64;
                 for name in names {
+                    if !process_output && !name.starts_with("blk.") {
+                        continue;
+                    }
                     let e = sums
                         .entry(name.clone())
                         .or_insert_with(|| (vec![0.0; sq.len()], 0.0));
@@ -101,7 +107,11 @@ impl Imatrix {
                 &mut [SeqInput {
                     cache: &mut cache,
                     tokens: chunk,
-                    logits: Logits::Last,
+                    logits: if process_output {
+                        Logits::All
+                    } else {
+                        Logits::Last
+                    },
                 }],
                 Some(&mut observer),
             )?;
@@ -136,10 +146,33 @@ impl Imatrix {
             path: path.to_path_buf(),
             source,
         })?;
-        if bytes.starts_with(b"GGUF") {
-            return Self::load_gguf(path);
+        let m = if bytes.starts_with(b"GGUF") {
+            Self::load_gguf(path)?
+        } else {
+            Self::parse_dat(&bytes).map_err(bad)?
+        };
+        m.check().map_err(bad)?;
+        Ok(m)
+    }
+
+    /// Sums of squares are finite and not negative, and counts whole: a damaged file
+    /// would otherwise weight a quantizer's search with NaN or infinity.
+    fn check(&self) -> Result<(), String> {
+        for (name, e) in &self.entries {
+            // Counts are tokens (or llama.cpp's call counts): whole, so 0 or at least 1.
+            if !(e.count.is_finite() && (e.count == 0.0 || e.count >= 1.0)) {
+                return Err(format!(
+                    "`{name}` has the count {}; counts are 0 or a number of tokens",
+                    e.count
+                ));
+            }
+            if let Some(v) = e.sums.iter().find(|v| !(v.is_finite() && **v >= 0.0)) {
+                return Err(format!(
+                    "`{name}` has the sum of squares {v}; sums of squares are finite and not negative"
+                ));
+            }
         }
-        Self::parse_dat(&bytes).map_err(bad)
+        Ok(())
     }
 
     fn load_gguf(path: &Path) -> Result<Self> {
@@ -396,6 +429,41 @@ mod tests {
                     (x - y).abs() <= DAT_RELATIVE_TOLERANCE * x.abs(),
                     "{name}: {x} vs {y}"
                 );
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+
+        /// Damaged importance files of either format are refused or read; never a panic.
+        #[test]
+        fn damaged_files_never_panic_the_reader(
+            gguf in proptest::bool::ANY,
+            edits in proptest::collection::vec((0usize..2048, proptest::num::u8::ANY), 1..8),
+            cut in proptest::option::of(0usize..2048),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("i");
+            if gguf {
+                sample().save_gguf(&path).unwrap();
+            } else {
+                sample().save_dat(&path).unwrap();
+            }
+            let mut bytes = std::fs::read(&path).unwrap();
+            for (at, b) in edits {
+                let at = at % bytes.len();
+                bytes[at] = b;
+            }
+            if let Some(cut) = cut {
+                bytes.truncate(cut.min(bytes.len()));
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            if let Ok(m) = Imatrix::load(&path) {
+                for name in m.entries.keys() {
+                    let imp = m.importance(name).unwrap();
+                    proptest::prop_assert!(imp.iter().all(|v| v.is_finite() && *v >= 0.0));
+                }
             }
         }
     }

@@ -108,6 +108,16 @@ pub fn scored_log_probs(model: &Model, chunk: &[u32]) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
+/// KL(base ‖ other) of one position from the two log-probability rows, summed as
+/// llama-perplexity sums it: over the tokens the base gives more than e^-16.
+pub fn kld(base: &[f32], other: &[f32]) -> f64 {
+    base.iter()
+        .zip(other)
+        .filter(|(pb, _)| **pb > -16.0)
+        .map(|(&pb, &q)| f64::from(pb.exp()) * f64::from(pb - q))
+        .sum()
+}
+
 /// Running sums over scored tokens, as llama-perplexity keeps them.
 #[derive(Debug, Clone, Default)]
 pub struct Accumulator {
@@ -140,13 +150,7 @@ impl Accumulator {
         };
         let nll = -f64::from(other[token as usize]);
         let nll_base = -f64::from(base[token as usize]);
-        let mut kld = 0f64;
-        for (&pb, &q) in base.iter().zip(other) {
-            // llama.cpp sums over tokens the base gives more than e^-16.
-            if pb > -16.0 {
-                kld += f64::from(pb.exp()) * f64::from(pb - q);
-            }
-        }
+        let kld = kld(base, other);
         self.sum_nll += nll;
         self.sum_nll2 += nll * nll;
         self.sum_nll_base += nll_base;

@@ -482,6 +482,96 @@ fn model_info_and_generate_on_the_test_model() {
     assert!(lines.iter().all(|l| l["logprob"].as_f64().unwrap() <= 0.0));
 }
 
+/// `model quantize --target-size` end to end: importance and sensitivity from calibration
+/// text, a mix that fits, its prediction checked by `model kld` on held-out text, and a
+/// target below the smallest mix refused.
+#[test]
+#[ignore = "needs the SmolLM2 model (scripts/fetch-model); about 3 minutes"]
+fn model_quantize_allocates_under_a_target_size_and_kld_checks_it() {
+    let model = std::env::var("AGENTSTACK_TEST_MODEL").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
+    });
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = tempfile::tempdir().unwrap();
+    // Short texts keep the test to a few minutes: sensitivity costs a forward pass of the
+    // whole calibration text per weight group.
+    let words = |path: &str, n: usize| {
+        let text = std::fs::read_to_string(root.join(path)).unwrap();
+        let out = dir.path().join(path.rsplit('/').next().unwrap());
+        std::fs::write(&out, text.split(' ').take(n).collect::<Vec<_>>().join(" ")).unwrap();
+        out
+    };
+    let calibration = words("crates/quant/tests/data/calibration.txt", 200);
+    let eval = words("bench/quant/eval.txt", 500);
+    let (out, report) = (dir.path().join("mix.gguf"), dir.path().join("mix.json"));
+    let run = agentstack(&[
+        "model",
+        "quantize",
+        &model,
+        out.to_str().unwrap(),
+        "--target-size",
+        "86MiB",
+        "--calibration",
+        calibration.to_str().unwrap(),
+        "--ctx",
+        "128",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(run.stdout.contains("predicted mean KLD"), "{}", run.stdout);
+    let size = std::fs::metadata(&out).unwrap().len();
+    assert!(size <= 86 << 20, "{size} bytes is over the target");
+    assert!(size > 80 << 20, "{size} bytes leaves the budget unspent");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let predicted = report["allocation"]["predicted_kld"].as_f64().unwrap();
+    let choice = report["allocation"]["choice"].as_object().unwrap();
+    assert_eq!(
+        choice.len(),
+        211,
+        "every matrix and the embedding are allocated"
+    );
+    let kld = agentstack(&[
+        "model",
+        "kld",
+        &model,
+        out.to_str().unwrap(),
+        "--text",
+        eval.to_str().unwrap(),
+        "--ctx",
+        "256",
+        "--json",
+    ]);
+    assert_eq!(kld.code, 0, "{}", kld.stderr);
+    let stats: serde_json::Value = serde_json::from_str(&kld.stdout).unwrap();
+    let measured = stats["kld_mean"].as_f64().unwrap();
+    // Measured on other text, through the quantized kernels (whose own noise floor is
+    // about 0.003 here): the prediction is the same order, not exact.
+    assert!(
+        measured > 0.5 * predicted && measured < 2.0 * predicted + 0.01,
+        "predicted {predicted}, measured {measured}"
+    );
+    let small = agentstack(&[
+        "model",
+        "quantize",
+        &model,
+        dir.path().join("small.gguf").to_str().unwrap(),
+        "--target-size",
+        "40MiB",
+        "--calibration",
+        calibration.to_str().unwrap(),
+        "--ctx",
+        "128",
+    ]);
+    assert_eq!(small.code, 1, "{}", small.stderr);
+    assert!(small.stderr.contains("smallest mix"), "{}", small.stderr);
+    assert!(!dir.path().join("small.gguf").exists());
+}
+
 #[test]
 fn eval_rejects_bad_input_before_loading_anything() {
     let cases: [(&[&str], &str); 6] = [

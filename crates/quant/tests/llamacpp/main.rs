@@ -226,7 +226,15 @@ fn our_imatrix_drives_llama_quantize_and_ours_alike() {
     )
     .unwrap();
     let (lm, tokens) = tokens_of(&text);
-    let m = Imatrix::collect(lm.model(), &tokens, 128, "calibration.txt", &mut |_, _| {}).unwrap();
+    let m = Imatrix::collect(
+        lm.model(),
+        &tokens,
+        128,
+        "calibration.txt",
+        false,
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert_eq!(m.entries.len(), 30 * 7, "every matmul of every layer");
     let path = dir.path().join("imatrix.gguf");
     m.save_gguf(&path).unwrap();
@@ -280,8 +288,15 @@ fn our_imatrix_agrees_with_llama_imatrix() {
     let theirs = Imatrix::load(&theirs_path).unwrap();
     // llama-imatrix starts every chunk with BOS when the model asks for it; SmolLM2 does not.
     let (lm, tokens) = tokens_of(&std::fs::read_to_string(&text_path).unwrap());
-    let ours =
-        Imatrix::collect(lm.model(), &tokens, 128, "calibration.txt", &mut |_, _| {}).unwrap();
+    let ours = Imatrix::collect(
+        lm.model(),
+        &tokens,
+        128,
+        "calibration.txt",
+        false,
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert_eq!(ours.chunk_count, theirs.chunk_count);
     for (name, e) in &theirs.entries {
         let (a, b) = (
@@ -444,7 +459,15 @@ fn llama_cpp_and_agentstack_agree_on_files_we_write() {
     let model = model_path();
     let text = std::fs::read_to_string(eval_text()).unwrap();
     let (lm, tokens) = tokens_of(&text);
-    let m = Imatrix::collect(lm.model(), &tokens, 128, "calibration.txt", &mut |_, _| {}).unwrap();
+    let m = Imatrix::collect(
+        lm.model(),
+        &tokens,
+        128,
+        "calibration.txt",
+        false,
+        &mut |_, _| {},
+    )
+    .unwrap();
     drop(lm);
     for (ty, imatrix) in [(GgmlType::IQ4_XS, None), (GgmlType::Q4_K, Some(&m))] {
         let mine = dir.path().join(format!("{ty}.gguf"));

@@ -15,14 +15,20 @@ pub(crate) fn collect(
     text: &str,
     ctx: usize,
     dataset: &str,
+    process_output: bool,
 ) -> anyhow::Result<Imatrix> {
     let lm =
         LanguageModel::load(path, WeightForm::Quantized).context("could not load the model")?;
     let tokens = lm.tokenizer().encode(text, false)?;
     let bar = super::steps_bar(tokens.len() / ctx.max(1), "collecting importance");
-    let m = Imatrix::collect(lm.model(), &tokens, ctx, dataset, &mut |done, _| {
-        bar.set_position(done as u64)
-    })?;
+    let m = Imatrix::collect(
+        lm.model(),
+        &tokens,
+        ctx,
+        dataset,
+        process_output,
+        &mut |done, _| bar.set_position(done as u64),
+    )?;
     bar.finish_and_clear();
     Ok(m)
 }
@@ -33,10 +39,11 @@ pub async fn run(args: ImatrixArgs) -> Result<(), Exit> {
     let text = std::fs::read_to_string(&args.text)
         .with_context(|| format!("could not read --text {}", args.text.display()))?;
     let dataset = args.text.display().to_string();
-    let ctx = args.ctx;
-    let m = tokio::task::spawn_blocking(move || collect(&path, &text, ctx, &dataset))
-        .await
-        .map_err(anyhow::Error::from)??;
+    let (ctx, process_output) = (args.ctx, args.process_output);
+    let m =
+        tokio::task::spawn_blocking(move || collect(&path, &text, ctx, &dataset, process_output))
+            .await
+            .map_err(anyhow::Error::from)??;
     if args.output.extension().is_some_and(|e| e == "dat") {
         m.save_dat(&args.output)
     } else {

@@ -4,7 +4,9 @@
 use std::path::Path;
 
 use agentstack_model::{LanguageModel, WeightForm};
-use agentstack_quant::allocate::{allocate, error_table, measure_sensitivity};
+use agentstack_quant::allocate::{
+    allocate, check_budget, error_table, measure_sensitivity, per_tensor,
+};
 use agentstack_quant::gguf::Gguf;
 use agentstack_quant::imatrix::Imatrix;
 use agentstack_quant::recipe::{Plan, quantize_file};
@@ -73,7 +75,9 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
             let (input, ctx, text) = (input.clone(), args.ctx, text.clone());
             Some(
                 tokio::task::spawn_blocking(move || {
-                    super::imatrix::collect(&input, &text, ctx, "calibration")
+                    // The output projection too: a mix may give the (tied) embedding
+                    // a type that uses importance.
+                    super::imatrix::collect(&input, &text, ctx, "calibration", true)
                 })
                 .await
                 .map_err(anyhow::Error::from)??,
@@ -83,6 +87,7 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
     };
     let output = args.output.clone();
     let report_path = args.report.clone();
+    let per_tensor = args.per_tensor;
     let target_bpw = args.target_bpw;
     let report = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let mut file = Gguf::open(&input).context("could not open the model")?;
@@ -98,9 +103,12 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
                     &input,
                     imatrix,
                     text,
-                    target_size,
-                    target_bpw,
-                    report_path.as_deref(),
+                    &Mix {
+                        target_size,
+                        target_bpw,
+                        per_tensor,
+                        report: report_path.as_deref(),
+                    },
                 )?
             }
         };
@@ -130,15 +138,22 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
     Ok(())
 }
 
+/// What a mix is asked for.
+struct Mix<'a> {
+    target_size: Option<u64>,
+    target_bpw: Option<f64>,
+    per_tensor: bool,
+    report: Option<&'a Path>,
+}
+
 fn mixed_plan(
     file: &mut Gguf,
     input: &Path,
     imatrix: &Imatrix,
     text: &str,
-    target_size: Option<u64>,
-    target_bpw: Option<f64>,
-    report: Option<&Path>,
+    mix: &Mix<'_>,
 ) -> anyhow::Result<Plan> {
+    let (target_size, target_bpw, report) = (mix.target_size, mix.target_bpw, mix.report);
     let overhead = std::fs::metadata(input)?
         .len()
         .saturating_sub(file.tensor_bytes())
@@ -150,12 +165,16 @@ fn mixed_plan(
         (None, Some(b)) => (b * file.parameters() as f64 / 8.0) as u64,
         (None, None) => bail!("give --type, --target-size or --target-bpw"),
     };
+    check_budget(file, budget)?;
     let bar = super::steps_bar(0, "error table");
-    let table = error_table(file, imatrix, &mut |done, total| {
+    let mut table = error_table(file, imatrix, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64)
     })?;
     bar.finish_and_clear();
+    if mix.per_tensor {
+        per_tensor(&mut table);
+    }
     let lm =
         LanguageModel::load(input, WeightForm::Quantized).context("could not load the model")?;
     let tokens = lm.tokenizer().encode(text, false)?;
