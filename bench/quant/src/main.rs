@@ -327,7 +327,10 @@ fn main() -> anyhow::Result<()> {
     );
     if let Some(path) = write_results {
         let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-        let mut f = std::fs::OpenOptions::new().append(true).open(&path)?;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)?;
         write!(
             f,
             "\n## quant: allocated mixes vs llama-quantize --imatrix at matched sizes\n\n`cargo run --release -p agentstack-bench-quant -- --write-results bench/RESULTS.md`; load average {}\n\n{report}\n![size vs KLD](quant/size_vs_kld.png)\n",

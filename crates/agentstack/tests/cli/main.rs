@@ -486,7 +486,7 @@ fn model_info_and_generate_on_the_test_model() {
 /// text, a mix that fits, its prediction checked by `model kld` on held-out text, and a
 /// target below the smallest mix refused.
 #[test]
-#[ignore = "needs the SmolLM2 model (scripts/fetch-model); about 3 minutes"]
+#[ignore = "needs the SmolLM2 model (scripts/fetch-model); about 4 minutes"]
 fn model_quantize_allocates_under_a_target_size_and_kld_checks_it() {
     let model = std::env::var("AGENTSTACK_TEST_MODEL").unwrap_or_else(|_| {
         format!(
