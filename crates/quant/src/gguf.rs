@@ -885,14 +885,7 @@ mod tests {
             let path = dir.path().join("m.gguf");
             let specs = specs();
             write(&path, &sample_metadata(), &specs, |i| Ok(data_for(&specs[i], 0))).unwrap();
-            let mut bytes = std::fs::read(&path).unwrap();
-            for (at, b) in edits {
-                let at = at % bytes.len();
-                bytes[at] = b;
-            }
-            if let Some(cut) = cut {
-                bytes.truncate(cut.min(bytes.len()));
-            }
+            let bytes = crate::testing::damage(std::fs::read(&path).unwrap(), &edits, cut);
             std::fs::write(&path, &bytes).unwrap();
             if let Ok(mut g) = Gguf::open(&path) {
                 for i in 0..g.tensors.len() {

@@ -450,14 +450,7 @@ mod tests {
             } else {
                 sample().save_dat(&path).unwrap();
             }
-            let mut bytes = std::fs::read(&path).unwrap();
-            for (at, b) in edits {
-                let at = at % bytes.len();
-                bytes[at] = b;
-            }
-            if let Some(cut) = cut {
-                bytes.truncate(cut.min(bytes.len()));
-            }
+            let bytes = crate::testing::damage(std::fs::read(&path).unwrap(), &edits, cut);
             std::fs::write(&path, &bytes).unwrap();
             if let Ok(m) = Imatrix::load(&path) {
                 for name in m.entries.keys() {

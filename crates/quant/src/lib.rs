@@ -58,3 +58,20 @@ pub fn candle_dtype(ty: types::GgmlType) -> Option<candle_core::quantized::GgmlD
         _ => return None,
     })
 }
+
+/// Helpers of this crate's unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// `bytes` with bytes overwritten (`(position mod length, value)`) and then cut to
+    /// `cut`, as a damaged download or a half-written file would be.
+    pub(crate) fn damage(mut bytes: Vec<u8>, edits: &[(usize, u8)], cut: Option<usize>) -> Vec<u8> {
+        for &(at, b) in edits {
+            let at = at % bytes.len();
+            bytes[at] = b;
+        }
+        if let Some(cut) = cut {
+            bytes.truncate(cut.min(bytes.len()));
+        }
+        bytes
+    }
+}

@@ -203,6 +203,20 @@ fn every_type_matches_llama_quantize_byte_for_byte() {
     }
 }
 
+/// The blocks' importance matrix over `tokens`, in 128-token chunks, as llama-imatrix
+/// collects it by default (no output projection).
+fn blocks_imatrix(lm: &agentstack_model::LanguageModel, tokens: &[u32]) -> Imatrix {
+    Imatrix::collect(
+        lm.model(),
+        tokens,
+        128,
+        "calibration.txt",
+        false,
+        &mut |_, _| {},
+    )
+    .unwrap()
+}
+
 fn tokens_of(text: &str) -> (agentstack_model::LanguageModel, Vec<u32>) {
     let lm = agentstack_model::LanguageModel::load(
         model_path(),
@@ -226,15 +240,7 @@ fn our_imatrix_drives_llama_quantize_and_ours_alike() {
     )
     .unwrap();
     let (lm, tokens) = tokens_of(&text);
-    let m = Imatrix::collect(
-        lm.model(),
-        &tokens,
-        128,
-        "calibration.txt",
-        false,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let m = blocks_imatrix(&lm, &tokens);
     assert_eq!(m.entries.len(), 30 * 7, "every matmul of every layer");
     let path = dir.path().join("imatrix.gguf");
     m.save_gguf(&path).unwrap();
@@ -288,15 +294,7 @@ fn our_imatrix_agrees_with_llama_imatrix() {
     let theirs = Imatrix::load(&theirs_path).unwrap();
     // llama-imatrix starts every chunk with BOS when the model asks for it; SmolLM2 does not.
     let (lm, tokens) = tokens_of(&std::fs::read_to_string(&text_path).unwrap());
-    let ours = Imatrix::collect(
-        lm.model(),
-        &tokens,
-        128,
-        "calibration.txt",
-        false,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let ours = blocks_imatrix(&lm, &tokens);
     assert_eq!(ours.chunk_count, theirs.chunk_count);
     for (name, e) in &theirs.entries {
         let (a, b) = (
@@ -459,15 +457,7 @@ fn llama_cpp_and_agentstack_agree_on_files_we_write() {
     let model = model_path();
     let text = std::fs::read_to_string(eval_text()).unwrap();
     let (lm, tokens) = tokens_of(&text);
-    let m = Imatrix::collect(
-        lm.model(),
-        &tokens,
-        128,
-        "calibration.txt",
-        false,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let m = blocks_imatrix(&lm, &tokens);
     drop(lm);
     for (ty, imatrix) in [(GgmlType::IQ4_XS, None), (GgmlType::Q4_K, Some(&m))] {
         let mine = dir.path().join(format!("{ty}.gguf"));
