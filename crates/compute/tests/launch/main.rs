@@ -29,6 +29,17 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// A port `p` with `p + 1` free too (checked by binding both), for two replicas.
+fn free_port_pair() -> u16 {
+    loop {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = first.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
+}
+
 async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
     let start = Instant::now();
     loop {
@@ -547,8 +558,8 @@ async fn replicas_are_probed_and_one_never_ready_is_replaced() {
     let home = tempfile::tempdir().unwrap();
     let served = home.path().join("served");
     std::fs::create_dir_all(&served).unwrap();
-    let port = free_port();
-    let _second = free_port();
+    // Replicas on one host take consecutive ports: both must be free.
+    let port = free_port_pair();
     let group = JobGroup::parse(&format!(
         r#"
 name: serve
