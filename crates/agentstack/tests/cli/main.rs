@@ -30,6 +30,16 @@ fn agentstack(args: &[&str]) -> Output {
     }
 }
 
+/// The SmolLM2 test model (`AGENTSTACK_TEST_MODEL`, or the cached copy).
+fn test_model() -> String {
+    std::env::var("AGENTSTACK_TEST_MODEL").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+            std::env::var("HOME").unwrap()
+        )
+    })
+}
+
 fn snapshot(out: &Output) -> String {
     format!(
         "exit: {}\n--- stdout\n{}--- stderr\n{}",
@@ -448,12 +458,7 @@ fn model_info_rejects_a_file_that_is_not_gguf() {
 #[test]
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
 fn model_info_and_generate_on_the_test_model() {
-    let model = std::env::var("AGENTSTACK_TEST_MODEL").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-            std::env::var("HOME").unwrap()
-        )
-    });
+    let model = test_model();
     let info = agentstack(&["model", "info", &model, "--json"]);
     assert_eq!(info.code, 0, "{}", info.stderr);
     let info: serde_json::Value = serde_json::from_str(&info.stdout).unwrap();
@@ -488,12 +493,7 @@ fn model_info_and_generate_on_the_test_model() {
 #[test]
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model); about 4 minutes"]
 fn model_quantize_allocates_under_a_target_size_and_kld_checks_it() {
-    let model = std::env::var("AGENTSTACK_TEST_MODEL").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-            std::env::var("HOME").unwrap()
-        )
-    });
+    let model = test_model();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let dir = tempfile::tempdir().unwrap();
     // Short texts keep the test to a few minutes: sensitivity costs a forward pass of the
