@@ -665,6 +665,11 @@ impl Model {
         self
     }
 
+    /// Whether the output projection is the token embedding table.
+    pub fn tied_output(&self) -> bool {
+        self.tied_output
+    }
+
     /// The GGUF name of the output projection's weight: `token_embd.weight` when tied.
     pub fn output_weight_name(&self) -> &'static str {
         if self.tied_output {

@@ -309,7 +309,7 @@ pub fn measure_sensitivity(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Sensitivity> {
     // The reference: every allocatable weight as exact f32 values of the input.
-    let tied = !file.tensors.iter().any(|t| t.name == "output.weight");
+    let tied = lm.model().tied_output();
     let mut base = lm.model().clone();
     for w in table {
         let values = file.read_f32(w.index)?;
@@ -390,9 +390,7 @@ pub fn smallest_mix(file: &Gguf) -> u64 {
             CANDIDATES
                 .iter()
                 .map(|&want| {
-                    let mut at = t.clone();
-                    at.ty = effective_type(want, t.row_len());
-                    at.bytes()
+                    effective_type(want, t.row_len()).bytes_for(t.elements() as usize) as u64
                 })
                 .min()
                 .unwrap_or_else(|| t.bytes())
