@@ -24,6 +24,49 @@ const QK: usize = 32;
 /// Activation rows handled together, so each unpacked weight block is used several times.
 const ROW_TILE: usize = 4;
 
+/// The widest kernel family this CPU runs, detected once. `AGENTSTACK_KERNELS=avx2` or
+/// `=scalar` caps it (to compare kernel families on one machine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    expect(dead_code, reason = "x86 kernel families")
+)]
+enum Simd {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    expect(dead_code, reason = "x86 kernel families")
+)]
+fn simd() -> Simd {
+    static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let cap = match std::env::var("AGENTSTACK_KERNELS").as_deref() {
+            Ok("scalar") => Simd::Scalar,
+            Ok("avx2") => Simd::Avx2,
+            _ => Simd::Avx512Vnni,
+        };
+        detected_simd().min(cap)
+    })
+}
+
+fn detected_simd() -> Simd {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") {
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                return Simd::Avx512Vnni;
+            }
+            return Simd::Avx2;
+        }
+    }
+    Simd::Scalar
+}
+
 /// The weight types with a kernel here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantKind {
@@ -311,13 +354,24 @@ impl FastLinear {
             self.weight_row(o + 3),
         ];
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            #[expect(unsafe_code, reason = "the CPU was just checked for AVX2 and FMA")]
-            // SAFETY: avx2 and fma are available (checked above).
-            unsafe {
-                avx2::weights4(self.kind, &ws, row, out)
-            };
-            return;
+        match simd() {
+            Simd::Avx512Vnni => {
+                #[expect(unsafe_code, reason = "the CPU was checked for these features")]
+                // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA.
+                unsafe {
+                    avx512::weights4(self.kind, &ws, row, out)
+                };
+                return;
+            }
+            Simd::Avx2 => {
+                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
+                // SAFETY: simd() found AVX2 and FMA.
+                unsafe {
+                    avx2::weights4(self.kind, &ws, row, out)
+                };
+                return;
+            }
+            Simd::Scalar => {}
         }
         for (w, dst) in ws.iter().zip(out.iter_mut()) {
             dot_tile_scalar(
@@ -373,13 +427,24 @@ fn round_ties_even(x: f32) -> f32 {
 
 fn dot_tile(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        #[expect(unsafe_code, reason = "the CPU was just checked for AVX2 and FMA")]
-        // SAFETY: avx2 and fma are available (checked above).
-        unsafe {
-            avx2::dot_tile(kind, w, rows, out)
-        };
-        return;
+    match simd() {
+        Simd::Avx512Vnni => {
+            #[expect(unsafe_code, reason = "the CPU was checked for these features")]
+            // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA.
+            unsafe {
+                avx512::dot_tile(kind, w, rows, out)
+            };
+            return;
+        }
+        Simd::Avx2 => {
+            #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
+            // SAFETY: simd() found AVX2 and FMA.
+            unsafe {
+                avx2::dot_tile(kind, w, rows, out)
+            };
+            return;
+        }
+        Simd::Scalar => {}
     }
     dot_tile_scalar(kind, w, rows, out);
 }
@@ -448,7 +513,7 @@ mod avx2 {
     use super::{ActRow, QK, QuantKind, ROW_TILE, WeightRow};
 
     #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
+    pub(super) fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps::<1>(v);
         let s = _mm_add_ps(lo, hi);
@@ -734,6 +799,324 @@ mod avx2 {
     }
 }
 
+/// The AVX-512 VNNI kernels: the AVX2 ones with two blocks per 512-bit register (even
+/// block in the low half, odd block in the high half: the AVX2 kernels' two
+/// accumulators side by side) and `vpdpbusd` for the byte products. No byte product sum
+/// saturates in either, so every output is bit-identical to the AVX2 kernels' (tested).
+#[cfg(target_arch = "x86_64")]
+#[expect(
+    unsafe_code,
+    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
+)]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::avx2::hsum;
+    use super::{ActRow, QK, QuantKind, ROW_TILE, WeightRow};
+
+    /// Two blocks' `Σ q_w·q_a` as 16 f32 lanes (the low 8 for the first block), each
+    /// lane the sum of the same four byte products as the AVX2 kernels' lanes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn blocks2(wq: __m512i, aq: __m512i) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq))
+    }
+
+    /// One block's `Σ q_w·q_a` as 8 f32 lanes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn block1(wq: __m256i, aq: __m256i) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq))
+    }
+
+    /// `[x0; 8] ++ [x1; 8]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn scale2(x0: f32, x1: f32) -> __m512 {
+        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(x0), _mm512_set1_ps(x1))
+    }
+
+    /// The upper 8 lanes.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn high(v: __m512) -> __m256 {
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+    }
+
+    /// Weight blocks `b` and `b + 1` as unsigned bytes in activation order, and (Q8_0)
+    /// the mask of negative weights: Q4_1 nibbles unpacked to `[lows b, highs b, lows
+    /// b+1, highs b+1]`; Q8_0 as `|w|`, the activations to be negated where `w < 0`
+    /// (ggml's `mul_sum_i8_pairs`).
+    ///
+    /// # Safety
+    /// `quants` must hold blocks `b` and `b + 1`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    unsafe fn weights2<const Q4: bool>(quants: *const u8, b: usize) -> (__m512i, __mmask64) {
+        // SAFETY: the caller guarantees blocks b and b + 1 are readable.
+        unsafe {
+            if Q4 {
+                let packed = _mm256_loadu_si256(quants.add(b * 16).cast());
+                let shifted = _mm256_srli_epi16::<4>(packed);
+                // [p_b, p_b+1, s_b, s_b+1] → [p_b, s_b, p_b+1, s_b+1]
+                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(packed), shifted);
+                let ordered = _mm512_shuffle_i64x2::<0b11_01_10_00>(both, both);
+                (_mm512_and_si512(ordered, _mm512_set1_epi8(0x0F)), 0)
+            } else {
+                let w = _mm512_loadu_si512(quants.add(b * 32).cast());
+                (_mm512_abs_epi8(w), _mm512_movepi8_mask(w))
+            }
+        }
+    }
+
+    /// [`weights2`] for block `b` alone.
+    ///
+    /// # Safety
+    /// `quants` must hold block `b`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    unsafe fn weights1<const Q4: bool>(quants: *const u8, b: usize) -> (__m256i, __mmask32) {
+        // SAFETY: the caller guarantees block b is readable.
+        unsafe {
+            if Q4 {
+                let packed = _mm_loadu_si128(quants.add(b * 16).cast());
+                let shifted = _mm_srli_epi16::<4>(packed);
+                let both = _mm256_set_m128i(shifted, packed);
+                (_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), 0)
+            } else {
+                let w = _mm256_loadu_si256(quants.add(b * 32).cast());
+                (_mm256_abs_epi8(w), _mm256_movepi8_mask(w))
+            }
+        }
+    }
+
+    /// The minimum term `Σ_b m[b]·s[b]` with the arithmetic of the scalar `mins_dot`
+    /// (lane `b mod 8`, multiply then add, the same final tree), inlined into the
+    /// kernels: the last partial group of eight is a masked load whose other lanes add
+    /// `0·0`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn mins(m: &[f32], s: &[f32]) -> f32 {
+        let n = m.len().min(s.len());
+        let mut lanes = _mm256_setzero_ps();
+        let mut c = 0;
+        while c + 8 <= n {
+            // SAFETY: c + 8 <= n, within both slices.
+            let (mv, sv) = unsafe {
+                (
+                    _mm256_loadu_ps(m.as_ptr().add(c)),
+                    _mm256_loadu_ps(s.as_ptr().add(c)),
+                )
+            };
+            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(mv, sv));
+            c += 8;
+        }
+        if c < n {
+            let mask: __mmask8 = (1u8 << (n - c)) - 1;
+            // SAFETY: the mask reads only lanes c..n, within both slices.
+            let (mv, sv) = unsafe {
+                (
+                    _mm256_maskz_loadu_ps(mask, m.as_ptr().add(c)),
+                    _mm256_maskz_loadu_ps(mask, s.as_ptr().add(c)),
+                )
+            };
+            lanes = _mm256_mask_add_ps(lanes, mask, lanes, _mm256_mul_ps(mv, sv));
+        }
+        // ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7))
+        let a = _mm_add_ps(
+            _mm256_castps256_ps128(lanes),
+            _mm256_extractf128_ps::<1>(lanes),
+        );
+        let t = _mm_add_ps(a, _mm_shuffle_ps::<0b10_11_00_01>(a, a));
+        _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)))
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn dot_tile(
+        kind: QuantKind,
+        w: &WeightRow<'_>,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
+        let n = rows.len().min(out.len()).min(ROW_TILE);
+        // SAFETY (all arms): the CPU has the features this function requires.
+        unsafe {
+            match (kind, n) {
+                (QuantKind::Q4_1, 1) => rows_kind::<true, 1>(w, rows, out),
+                (QuantKind::Q4_1, 2) => rows_kind::<true, 2>(w, rows, out),
+                (QuantKind::Q4_1, 3) => rows_kind::<true, 3>(w, rows, out),
+                (QuantKind::Q4_1, _) => rows_kind::<true, 4>(w, rows, out),
+                (QuantKind::Q8_0, 1) => rows_kind::<false, 1>(w, rows, out),
+                (QuantKind::Q8_0, 2) => rows_kind::<false, 2>(w, rows, out),
+                (QuantKind::Q8_0, 3) => rows_kind::<false, 3>(w, rows, out),
+                (QuantKind::Q8_0, _) => rows_kind::<false, 4>(w, rows, out),
+            }
+        }
+        if kind == QuantKind::Q4_1 {
+            for r in 0..n {
+                out[r] += mins(w.mins, &rows[r].s);
+            }
+        }
+    }
+
+    /// One weight row against `R` activation rows, Q4_1 (`Q4`) or Q8_0: the arithmetic
+    /// of `avx2::rows_q4_1` / `avx2::rows_q8_0`.
+    ///
+    /// # Safety
+    /// As [`dot_tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn rows_kind<const Q4: bool, const R: usize>(
+        w: &WeightRow<'_>,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
+        let nb = w.scales.len();
+        let qb = if Q4 { 16 } else { 32 };
+        assert!(w.quants.len() >= nb * qb && rows.len() >= R && out.len() >= R);
+        for row in &rows[..R] {
+            assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
+        }
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); R];
+        let wq = w.quants.as_ptr();
+        let ws = w.scales.as_ptr();
+        let a_ptr: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+        let d_ptr: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
+        let mut b = 0;
+        while b + 1 < nb {
+            // SAFETY: b + 1 < nb, and the asserts cover nb blocks of every buffer.
+            unsafe {
+                let (wv, neg) = weights2::<Q4>(wq, b);
+                let (s0, s1) = (*ws.add(b), *ws.add(b + 1));
+                for r in 0..R {
+                    let a = _mm512_loadu_si512(a_ptr[r].add(b * QK).cast());
+                    let a = if Q4 {
+                        a
+                    } else {
+                        _mm512_mask_sub_epi8(a, neg, zero, a)
+                    };
+                    let (d0, d1) = (*d_ptr[r].add(b), *d_ptr[r].add(b + 1));
+                    acc[r] = _mm512_fmadd_ps(scale2(s0 * d0, s1 * d1), blocks2(wv, a), acc[r]);
+                }
+            }
+            b += 2;
+        }
+        let mut even: [__m256; R] = std::array::from_fn(|r| _mm512_castps512_ps256(acc[r]));
+        if b < nb {
+            // SAFETY: b < nb.
+            unsafe {
+                let (wv, neg) = weights1::<Q4>(wq, b);
+                let s0 = *ws.add(b);
+                for r in 0..R {
+                    let a = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
+                    let a = if Q4 {
+                        a
+                    } else {
+                        _mm256_mask_sub_epi8(a, neg, _mm256_setzero_si256(), a)
+                    };
+                    let d0 = *d_ptr[r].add(b);
+                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block1(wv, a), even[r]);
+                }
+            }
+        }
+        for r in 0..R {
+            out[r] = hsum(_mm256_add_ps(even[r], high(acc[r])));
+        }
+    }
+
+    /// Four weight rows against one activation row: the arithmetic of
+    /// `avx2::weights4`.
+    ///
+    /// # Safety
+    /// As [`dot_tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn weights4(
+        kind: QuantKind,
+        ws: &[WeightRow<'_>; 4],
+        row: &ActRow,
+        out: &mut [f32; 4],
+    ) {
+        // SAFETY: the CPU has the features this function requires.
+        unsafe {
+            match kind {
+                QuantKind::Q4_1 => weights4_kind::<true>(ws, row, out),
+                QuantKind::Q8_0 => weights4_kind::<false>(ws, row, out),
+            }
+        }
+        if kind == QuantKind::Q4_1 {
+            for k in 0..4 {
+                out[k] += mins(ws[k].mins, &row.s);
+            }
+        }
+    }
+
+    /// [`weights4`] for Q4_1 (`Q4 = true`) or Q8_0.
+    ///
+    /// # Safety
+    /// As [`dot_tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn weights4_kind<const Q4: bool>(
+        ws: &[WeightRow<'_>; 4],
+        row: &ActRow,
+        out: &mut [f32; 4],
+    ) {
+        let nb = ws[0].scales.len();
+        let qb = if Q4 { 16 } else { 32 };
+        for w in ws {
+            assert!(w.scales.len() == nb && w.quants.len() >= nb * qb);
+        }
+        assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); 4];
+        let a = row.qs.as_ptr();
+        let d = row.d.as_ptr();
+        let wp: [*const u8; 4] = std::array::from_fn(|k| ws[k].quants.as_ptr());
+        let sp: [*const f32; 4] = std::array::from_fn(|k| ws[k].scales.as_ptr());
+        let mut b = 0;
+        while b + 1 < nb {
+            // SAFETY: b + 1 < nb, and the asserts cover nb blocks of every buffer.
+            unsafe {
+                let av = _mm512_loadu_si512(a.add(b * QK).cast());
+                let (d0, d1) = (*d.add(b), *d.add(b + 1));
+                for k in 0..4 {
+                    let (wv, neg) = weights2::<Q4>(wp[k], b);
+                    let ak = if Q4 {
+                        av
+                    } else {
+                        _mm512_mask_sub_epi8(av, neg, zero, av)
+                    };
+                    let (s0, s1) = (*sp[k].add(b), *sp[k].add(b + 1));
+                    acc[k] = _mm512_fmadd_ps(scale2(s0 * d0, s1 * d1), blocks2(wv, ak), acc[k]);
+                }
+            }
+            b += 2;
+        }
+        let mut even: [__m256; 4] = std::array::from_fn(|k| _mm512_castps512_ps256(acc[k]));
+        if b < nb {
+            // SAFETY: b < nb.
+            unsafe {
+                let av = _mm256_loadu_si256(a.add(b * QK).cast());
+                let d0 = *d.add(b);
+                for k in 0..4 {
+                    let (wv, neg) = weights1::<Q4>(wp[k], b);
+                    let ak = if Q4 {
+                        av
+                    } else {
+                        _mm256_mask_sub_epi8(av, neg, _mm256_setzero_si256(), av)
+                    };
+                    let s0 = *sp[k].add(b);
+                    even[k] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block1(wv, ak), even[k]);
+                }
+            }
+        }
+        for k in 0..4 {
+            out[k] = hsum(_mm256_add_ps(even[k], high(acc[k])));
+        }
+    }
+}
+
 struct Op<'a>(&'a FastLinear);
 
 impl CustomOp1 for Op<'_> {
@@ -987,6 +1370,68 @@ mod tests {
                     .to_vec2()
                     .unwrap();
                 assert_eq!(&one[0], row, "{dtype:?} row {i}");
+            }
+        }
+    }
+
+    /// The AVX-512 VNNI kernels give the AVX2 kernels' bits: Q4_1 and Q8_0, odd and even
+    /// block counts, one to four activation rows, and the four-weight decoding path.
+    /// Byte values cover the extremes (nibbles 0 and 15, weights ±127 and −128,
+    /// activations ±127).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_kernels_equal_the_avx2_ones() {
+        if detected_simd() < Simd::Avx512Vnni {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        let device = Device::Cpu;
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            for blocks in [1, 2, 3, 18, 19, 48] {
+                let k = blocks * QK;
+                let w = Tensor::randn(0f32, 1.0, (4, k), &device).unwrap();
+                let mut fast =
+                    FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap();
+                // Extreme bytes in the first block of each row.
+                for (i, q) in fast.quants.iter_mut().enumerate().take(8) {
+                    *q = [0x00, 0xFF, 0x0F, 0xF0, 0x80, 0x7F, 0x81, 0x01][i];
+                }
+                let x: Vec<f32> = (0..k * 4)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                    .collect();
+                let mut rows: Vec<ActRow> = x
+                    .chunks_exact(k)
+                    .map(|r| quantize_row(r, dtype == GgmlDType::Q4_1))
+                    .collect();
+                rows[0].qs[..4].copy_from_slice(&[127, -127, 0, 127]);
+                let weight = |o: usize| fast.weight_row(o);
+                for n in 1..=4 {
+                    let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
+                    #[expect(unsafe_code, reason = "the features were checked above")]
+                    // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
+                    unsafe {
+                        avx512::dot_tile(fast.kind, &weight(0), &rows[..n], &mut a[..n]);
+                        avx2::dot_tile(fast.kind, &weight(0), &rows[..n], &mut b[..n]);
+                    }
+                    assert_eq!(
+                        a.map(f32::to_bits),
+                        b.map(f32::to_bits),
+                        "{dtype:?}, {blocks} blocks, {n} rows"
+                    );
+                }
+                let ws = [weight(0), weight(1), weight(2), weight(3)];
+                let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
+                #[expect(unsafe_code, reason = "the features were checked above")]
+                // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
+                unsafe {
+                    avx512::weights4(fast.kind, &ws, &rows[0], &mut a);
+                    avx2::weights4(fast.kind, &ws, &rows[0], &mut b);
+                }
+                assert_eq!(
+                    a.map(f32::to_bits),
+                    b.map(f32::to_bits),
+                    "{dtype:?}, {blocks} blocks, four weights"
+                );
             }
         }
     }

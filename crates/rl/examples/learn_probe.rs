@@ -18,8 +18,14 @@ fn main() {
     let base = lm.model().clone();
     let lora = Lora::new(&base, LoraConfig::default(), 1).unwrap();
     let prompt: Vec<u32> = (0..46).map(|i| 100 + i * 37).collect();
-    let comps: Vec<Vec<u32>> = (0..8)
-        .map(|j| (0..22).map(|i| 200 + i * 53 + j * 7).collect())
+    // PROBE_SHAPE=1x176: one completion of the same 176 tokens, to see what the
+    // per-sequence attention of 8 completions costs (nothing measurable, 2026-12-02).
+    let (completions, len): (u32, u32) = match std::env::var("PROBE_SHAPE").as_deref() {
+        Ok("1x176") => (1, 176),
+        _ => (8, 22),
+    };
+    let comps: Vec<Vec<u32>> = (0..completions)
+        .map(|j| (0..len).map(|i| 200 + i * 53 + j * 7).collect())
         .collect();
     let refs: Vec<&[u32]> = comps.iter().map(|c| c.as_slice()).collect();
     for it in 0..6 {
