@@ -534,6 +534,9 @@ pub struct TrainArgs {
     /// Override the configuration's model.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Override the configuration's teacher (`[distill] teacher`; `train distill`).
+    #[arg(long)]
+    pub teacher: Option<PathBuf>,
     /// Override the configuration's environment (e.g. an env server's URL).
     #[arg(long)]
     pub env: Option<String>,

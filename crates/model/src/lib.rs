@@ -272,4 +272,82 @@ impl LanguageModel {
             .map(|(row, &next)| sampling::log_softmax(row)[next as usize])
             .collect())
     }
+
+    /// Scores several completions of one prompt: the log-probability of each completion
+    /// token given the prompt and the completion's tokens before it. The prompt is read
+    /// once and the completions run as one batch; only their own rows go through the
+    /// output layer. The values are those of [`Self::score`] on each whole sequence.
+    pub fn score_completions(
+        &self,
+        prompt: &[u32],
+        completions: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>> {
+        if prompt.is_empty() {
+            return Err(ModelError::InvalidRequest(
+                "scoring completions needs a prompt of at least one token".into(),
+            ));
+        }
+        let vocab = self.model.config().vocab_size;
+        if let Some(bad) = completions
+            .iter()
+            .flat_map(|c| c.iter())
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(ModelError::InvalidRequest(format!(
+                "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
+            )));
+        }
+        let mut cache = self.model.new_cache();
+        let last = self.model.forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens: prompt,
+            logits: Logits::Last,
+        }])?;
+        let first = sampling::log_softmax(&last[0].to_vec2::<f32>()?[0]);
+        let longer: Vec<&[u32]> = completions
+            .iter()
+            .copied()
+            .filter(|c| c.len() > 1)
+            .collect();
+        let mut caches = longer
+            .iter()
+            .map(|_| cache.fork())
+            .collect::<Result<Vec<_>>>()?;
+        let mut inputs: Vec<SeqInput<'_>> = caches
+            .iter_mut()
+            .zip(&longer)
+            .map(|(cache, c)| SeqInput {
+                cache,
+                tokens: &c[..c.len() - 1],
+                logits: Logits::All,
+            })
+            .collect();
+        let mut rest = if inputs.is_empty() {
+            Vec::new()
+        } else {
+            self.model.forward(&mut inputs)?
+        }
+        .into_iter();
+        completions
+            .iter()
+            .map(|c| {
+                let Some(&head) = c.first() else {
+                    return Ok(Vec::new());
+                };
+                let mut out = vec![first[head as usize]];
+                if c.len() > 1 {
+                    let rows: Vec<Vec<f32>> = rest
+                        .next()
+                        .expect("one output per longer completion")
+                        .to_vec2()?;
+                    out.extend(
+                        rows.iter()
+                            .zip(&c[1..])
+                            .map(|(row, &next)| sampling::log_softmax(row)[next as usize]),
+                    );
+                }
+                Ok(out)
+            })
+            .collect()
+    }
 }

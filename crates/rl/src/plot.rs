@@ -1,5 +1,6 @@
-//! The reward curve of a training run as a PNG: the mean reward of each step's
-//! rollouts, and the held-out evaluations with their 95% confidence intervals.
+//! The curves of a training run as PNGs: the mean reward of each step's rollouts with
+//! the held-out evaluations and their 95% confidence intervals; for distillation, the
+//! mean reverse KL to the teacher per step.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -79,6 +80,61 @@ pub fn reward_curve(
             .label_font(("sans-serif", 14))
             .position(SeriesLabelPosition::UpperLeft)
             .draw()
+            .map_err(|e| fail(&e))?;
+        root.present().map_err(|e| fail(&e))?;
+    }
+    std::fs::rename(&tmp, png).map_err(|e| fail(&e))
+}
+
+/// Draws one value per step (`points`: step, value), e.g. distillation's mean reverse
+/// KL to the teacher, to `png`.
+pub fn step_curve(
+    points: &[(usize, f64)],
+    png: &Path,
+    title: &str,
+    y_desc: &str,
+) -> Result<(), String> {
+    if !agentstack_harness::compare::register_chart_font() {
+        return Err("the embedded font does not load".into());
+    }
+    let fail = |e: &dyn std::fmt::Display| e.to_string();
+    let points: Vec<(f64, f64)> = points
+        .iter()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(s, v)| (*s as f64, *v))
+        .collect();
+    let last = points.iter().map(|(s, _)| *s).fold(1.0f64, f64::max);
+    let (low, high) = points
+        .iter()
+        .fold((0.0f64, f64::MIN_POSITIVE), |(lo, hi), (_, v)| {
+            (lo.min(*v), hi.max(*v))
+        });
+    let tmp = png.with_extension("partial.png");
+    {
+        let root = BitMapBackend::new(&tmp, (900, 520)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| fail(&e))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, ("sans-serif", 22))
+            .margin(16)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0f64..last, low..high * 1.05)
+            .map_err(|e| fail(&e))?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .y_desc(y_desc)
+            .label_style(("sans-serif", 14))
+            .draw()
+            .map_err(|e| fail(&e))?;
+        chart
+            .draw_series(LineSeries::new(
+                points.iter().copied(),
+                BLUE.stroke_width(2),
+            ))
+            .map_err(|e| fail(&e))?;
+        chart
+            .draw_series(points.iter().map(|p| Circle::new(*p, 3, BLUE.filled())))
             .map_err(|e| fail(&e))?;
         root.present().map_err(|e| fail(&e))?;
     }

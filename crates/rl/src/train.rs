@@ -132,6 +132,9 @@ pub struct StepMetrics {
     pub kl: f64,
     /// Mean |log π_learner − log π_rollout| over trained tokens.
     pub rollout_mismatch: f64,
+    /// Seconds the teacher took to score the step's samples (distillation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher_s: Option<f64>,
     /// Mean reverse KL to the teacher (distillation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reverse_kl: Option<f64>,
@@ -933,6 +936,20 @@ pub async fn train(
             {
                 tracing::warn!(error = %e, "could not draw the reward curve");
             }
+            let kl: Vec<(usize, f64)> = read_metrics(&metrics_path)
+                .into_iter()
+                .filter_map(|m| Some((m.step, m.reverse_kl?)))
+                .collect();
+            if !kl.is_empty()
+                && let Err(e) = crate::plot::step_curve(
+                    &kl,
+                    &dir.join("reverse_kl.png"),
+                    &format!("Reverse KL to the teacher: {run_id}"),
+                    "mean log p_student − log p_teacher",
+                )
+            {
+                tracing::warn!(error = %e, "could not draw the reverse KL curve");
+            }
         }
         if stopping && !last {
             report.stopped_at = Some(step + 1);
@@ -1033,7 +1050,16 @@ fn shape(
         }
         m.groups_kept += 1;
         let group_adv = group_advantages(&rewards, normalization);
-        for (&i, a) in members.iter().zip(group_adv) {
+        let teacher_logps = match teacher {
+            Some(teacher) => {
+                let t = Instant::now();
+                let scored = teacher_logprobs(teacher, members.iter().map(|&i| &samples[i]))?;
+                m.teacher_s = Some(m.teacher_s.unwrap_or(0.0) + t.elapsed().as_secs_f64());
+                scored
+            }
+            None => Vec::new(),
+        };
+        for (k, (&i, a)) in members.iter().zip(group_adv).enumerate() {
             let s = &samples[i];
             let a = if teacher.is_some() {
                 a * reward_weight
@@ -1041,10 +1067,7 @@ fn shape(
                 a
             };
             let mut adv = vec![a as f32; s.completion.len()];
-            if let (Some(teacher), Some(d)) = (teacher, &config.distill) {
-                let tokens: Vec<u32> = s.prompt.iter().chain(&s.completion).copied().collect();
-                let scored = teacher.score(&tokens).map_err(model_err)?;
-                let teacher_logp = &scored[scored.len() - s.completion.len()..];
+            if let (Some(teacher_logp), Some(d)) = (teacher_logps.get(k), &config.distill) {
                 for (st, te) in s.logprobs.iter().zip(teacher_logp) {
                     reverse_kl.0 += f64::from(st - te);
                     reverse_kl.1 += 1;
@@ -1064,6 +1087,37 @@ fn shape(
         m.reverse_kl = Some(reverse_kl.0 / reverse_kl.1.max(1) as f64);
     }
     Ok((kept, advantages, masks))
+}
+
+/// The teacher's log-probability of every completion token of `samples`: the
+/// completions of one prompt (a GRPO group's) scored together, the prompt read once.
+fn teacher_logprobs<'a>(
+    teacher: &LanguageModel,
+    samples: impl Iterator<Item = &'a Sample>,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    let samples: Vec<&Sample> = samples.collect();
+    let mut out = vec![Vec::new(); samples.len()];
+    let mut done = vec![false; samples.len()];
+    for i in 0..samples.len() {
+        if done[i] {
+            continue;
+        }
+        let same: Vec<usize> = (i..samples.len())
+            .filter(|&j| !done[j] && samples[j].prompt == samples[i].prompt)
+            .collect();
+        let completions: Vec<&[u32]> = same
+            .iter()
+            .map(|&j| samples[j].completion.as_slice())
+            .collect();
+        let scored = teacher
+            .score_completions(&samples[i].prompt, &completions)
+            .map_err(model_err)?;
+        for (j, lp) in same.into_iter().zip(scored) {
+            out[j] = lp;
+            done[j] = true;
+        }
+    }
+    Ok(out)
 }
 
 /// SFT's examples: every model turn of the episodes with at least `min_reward` in

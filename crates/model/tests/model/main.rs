@@ -110,6 +110,31 @@ fn scoring_a_sequence_reproduces_its_generation_logprobs_exactly() {
     assert_eq!(&scored[prompt.len() - 1..], out.logprobs.as_slice());
 }
 
+#[test]
+#[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
+fn scoring_completions_of_one_prompt_together_equals_scoring_each_alone() {
+    let lm = lm();
+    let prompt = chat(&lm, "What is 12 + 30?");
+    let words = ["42", "It is 42.", "The answer is forty-two, I think", "7"];
+    let completions: Vec<Vec<u32>> = words
+        .iter()
+        .map(|w| lm.tokenizer().encode(w, false).unwrap())
+        .collect();
+    let refs: Vec<&[u32]> = completions.iter().map(Vec::as_slice).collect();
+    let together = lm.score_completions(&prompt, &refs).unwrap();
+    for (c, got) in completions.iter().zip(&together) {
+        let mut all = prompt.clone();
+        all.extend(c);
+        let alone = lm.score(&all).unwrap();
+        // Bit-identical: the prompt's cache is shared and the batch does not change rows.
+        assert_eq!(got.as_slice(), &alone[prompt.len() - 1..]);
+    }
+    let vocab = lm.model().config().vocab_size as u32;
+    let bad = lm.score_completions(&prompt, &[&[vocab]]).unwrap_err();
+    assert!(bad.to_string().contains("out of range"), "{bad}");
+    assert!(lm.score_completions(&[], &refs).is_err());
+}
+
 #[tokio::test]
 #[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
 async fn the_engine_batches_concurrent_requests_without_changing_them() {

@@ -27,6 +27,17 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
     if let Some(env) = &args.env {
         config.env = env.clone();
     }
+    if let Some(teacher) = &args.teacher {
+        match &mut config.distill {
+            Some(d) => d.teacher = teacher.clone(),
+            None => {
+                return Err(Exit::user(anyhow!(
+                    "{}: --teacher needs a [distill] section in the config",
+                    args.config.display()
+                )));
+            }
+        }
+    }
     config
         .sync
         .servers
@@ -45,7 +56,9 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
     if args.model.is_none() {
         relative(&mut config.model);
     }
-    if let Some(d) = &mut config.distill {
+    if let Some(d) = &mut config.distill
+        && args.teacher.is_none()
+    {
         relative(&mut d.teacher);
     }
     if let Some(s) = &mut config.sft {
@@ -58,6 +71,15 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
         return Err(Exit::user(anyhow!(
             "the model {} does not exist\nhint: scripts/fetch-model fetches the test model; paths in the config are relative to it",
             config.model.display()
+        )));
+    }
+    if algorithm == Algorithm::Distill
+        && let Some(d) = &config.distill
+        && !d.teacher.exists()
+    {
+        return Err(Exit::user(anyhow!(
+            "the teacher {} does not exist\nhint: `agentstack train export RUN -o teacher.gguf` makes one from a training run; paths in the config are relative to it",
+            d.teacher.display()
         )));
     }
     let env = if algorithm == Algorithm::Sft && config.env.is_empty() {
