@@ -74,9 +74,14 @@ keep = 10
 }
 
 fn train(config: &Path, runs: &Path, id: &str) -> Command {
+    train_with("grpo", config, runs, id)
+}
+
+/// `agentstack train <algorithm>` of `config` as run `id` under `runs`.
+fn train_with(algorithm: &str, config: &Path, runs: &Path, id: &str) -> Command {
     let mut command = agentstack();
     command
-        .args(["train", "grpo", "--config"])
+        .args(["train", algorithm, "--config"])
         .arg(config)
         .arg("--runs-dir")
         .arg(runs)
@@ -378,15 +383,8 @@ fn distillation_scores_the_students_tokens_with_the_teacher() {
     let distill = "\n[distill]\nteacher = \"teacher.gguf\"\nreward_weight = 0.0\n";
     let cfg = config(dir.path(), "distill", 2, 0, distill);
     let distill_run = |cfg: &Path, teacher: &Path, id: &str| {
-        let mut command = agentstack();
-        command
-            .args(["train", "distill", "--config"])
-            .arg(cfg)
-            .arg("--teacher")
-            .arg(teacher)
-            .arg("--runs-dir")
-            .arg(&runs)
-            .args(["--run-id", id, "--threads", "2"]);
+        let mut command = train_with("distill", cfg, &runs, id);
+        command.arg("--teacher").arg(teacher);
         command
     };
     let out = run_bounded(distill_run(&cfg, &test_model(), "d"), TRAIN_LIMIT);
