@@ -828,9 +828,25 @@ pub async fn train(
             let samples = samples_of(&episodes);
             let rewards: Vec<f64> = episodes.iter().map(|(_, e)| e.reward).collect();
             (m.reward_mean, m.reward_std) = mean_std(&rewards);
-            let (samples, advantages, masks) =
-                shape(&config, samples, normalization, teacher.as_deref(), &mut m)?;
-            (samples, advantages, masks)
+            // Off the async runtime: with a teacher, shaping scores every sample.
+            let (shaped, metrics) = {
+                let (config, teacher) = (config.clone(), teacher.clone());
+                let mut metrics = std::mem::take(&mut m);
+                tokio::task::spawn_blocking(move || {
+                    let shaped = shape(
+                        &config,
+                        samples,
+                        normalization,
+                        teacher.as_deref(),
+                        &mut metrics,
+                    );
+                    (shaped, metrics)
+                })
+                .await
+                .map_err(model_err)?
+            };
+            m = metrics;
+            shaped?
         };
         m.samples = samples.len();
         m.completion_len = if samples.is_empty() {
