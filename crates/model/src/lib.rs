@@ -297,49 +297,18 @@ impl LanguageModel {
                 "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
             )));
         }
-        let mut cache = self.model.new_cache();
-        let last = self.model.forward(&mut [SeqInput {
-            cache: &mut cache,
-            tokens: prompt,
-            logits: Logits::Last,
-        }])?;
-        let first = sampling::log_softmax(&last[0].to_vec2::<f32>()?[0]);
-        let longer: Vec<&[u32]> = completions
-            .iter()
-            .copied()
-            .filter(|c| c.len() > 1)
-            .collect();
-        let mut caches = longer
-            .iter()
-            .map(|_| cache.fork())
-            .collect::<Result<Vec<_>>>()?;
-        let mut inputs: Vec<SeqInput<'_>> = caches
-            .iter_mut()
-            .zip(&longer)
-            .map(|(cache, c)| SeqInput {
-                cache,
-                tokens: &c[..c.len() - 1],
-                logits: Logits::All,
-            })
-            .collect();
-        let mut rest = if inputs.is_empty() {
-            Vec::new()
-        } else {
-            self.model.forward(&mut inputs)?
-        }
-        .into_iter();
+        let (last, rest) = self.model.forward_completions(prompt, completions)?;
+        let first = sampling::log_softmax(&last.to_vec2::<f32>()?[0]);
         completions
             .iter()
-            .map(|c| {
+            .zip(rest)
+            .map(|(c, rows)| {
                 let Some(&head) = c.first() else {
                     return Ok(Vec::new());
                 };
                 let mut out = vec![first[head as usize]];
-                if c.len() > 1 {
-                    let rows: Vec<Vec<f32>> = rest
-                        .next()
-                        .expect("one output per longer completion")
-                        .to_vec2()?;
+                if let Some(rows) = rows {
+                    let rows: Vec<Vec<f32>> = rows.to_vec2()?;
                     out.extend(
                         rows.iter()
                             .zip(&c[1..])

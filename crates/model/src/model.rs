@@ -785,6 +785,56 @@ impl Model {
         self.forward_observed(batch, None)
     }
 
+    /// Several completions of one prompt: the prompt runs once, then every completion
+    /// continues from a copy of its cache, all in one batch (while training, gradients
+    /// reach the shared prompt from each). Returns the prompt's last logits row
+    /// `[1, vocab]`, which predicts every completion's first token, and per completion
+    /// the logits of its tokens but the last, `[len − 1, vocab]` (`None` when it has
+    /// at most one token): together, the logits that predict each completion token.
+    pub fn forward_completions(
+        &self,
+        prompt: &[u32],
+        completions: &[&[u32]],
+    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let mut cache = self.new_cache();
+        let first = self
+            .forward(&mut [SeqInput {
+                cache: &mut cache,
+                tokens: prompt,
+                logits: Logits::Last,
+            }])?
+            .remove(0);
+        let longer: Vec<&[u32]> = completions
+            .iter()
+            .copied()
+            .filter(|c| c.len() > 1)
+            .collect();
+        let mut caches = longer
+            .iter()
+            .map(|_| cache.fork())
+            .collect::<Result<Vec<_>>>()?;
+        let mut inputs: Vec<SeqInput<'_>> = caches
+            .iter_mut()
+            .zip(&longer)
+            .map(|(cache, c)| SeqInput {
+                cache,
+                tokens: &c[..c.len() - 1],
+                logits: Logits::All,
+            })
+            .collect();
+        let mut rest = if inputs.is_empty() {
+            Vec::new()
+        } else {
+            self.forward(&mut inputs)?
+        }
+        .into_iter();
+        let rest = completions
+            .iter()
+            .map(|c| if c.len() > 1 { rest.next() } else { None })
+            .collect();
+        Ok((first, rest))
+    }
+
     /// [`Model::forward`], showing `observer` the input of every matrix multiplication
     /// with a weight: the GGUF names of the weights that multiply it (q, k and v share
     /// one input, as do gate and up) and the input rows `[tokens, in]`. The output

@@ -87,51 +87,21 @@ pub fn completion_logprobs_grouped(
         !prompt.is_empty() && completions.iter().all(|c| !c.is_empty()),
         "a prompt and completions are needed"
     );
-    let mut cache = model.new_cache();
     // The prompt's last row predicts every completion's first token.
-    let first = model
-        .forward(&mut [SeqInput {
-            cache: &mut cache,
-            tokens: prompt,
-            logits: Logits::Last,
-        }])
-        .map_err(model_error)?
-        .remove(0);
-    let longer: Vec<usize> = (0..completions.len())
-        .filter(|&i| completions[i].len() > 1)
-        .collect();
-    let mut caches: Vec<_> = longer
-        .iter()
-        .map(|_| cache.fork())
-        .collect::<std::result::Result<_, _>>()
+    let (first, rest) = model
+        .forward_completions(prompt, completions)
         .map_err(model_error)?;
-    let mut inputs: Vec<SeqInput<'_>> = caches
-        .iter_mut()
-        .zip(&longer)
-        .map(|(cache, &i)| SeqInput {
-            cache,
-            tokens: &completions[i][..completions[i].len() - 1],
-            logits: Logits::All,
-        })
-        .collect();
-    let mut rest = if inputs.is_empty() {
-        Vec::new()
-    } else {
-        model.forward(&mut inputs).map_err(model_error)?
-    }
-    .into_iter();
     completions
         .iter()
-        .map(|c| {
+        .zip(rest)
+        .map(|(c, more)| {
             // The first token from the prompt's last row, the rest from the
             // completion's own rows (the log-probabilities are joined, not the
             // vocabulary-wide logits).
             let head = token_logprobs(&first, &c[..1])?;
-            if c.len() > 1 {
-                let more = rest.next().expect("one output per longer completion");
-                Tensor::cat(&[&head, &token_logprobs(&more, &c[1..])?], 0)
-            } else {
-                Ok(head)
+            match more {
+                Some(more) => Tensor::cat(&[&head, &token_logprobs(&more, &c[1..])?], 0),
+                None => Ok(head),
             }
         })
         .collect()

@@ -946,14 +946,19 @@ pub async fn train(
             prune_checkpoints(&dir, config.checkpoint.keep.max(1))?;
         }
         if m.eval_reward.is_some() || last {
-            let curve: Vec<(usize, f64)> = read_curve(&metrics_path);
+            let lines = read_metrics(&metrics_path);
+            let curve: Vec<(usize, f64)> = lines
+                .iter()
+                .filter(|m| m.reward_mean.is_finite())
+                .map(|m| (m.step, m.reward_mean))
+                .collect();
             if let Err(e) =
                 crate::plot::reward_curve(&curve, &evals, &dir.join("reward.png"), &run_id)
             {
                 tracing::warn!(error = %e, "could not draw the reward curve");
             }
-            let kl: Vec<(usize, f64)> = read_metrics(&metrics_path)
-                .into_iter()
+            let kl: Vec<(usize, f64)> = lines
+                .iter()
                 .filter_map(|m| Some((m.step, m.reverse_kl?)))
                 .collect();
             if !kl.is_empty()
@@ -1002,14 +1007,6 @@ fn read_metrics(path: &Path) -> Vec<StepMetrics> {
         .unwrap_or_default()
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
-}
-
-fn read_curve(path: &Path) -> Vec<(usize, f64)> {
-    read_metrics(path)
-        .into_iter()
-        .filter(|m| m.reward_mean.is_finite())
-        .map(|m| (m.step, m.reward_mean))
         .collect()
 }
 
