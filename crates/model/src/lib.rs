@@ -25,6 +25,7 @@ pub mod engine;
 mod error;
 pub mod generate;
 pub mod gguf;
+pub mod grad;
 mod hf;
 pub mod kernels;
 pub mod model;
@@ -297,26 +298,29 @@ impl LanguageModel {
                 "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
             )));
         }
-        let (last, rest) = self.model.forward_completions(prompt, completions)?;
-        let first = sampling::log_softmax(&last.to_vec2::<f32>()?[0]);
-        completions
+        // Row 0 predicts every completion's first token; then each completion's rows.
+        let logits: Vec<Vec<f32>> = self
+            .model
+            .forward_completions(prompt, completions)?
+            .to_vec2()?;
+        let first = sampling::log_softmax(&logits[0]);
+        let mut rows = logits[1..].iter();
+        Ok(completions
             .iter()
-            .zip(rest)
-            .map(|(c, rows)| {
+            .map(|c| {
                 let Some(&head) = c.first() else {
-                    return Ok(Vec::new());
+                    return Vec::new();
                 };
                 let mut out = vec![first[head as usize]];
-                if let Some(rows) = rows {
-                    let rows: Vec<Vec<f32>> = rows.to_vec2()?;
-                    out.extend(
-                        rows.iter()
-                            .zip(&c[1..])
-                            .map(|(row, &next)| sampling::log_softmax(row)[next as usize]),
-                    );
-                }
-                Ok(out)
+                // The tokens lead the zip, so it takes no row past the last.
+                out.extend(
+                    c[1..]
+                        .iter()
+                        .zip(rows.by_ref())
+                        .map(|(&next, row)| sampling::log_softmax(row)[next as usize]),
+                );
+                out
             })
-            .collect()
+            .collect())
     }
 }

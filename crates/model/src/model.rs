@@ -1,10 +1,11 @@
 //! The llama-family transformer: one architecture definition, two weight forms.
 //!
 //! [`WeightForm::Quantized`] keeps the GGUF blocks and multiplies with quantized dot
-//! products (inference); [`WeightForm::Dense`] dequantizes to a float type and uses only
-//! operations candle can differentiate (training, scoring with gradients). The forward
-//! pass is the same code for both; only the linear layers and the fused-versus-slow
-//! choice of norm, rotary and softmax kernels differ.
+//! products (inference); [`WeightForm::Dense`] dequantizes to a float type, which
+//! candle can differentiate (training, scoring with gradients). The forward pass is the
+//! same code for both. Without gradients, attention, norms and rotary run as plain loops
+//! over each sequence's own cache; when the input carries gradients (an adapter being
+//! trained), they run as the fused differentiable operations of [`crate::grad`].
 //!
 //! [`Model::forward`] runs a *batch of sequences*, each with its own KV cache and its own
 //! number of new tokens: all new tokens of all sequences go through the linear layers as
@@ -14,12 +15,12 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{D, DType, Device, Module, Tensor};
-use candle_nn::kv_cache::KvCache;
+use candle_core::{DType, Device, Module, Tensor};
 
-use crate::config::{Architecture, ModelConfig, RopeLayout};
+use crate::config::{Architecture, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::grad::{self, RopeTables};
 use crate::kernels::{self, FastLinear, QuantKind};
 
 /// How the weights are held in memory.
@@ -231,54 +232,16 @@ fn dot_fixed(p: &[f32], q: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 }
 
-/// `x Wᵀ` for a float weight. When `x` carries gradients and `W` is frozen (not a
-/// variable), as in LoRA training, this goes through [`FrozenMatmul`]: candle's matmul
-/// would also compute `W`'s gradient, a second matmul as large as the first and a
-/// weight-sized buffer per layer, only to throw them away.
+/// `x Wᵀ` for a float weight. An f32 `W` that is frozen (not a variable) goes through
+/// [`grad::frozen_matmul`], with gradients or without (the same product either way):
+/// in LoRA training candle's matmul would also compute `W`'s gradient, a second
+/// matmul as large as the first and a weight-sized buffer per layer, only to throw
+/// them away.
 fn dense_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    if x.track_op() && !weight.track_op() && x.dtype() == DType::F32 && weight.dtype() == DType::F32
-    {
-        Ok(x.apply_op1_arc(Arc::new(Box::new(FrozenMatmul(weight.clone()))))?)
+    if !weight.track_op() && x.dtype() == DType::F32 && weight.dtype() == DType::F32 {
+        Ok(grad::frozen_matmul(x, weight)?)
     } else {
         Ok(x.matmul(&weight.t()?)?)
-    }
-}
-
-/// `x ↦ x Wᵀ` with `W` a constant: its backward pass is `∂x = ∂y W` only.
-struct FrozenMatmul(Tensor);
-
-impl candle_core::CustomOp1 for FrozenMatmul {
-    fn name(&self) -> &'static str {
-        "frozen-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let candle_core::CpuStorage::F32(data) = storage else {
-            candle_core::bail!("frozen-matmul takes f32 inputs");
-        };
-        let x = match layout.contiguous_offsets() {
-            Some((start, end)) => {
-                Tensor::from_slice(&data[start..end], layout.shape(), &Device::Cpu)?
-            }
-            None => candle_core::bail!("frozen-matmul takes contiguous inputs"),
-        };
-        let y = x.matmul(&self.0.t()?)?;
-        let shape = y.shape().clone();
-        let values = y.flatten_all()?.to_vec1::<f32>()?;
-        Ok((candle_core::CpuStorage::F32(values), shape))
-    }
-
-    fn bwd(
-        &self,
-        _arg: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(grad_res.matmul(&self.0)?))
     }
 }
 
@@ -331,25 +294,22 @@ pub struct Model {
     output: Linear,
     /// Whether the output projection is the token embedding table (no `output.weight`).
     tied_output: bool,
-    cos: Tensor,
-    sin: Tensor,
-    /// The same tables as flat f32 `[positions, hd/2]`, for the fast path.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    /// Rotary cosines and sines per position.
+    rope: RopeTables,
     device: Device,
 }
 
 /// The KV cache of one sequence.
 #[derive(Debug, Clone)]
 pub struct SeqCache {
-    /// Dense form: candle caches `[kv_heads, positions, hd]` per layer.
-    layers: Vec<KvCache>,
-    /// Quantized form: `(keys, values)` per layer, each `[positions, kv_heads·hd]`.
+    /// `(keys, values)` per layer, each `[positions, kv_heads·hd]` (keys after their
+    /// norm and rotary embedding).
     raw: Vec<(Vec<f32>, Vec<f32>)>,
-    /// Dense form while training: every cached position's keys and values as
-    /// tensors of the autograd graph, so a prefix run once (a GRPO group's shared
-    /// prompt) passes gradients back from every continuation.
-    graph: Vec<(Tensor, Tensor)>,
+    /// While training: per layer, the keys and values of every cached position as
+    /// tensors of the autograd graph (one segment per forward call), so a prefix run
+    /// once (a GRPO group's shared prompt) passes gradients back from every
+    /// continuation.
+    graph: Vec<Vec<(Tensor, Tensor)>>,
     len: usize,
 }
 
@@ -364,36 +324,21 @@ impl SeqCache {
         self.len == 0
     }
 
-    /// A deep copy, to continue one prefix in several ways (`n` > 1).
+    /// A copy, to continue one prefix in several ways (`n` > 1). The copies share the
+    /// prefix's autograd segments, so each passes its gradients to the same prefix.
     pub fn fork(&self) -> Result<Self> {
-        if self.layers.is_empty() {
-            return Ok(self.clone());
-        }
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let mut copy = KvCache::new(1, self.len.max(64));
-            if let (Some(k), Some(v)) = (layer.k()?, layer.v()?) {
-                copy.append(&k.contiguous()?, &v.contiguous()?)?;
-            }
-            layers.push(copy);
-        }
-        Ok(Self {
-            layers,
-            raw: Vec::new(),
-            graph: self.graph.clone(),
-            len: self.len,
-        })
+        Ok(self.clone())
     }
 
-    /// Whether [`SeqCache::truncate`] can cut this cache: the quantized form's can, the
-    /// dense form's cannot.
+    /// Whether [`SeqCache::truncate`] can cut this cache: not while it holds autograd
+    /// segments (a training pass's).
     pub fn can_truncate(&self) -> bool {
-        self.layers.is_empty()
+        self.graph.is_empty()
     }
 
     /// Keeps the first `len` positions and forgets the rest, so that a cached prefix
-    /// can be continued differently. Only the quantized form's cache can be cut; false
-    /// (and unchanged) for the dense form's.
+    /// can be continued differently. False (and unchanged) when it cannot
+    /// ([`SeqCache::can_truncate`]).
     pub fn truncate(&mut self, len: usize) -> bool {
         if !self.can_truncate() || len > self.len {
             return false;
@@ -416,12 +361,13 @@ impl SeqCache {
             .iter()
             .map(|(k, v)| (k.capacity() + v.capacity()) * 4)
             .sum();
-        raw + self
-            .layers
+        let graph: usize = self
+            .graph
             .iter()
-            .filter_map(|l| l.k_cache().all_data().as_ref())
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes() * 2)
-            .sum::<usize>()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum();
+        raw + graph
     }
 }
 
@@ -637,16 +583,13 @@ impl Model {
             .to_dtype(DType::F32)?
             .reshape((positions, 1))?;
         let freqs = t.broadcast_mul(&inv_freq)?;
-        let dtype = match form {
-            WeightForm::Quantized => DType::F32,
-            WeightForm::Dense(dtype) => dtype,
+        let rope = RopeTables {
+            cos: freqs.cos()?.flatten_all()?.to_vec1::<f32>()?.into(),
+            sin: freqs.sin()?.flatten_all()?.to_vec1::<f32>()?.into(),
+            layout: config.rope_layout,
         };
-        let (cos, sin) = (freqs.cos()?, freqs.sin()?);
         Ok(Self {
-            rope_cos: cos.flatten_all()?.to_vec1()?,
-            rope_sin: sin.flatten_all()?.to_vec1()?,
-            cos: cos.to_dtype(dtype)?,
-            sin: sin.to_dtype(dtype)?,
+            rope,
             config,
             form,
             embedding,
@@ -711,61 +654,34 @@ impl Model {
 
     /// The longest sequence the rotary tables cover.
     pub fn max_positions(&self) -> usize {
-        self.cos.dim(0).unwrap_or(0)
+        self.rope.cos.len() / (self.config.head_dim / 2).max(1)
     }
 
     /// An empty cache for a new sequence.
     pub fn new_cache(&self) -> SeqCache {
-        if self.differentiable() {
-            SeqCache {
-                layers: (0..self.config.layers)
-                    .map(|_| KvCache::new(1, 256))
-                    .collect(),
-                raw: Vec::new(),
-                graph: Vec::new(),
-                len: 0,
-            }
-        } else {
-            SeqCache {
-                layers: Vec::new(),
-                raw: vec![(Vec::new(), Vec::new()); self.config.layers],
-                graph: Vec::new(),
-                len: 0,
-            }
+        SeqCache {
+            raw: vec![(Vec::new(), Vec::new()); self.config.layers],
+            graph: Vec::new(),
+            len: 0,
         }
     }
 
-    fn differentiable(&self) -> bool {
-        matches!(self.form, WeightForm::Dense(_))
+    /// Whether a pass runs the training path's operations ([`grad`]): always for the
+    /// dense form, so that its values are the same bits with gradients or without
+    /// (an adapter whose `B` is zero is exactly the base; f32 rollouts score as the
+    /// learner does), and for any input that carries gradients.
+    fn graph_ops(&self, tracking: bool) -> bool {
+        tracking || matches!(self.form, WeightForm::Dense(_))
     }
 
+    /// RMS norm: the training path's fused operation ([`Model::graph_ops`]), candle's
+    /// fused kernel otherwise.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
         let eps = self.config.rms_eps as f32;
-        Ok(if self.differentiable() {
-            candle_nn::ops::rms_norm_slow(x, weight, eps)?
+        Ok(if self.graph_ops(x.track_op() || weight.track_op()) {
+            grad::rms_norm(x, weight, eps)?
         } else {
             candle_nn::ops::rms_norm(x, weight, eps)?
-        })
-    }
-
-    fn rope(&self, x: &Tensor, start: usize) -> Result<Tensor> {
-        let n = x.dim(2)?;
-        let cos = self.cos.narrow(0, start, n)?;
-        let sin = self.sin.narrow(0, start, n)?;
-        let slow = self.differentiable();
-        Ok(match (self.config.rope_layout, slow) {
-            (RopeLayout::Interleaved, false) => candle_nn::rotary_emb::rope_i(x, &cos, &sin)?,
-            (RopeLayout::Interleaved, true) => candle_nn::rotary_emb::rope_i_slow(x, &cos, &sin)?,
-            (RopeLayout::Halves, false) => candle_nn::rotary_emb::rope(x, &cos, &sin)?,
-            (RopeLayout::Halves, true) => candle_nn::rotary_emb::rope_slow(x, &cos, &sin)?,
-        })
-    }
-
-    fn softmax(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(if self.differentiable() {
-            candle_nn::ops::softmax(x, D::Minus1)?
-        } else {
-            candle_nn::ops::softmax_last_dim(x)?
         })
     }
 
@@ -785,54 +701,44 @@ impl Model {
         self.forward_observed(batch, None)
     }
 
-    /// Several completions of one prompt: the prompt runs once, then every completion
-    /// continues from a copy of its cache, all in one batch (while training, gradients
-    /// reach the shared prompt from each). Returns the prompt's last logits row
-    /// `[1, vocab]`, which predicts every completion's first token, and per completion
-    /// the logits of its tokens but the last, `[len − 1, vocab]` (`None` when it has
-    /// at most one token): together, the logits that predict each completion token.
-    pub fn forward_completions(
-        &self,
-        prompt: &[u32],
-        completions: &[&[u32]],
-    ) -> Result<(Tensor, Vec<Option<Tensor>>)> {
-        let mut cache = self.new_cache();
-        let first = self
-            .forward(&mut [SeqInput {
-                cache: &mut cache,
-                tokens: prompt,
-                logits: Logits::Last,
-            }])?
-            .remove(0);
+    /// Several completions of one prompt in one pass: the prompt once, and every
+    /// completion after it, each seeing the prompt's keys and values (while training,
+    /// gradients reach the shared prompt from each). Returns the logits that predict
+    /// every completion token, `[1 + Σ (len − 1), vocab]`: row 0 is the prompt's last
+    /// position, which predicts every completion's first token, then the rows of each
+    /// completion's tokens but its last, completion after completion. The rows stay
+    /// one tensor so that a loss reads them once (a slice per completion would each
+    /// pass back a vocabulary-wide gradient of all the rows).
+    pub fn forward_completions(&self, prompt: &[u32], completions: &[&[u32]]) -> Result<Tensor> {
+        let mut prompt_cache = self.new_cache();
         let longer: Vec<&[u32]> = completions
             .iter()
             .copied()
             .filter(|c| c.len() > 1)
             .collect();
-        let mut caches = longer
+        // Continuations of the prompt's cache, which the pass fills layer by layer
+        // from the prompt's as it goes.
+        let mut caches: Vec<SeqCache> = longer
             .iter()
-            .map(|_| cache.fork())
-            .collect::<Result<Vec<_>>>()?;
-        let mut inputs: Vec<SeqInput<'_>> = caches
-            .iter_mut()
-            .zip(&longer)
-            .map(|(cache, c)| SeqInput {
+            .map(|_| SeqCache {
+                len: prompt.len(),
+                ..self.new_cache()
+            })
+            .collect();
+        let mut batch = Vec::with_capacity(1 + longer.len());
+        batch.push(SeqInput {
+            cache: &mut prompt_cache,
+            tokens: prompt,
+            logits: Logits::Last,
+        });
+        for (cache, c) in caches.iter_mut().zip(&longer) {
+            batch.push(SeqInput {
                 cache,
                 tokens: &c[..c.len() - 1],
                 logits: Logits::All,
-            })
-            .collect();
-        let mut rest = if inputs.is_empty() {
-            Vec::new()
-        } else {
-            self.forward(&mut inputs)?
+            });
         }
-        .into_iter();
-        let rest = completions
-            .iter()
-            .map(|c| if c.len() > 1 { rest.next() } else { None })
-            .collect();
-        Ok((first, rest))
+        Ok(self.forward_joined(&mut batch, None, true)?.0)
     }
 
     /// [`Model::forward`], showing `observer` the input of every matrix multiplication
@@ -845,14 +751,34 @@ impl Model {
         batch: &mut [SeqInput<'_>],
         observer: Option<&mut MatmulObserver<'_>>,
     ) -> Result<Vec<Tensor>> {
+        let (logits, counts) = self.forward_joined(batch, observer, false)?;
+        let mut out = Vec::with_capacity(counts.len());
+        let mut at = 0;
+        for count in counts {
+            out.push(logits.narrow(0, at, count)?);
+            at += count;
+        }
+        Ok(out)
+    }
+
+    /// [`Model::forward_observed`] with the logits of all sequences in one tensor,
+    /// sequence after sequence, and the number of rows of each. With `shared_prefix`,
+    /// the first sequence is a prefix of all the others: their caches hold nothing
+    /// yet but count its positions, and each layer gives them its keys and values.
+    fn forward_joined(
+        &self,
+        batch: &mut [SeqInput<'_>],
+        observer: Option<&mut MatmulObserver<'_>>,
+        shared_prefix: bool,
+    ) -> Result<(Tensor, Vec<usize>)> {
         // The kernels split work with rayon. Called from outside rayon's pool, every
         // kernel call would hand its work to the pool and sleep until it is done
         // (hundreds of context switches per token); running the whole pass on a pool
         // thread lets the kernels run inline there and fan out only when they can.
         if rayon::current_thread_index().is_some() {
-            self.forward_in_pool(batch, observer)
+            self.forward_in_pool(batch, observer, shared_prefix)
         } else {
-            rayon::scope(|_| self.forward_in_pool(batch, observer))
+            rayon::scope(|_| self.forward_in_pool(batch, observer, shared_prefix))
         }
     }
 
@@ -860,7 +786,8 @@ impl Model {
         &self,
         batch: &mut [SeqInput<'_>],
         mut observer: Option<&mut MatmulObserver<'_>>,
-    ) -> Result<Vec<Tensor>> {
+        shared_prefix: bool,
+    ) -> Result<(Tensor, Vec<usize>)> {
         let mut observe = |layer: usize, weights: &[&str], input: &Tensor| -> Result<()> {
             match observer.as_deref_mut() {
                 Some(f) => {
@@ -905,10 +832,10 @@ impl Model {
             let h = self.rms_norm(&x, &block.attn_norm)?;
             observe(layer, &["attn_q", "attn_k", "attn_v"], &h)?;
             let [q, k, v] = Linear::forward_many([&block.q, &block.k, &block.v], &h)?;
-            let attn = if self.differentiable() {
-                self.attention_dense(layer, block, batch, &q, &k, &v, scale)?
+            let attn = if self.graph_ops(q.track_op() || k.track_op() || v.track_op()) {
+                self.attention_graph(layer, block, batch, shared_prefix, &q, &k, &v, scale as f32)?
             } else {
-                self.attention_fast(layer, block, batch, &q, &k, &v, scale as f32)?
+                self.attention_fast(layer, block, batch, shared_prefix, &q, &k, &v, scale as f32)?
             };
 
             observe(layer, &["attn_output"], &attn)?;
@@ -916,8 +843,11 @@ impl Model {
             let h = self.rms_norm(&x, &block.ffn_norm)?;
             observe(layer, &["ffn_gate", "ffn_up"], &h)?;
             let [gate, up] = Linear::forward_many([&block.gate, &block.up], &h)?;
-            let gate = candle_nn::ops::silu(&gate)?;
-            let act = (gate * up)?;
+            let act = if self.graph_ops(gate.track_op() || up.track_op()) {
+                grad::silu_mul(&gate, &up)?
+            } else {
+                (candle_nn::ops::silu(&gate)? * up)?
+            };
             observe(layer, &["ffn_down"], &act)?;
             x = (x + block.down.forward(&act)?)?;
         }
@@ -959,105 +889,157 @@ impl Model {
             f(&[self.output_weight_name().to_owned()], &x)?;
         }
         let logits = self.output.forward(&x)?.to_dtype(DType::F32)?;
-        let mut out = Vec::with_capacity(counts.len());
-        let mut at = 0;
-        for count in counts {
-            out.push(logits.narrow(0, at, count)?);
-            at += count;
-        }
-        Ok(out)
+        Ok((logits, counts))
     }
 
-    /// Attention with candle operations (differentiable).
+    /// Attention while training: per-head norms, rotary embedding and the attention of
+    /// the whole batch as fused differentiable operations ([`grad`]). Each sequence sees
+    /// its cached positions (the autograd segments of earlier calls, shared between
+    /// forks of one prefix, or constants when an earlier call kept no graph) and its
+    /// new ones causally.
     #[expect(clippy::too_many_arguments, reason = "one layer's attention inputs")]
-    fn attention_dense(
+    fn attention_graph(
         &self,
         layer: usize,
         block: &Block,
         batch: &mut [SeqInput<'_>],
+        shared_prefix: bool,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        scale: f64,
+        scale: f32,
     ) -> Result<Tensor> {
         let cfg = &self.config;
         let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
-        let groups = heads / kv_heads;
-        let mut outputs = Vec::with_capacity(batch.len());
+        let eps = cfg.rms_eps as f32;
+        let dtype = q.dtype();
+        let rows = q.dim(0)?;
+        // Without gradients the cache keeps values only, and the past is read from them.
+        let keep_graph = q.track_op() || k.track_op() || v.track_op();
+        let (mut q, mut k) = (q.to_dtype(DType::F32)?, k.to_dtype(DType::F32)?);
+        let v = v.to_dtype(DType::F32)?;
+        if let Some(w) = &block.q_norm {
+            q = grad::rms_norm(&q.reshape((rows * heads, hd))?, w, eps)?
+                .reshape((rows, heads * hd))?;
+        }
+        if let Some(w) = &block.k_norm {
+            k = grad::rms_norm(&k.reshape((rows * kv_heads, hd))?, w, eps)?
+                .reshape((rows, kv_heads * hd))?;
+        }
+        let positions: Vec<usize> = batch
+            .iter()
+            .flat_map(|item| item.cache.len..item.cache.len + item.tokens.len())
+            .collect();
+        let q = grad::rope(&q, &positions, hd, &self.rope)?;
+        let k = grad::rope(&k, &positions, hd, &self.rope)?;
+
+        // Key rows: every distinct past segment once, then this call's rows.
+        let mut keys: Vec<Tensor> = Vec::new();
+        let mut vals: Vec<Tensor> = Vec::new();
+        let mut placed: Vec<(candle_core::TensorId, usize)> = Vec::new();
+        let mut key_rows = 0;
+        let mut items = Vec::with_capacity(batch.len());
+        let mut pasts = Vec::with_capacity(batch.len());
         let mut offset = 0;
-        for item in batch.iter_mut() {
+        for (i, item) in batch.iter().enumerate() {
             let n = item.tokens.len();
             let start = item.cache.len;
-            let q = q.narrow(0, offset, n)?;
-            let k = k.narrow(0, offset, n)?;
-            let v = v.narrow(0, offset, n)?;
-            offset += n;
-            // [n, heads·hd] → [1, heads, n, hd]
-            let mut q = q.reshape((n, heads, hd))?.transpose(0, 1)?.contiguous()?;
-            let mut k = k
-                .reshape((n, kv_heads, hd))?
-                .transpose(0, 1)?
-                .contiguous()?;
-            let v = v
-                .reshape((n, kv_heads, hd))?
-                .transpose(0, 1)?
-                .contiguous()?;
-            if let Some(w) = &block.q_norm {
-                q = self.rms_norm(&q, w)?;
-            }
-            if let Some(w) = &block.k_norm {
-                k = self.rms_norm(&k, w)?;
-            }
-            let q = self.rope(&q.unsqueeze(0)?, start)?.squeeze(0)?;
-            let k = self.rope(&k.unsqueeze(0)?, start)?.squeeze(0)?;
-            let (k_all, v_all) = item.cache.layers[layer].append(&k, &v)?;
-            // The cache copies into its buffer in place, which has no gradient: a
-            // sequence scored from an empty cache (the trainer's one pass over a whole
-            // sequence) attends to this call's keys and values themselves, so
-            // gradients reach the k and v projections. While training, the graph's
-            // own keys and values of earlier calls are kept too (a shared prompt run
-            // once for a group); otherwise cached positions are constants.
-            let (k, v) = if k.track_op() || v.track_op() {
-                let graph = &mut item.cache.graph;
-                let (k, v) = match graph.get(layer) {
-                    Some((pk, pv)) if start > 0 => {
-                        (Tensor::cat(&[pk, &k], 1)?, Tensor::cat(&[pv, &v], 1)?)
-                    }
-                    _ => (k, v),
-                };
-                if graph.len() <= layer {
-                    graph.resize(layer + 1, (k.clone(), v.clone()));
+            let segments: Vec<(Tensor, Tensor)> = match item.cache.graph.get(layer) {
+                // A continuation of the first sequence: its past is set below.
+                _ if shared_prefix && i > 0 => Vec::new(),
+                Some(segments) => segments.clone(),
+                None if start > 0 => {
+                    let (pk, pv) = &item.cache.raw[layer];
+                    let width = kv_heads * hd;
+                    vec![(
+                        Tensor::from_slice(&pk[..start * width], (start, width), &self.device)?,
+                        Tensor::from_slice(&pv[..start * width], (start, width), &self.device)?,
+                    )]
                 }
-                graph[layer] = (k.clone(), v.clone());
-                (k, v)
-            } else if start == 0 {
-                (k, v)
-            } else {
-                (k_all, v_all)
+                None => Vec::new(),
             };
-            let s = k.dim(1)?;
-            // Grouped-query attention without copying K/V: the query heads that
-            // share a KV head are stacked as extra rows.
-            let q = q.reshape((kv_heads, groups * n, hd))?;
-            let scores = (q.matmul(&k.t()?)? * scale)?;
-            let scores = if n > 1 {
-                let mask = causal_mask(n, start, s, &self.device, scores.dtype())?;
-                scores
-                    .reshape((kv_heads, groups, n, s))?
-                    .broadcast_add(&mask)?
-                    .reshape((kv_heads, groups * n, s))?
-            } else {
-                scores
-            };
-            let probs = self.softmax(&scores)?;
-            let out = probs.matmul(&v.contiguous()?)?; // [kv, groups·n, hd]
-            let out = out
-                .reshape((heads, n, hd))?
-                .transpose(0, 1)?
-                .reshape((n, heads * hd))?;
-            outputs.push(out);
+            let mut past = Vec::with_capacity(segments.len());
+            for (sk, sv) in &segments {
+                let len = sk.dim(0)?;
+                let at = match placed.iter().find(|(id, _)| *id == sk.id()) {
+                    Some(&(_, at)) => at,
+                    None => {
+                        placed.push((sk.id(), key_rows));
+                        keys.push(sk.to_dtype(DType::F32)?);
+                        vals.push(sv.to_dtype(DType::F32)?);
+                        key_rows += len;
+                        key_rows - len
+                    }
+                };
+                past.push((at, len));
+            }
+            pasts.push(segments);
+            items.push(grad::AttentionItem {
+                q_start: offset,
+                n,
+                past,
+                own: offset,
+            });
+            offset += n;
         }
-        Ok(Tensor::cat(&outputs, 0)?)
+        for item in &mut items {
+            item.own += key_rows;
+        }
+        if shared_prefix && let Some((prefix, rest)) = items.split_first_mut() {
+            let mut past = prefix.past.clone();
+            past.push((prefix.own, prefix.n));
+            for item in rest {
+                item.past = past.clone();
+            }
+        }
+        let (k_all, v_all) = if keys.is_empty() {
+            (k.clone(), v.clone())
+        } else {
+            keys.push(k.clone());
+            vals.push(v.clone());
+            (Tensor::cat(&keys, 0)?, Tensor::cat(&vals, 0)?)
+        };
+        let shape = grad::AttentionShape {
+            heads,
+            kv_heads,
+            head_dim: hd,
+            scale,
+        };
+        let out = grad::attention(&q, &k_all, &v_all, items, shape)?;
+
+        // The caches: this call's keys and values as a segment of the graph, and
+        // their values for a continuation without gradients.
+        let (kr, vr): (Vec<f32>, Vec<f32>) =
+            (k.flatten_all()?.to_vec1()?, v.flatten_all()?.to_vec1()?);
+        let width = kv_heads * hd;
+        let mut offset = 0;
+        let mut prefix: Option<(Vec<(Tensor, Tensor)>, (Vec<f32>, Vec<f32>))> = None;
+        for (i, (item, mut segments)) in batch.iter_mut().zip(pasts).enumerate() {
+            let n = item.tokens.len();
+            let cache = &mut *item.cache;
+            if let (true, Some((graph, raw))) = (i > 0, &prefix) {
+                segments = graph.clone();
+                cache.raw[layer] = raw.clone();
+            }
+            // A cache that kept no graph so far starts its segments with its constant
+            // past, as the keys above saw it.
+            segments.push((k.narrow(0, offset, n)?, v.narrow(0, offset, n)?));
+            if keep_graph {
+                if cache.graph.len() <= layer {
+                    cache.graph.resize(layer + 1, Vec::new());
+                }
+                cache.graph[layer] = segments;
+            }
+            let (rk, rv) = &mut cache.raw[layer];
+            rk.extend_from_slice(&kr[offset * width..(offset + n) * width]);
+            rv.extend_from_slice(&vr[offset * width..(offset + n) * width]);
+            offset += n;
+            if shared_prefix && i == 0 {
+                let graph = cache.graph.get(layer).cloned().unwrap_or_default();
+                prefix = Some((graph, cache.raw[layer].clone()));
+            }
+        }
+        Ok(out.to_dtype(dtype)?)
     }
 
     /// Attention with this crate's kernel: rotary, norms and attention in plain loops
@@ -1068,6 +1050,7 @@ impl Model {
         layer: usize,
         block: &Block,
         batch: &mut [SeqInput<'_>],
+        shared_prefix: bool,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
@@ -1076,23 +1059,30 @@ impl Model {
         let cfg = &self.config;
         let (heads, kv_heads, hd) = (cfg.heads, cfg.kv_heads, cfg.head_dim);
         let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
-        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-        let k = k.flatten_all()?.to_vec1::<f32>()?;
-        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        let dtype = q.dtype();
+        let mut q = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let k = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let v = v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let q_norm = block
             .q_norm
             .as_ref()
-            .map(|w| w.to_vec1::<f32>())
+            .map(|w| w.to_dtype(DType::F32)?.to_vec1::<f32>())
             .transpose()?;
         let k_norm = block
             .k_norm
             .as_ref()
-            .map(|w| w.to_vec1::<f32>())
+            .map(|w| w.to_dtype(DType::F32)?.to_vec1::<f32>())
             .transpose()?;
         let eps = cfg.rms_eps as f32;
         let mut out = Vec::with_capacity(q.len());
         let mut offset = 0;
-        for item in batch.iter_mut() {
+        for i in 0..batch.len() {
+            if shared_prefix && i > 0 {
+                // A continuation of the first sequence: its keys and values so far.
+                let prefix = batch[0].cache.raw[layer].clone();
+                batch[i].cache.raw[layer] = prefix;
+            }
+            let item = &mut batch[i];
             let n = item.tokens.len();
             let start = item.cache.len;
             let qs = &mut q[offset * q_dim..(offset + n) * q_dim];
@@ -1122,33 +1112,20 @@ impl Model {
             ));
         }
         let rows = out.len() / q_dim;
-        Ok(Tensor::from_vec(out, (rows, q_dim), &self.device)?)
+        Ok(Tensor::from_vec(out, (rows, q_dim), &self.device)?.to_dtype(dtype)?)
     }
 
     /// Rotary embedding of one head at position `pos`, from the same tables as the
-    /// dense path.
+    /// training path.
     fn rope_in_place(&self, head: &mut [f32], pos: usize) {
         let half = head.len() / 2;
-        let (cos, sin) = (
-            &self.rope_cos[pos * half..(pos + 1) * half],
-            &self.rope_sin[pos * half..(pos + 1) * half],
+        grad::rotate(
+            head,
+            &self.rope.cos[pos * half..(pos + 1) * half],
+            &self.rope.sin[pos * half..(pos + 1) * half],
+            self.rope.layout,
+            false,
         );
-        match self.config.rope_layout {
-            RopeLayout::Interleaved => {
-                for i in 0..half {
-                    let (a, b) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = a * cos[i] - b * sin[i];
-                    head[2 * i + 1] = a * sin[i] + b * cos[i];
-                }
-            }
-            RopeLayout::Halves => {
-                for i in 0..half {
-                    let (a, b) = (head[i], head[i + half]);
-                    head[i] = a * cos[i] - b * sin[i];
-                    head[i + half] = a * sin[i] + b * cos[i];
-                }
-            }
-        }
     }
 }
 
@@ -1159,22 +1136,6 @@ fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
     for (v, w) in x.iter_mut().zip(w) {
         *v = *v * scale * w;
     }
-}
-
-/// `[n, s]` additive mask: query `i` (at position `start + i`) sees keys `0..=start + i`.
-fn causal_mask(n: usize, start: usize, s: usize, device: &Device, dtype: DType) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..n)
-        .flat_map(|i| {
-            (0..s).map(move |j| {
-                if j > start + i {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    Ok(Tensor::from_vec(mask, (n, s), device)?.to_dtype(dtype)?)
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! Times the learner's work on one GRPO group, as bench/rl's step does it: a 46-token
 //! prompt and 8 completions of 22 tokens scored with `completion_logprobs_grouped` on
-//! the f32 weights with LoRA (r 8, q and v), then the backward pass. Six iterations;
+//! the f32 weights with LoRA (r 8, q and v), then the backward pass. `PROBE_ITERS` iterations (6), with their medians;
 //! for profiling the learner alone (`perf record` on it), without rollouts.
 //!
 //!     cargo build --release -p agentstack-rl --example learn_probe
@@ -28,7 +28,12 @@ fn main() {
         .map(|j| (0..len).map(|i| 200 + i * 53 + j * 7).collect())
         .collect();
     let refs: Vec<&[u32]> = comps.iter().map(|c| c.as_slice()).collect();
-    for it in 0..6 {
+    let iters: usize = std::env::var("PROBE_ITERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(6);
+    let (mut forwards, mut totals) = (Vec::new(), Vec::new());
+    for it in 0..iters {
         let t = Instant::now();
         let policy = lora.apply(&base).unwrap();
         let lps = completion_logprobs_grouped(&policy, &prompt, &refs).unwrap();
@@ -38,10 +43,18 @@ fn main() {
         }
         let f = t.elapsed().as_secs_f64();
         let _g = total.backward().unwrap();
-        eprintln!(
-            "iter {it}: forward {:.2}s total {:.2}s",
-            f,
-            t.elapsed().as_secs_f64()
-        );
+        let total = t.elapsed().as_secs_f64();
+        eprintln!("iter {it}: forward {f:.2}s total {total:.2}s");
+        forwards.push(f);
+        totals.push(total);
     }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    eprintln!(
+        "median: forward {:.2}s total {:.2}s",
+        median(&mut forwards),
+        median(&mut totals)
+    );
 }

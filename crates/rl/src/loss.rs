@@ -270,19 +270,40 @@ pub fn policy_loss(samples: &[SampleTerms], config: &LossConfig) -> Result<(Tens
 /// `g·(onehot − softmax)`. Built from candle's operations instead, it made and read a
 /// handful of `[T, vocab]` tensors each way (`vocab` is 49,152 for SmolLM2).
 pub fn token_logprobs(logits: &Tensor, tokens: &[u32]) -> Result<Tensor> {
-    let (rows, vocab) = logits.dims2()?;
-    if tokens.len() != rows {
-        candle_core::bail!("{} tokens for {rows} rows of logits", tokens.len());
+    let rows: Vec<usize> = (0..tokens.len()).collect();
+    let (n, _) = logits.dims2()?;
+    if tokens.len() != n {
+        candle_core::bail!("{} tokens for {n} rows of logits", tokens.len());
+    }
+    token_logprobs_at(logits, &rows, tokens)
+}
+
+/// `log softmax(logits[rows[i]])[tokens[i]]` for each `i`: `[R, vocab]` → `[T]`. A row
+/// may be read for several tokens (the row that predicts every completion's first
+/// token); its gradient is then the sum of theirs.
+pub fn token_logprobs_at(logits: &Tensor, rows: &[usize], tokens: &[u32]) -> Result<Tensor> {
+    let (n, vocab) = logits.dims2()?;
+    if tokens.len() != rows.len() {
+        candle_core::bail!("{} tokens for {} rows", tokens.len(), rows.len());
+    }
+    if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
+        candle_core::bail!("row {bad} is outside the {n} rows of logits");
     }
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
         candle_core::bail!("token id {bad} is outside the vocabulary of {vocab}");
     }
     if logits.dtype() == DType::F32 && logits.device().is_cpu() {
-        return logits.apply_op1_arc(std::sync::Arc::new(Box::new(TokenLogprobs(
-            tokens.to_vec(),
-        ))));
+        return logits
+            .contiguous()?
+            .apply_op1_arc(std::sync::Arc::new(Box::new(TokenLogprobs {
+                rows: rows.to_vec(),
+                tokens: tokens.to_vec(),
+            })));
     }
-    let log_probs = candle_nn::ops::log_softmax(logits, D::Minus1)?;
+    let rows: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    let picked =
+        logits.index_select(&Tensor::from_slice(&rows, rows.len(), logits.device())?, 0)?;
+    let log_probs = candle_nn::ops::log_softmax(&picked, D::Minus1)?;
     let index = Tensor::from_slice(tokens, (tokens.len(), 1), logits.device())?;
     log_probs.gather(&index, D::Minus1)?.squeeze(D::Minus1)
 }
@@ -294,8 +315,11 @@ fn log_normalizer(row: &[f32]) -> f32 {
     max + sum.ln() as f32
 }
 
-/// [`token_logprobs`] as one operation with its own backward pass.
-struct TokenLogprobs(Vec<u32>);
+/// [`token_logprobs_at`] as one operation with its own backward pass.
+struct TokenLogprobs {
+    rows: Vec<usize>,
+    tokens: Vec<u32>,
+}
 
 impl candle_core::CustomOp1 for TokenLogprobs {
     fn name(&self) -> &'static str {
@@ -314,33 +338,46 @@ impl candle_core::CustomOp1 for TokenLogprobs {
         let Some((a, b)) = layout.contiguous_offsets() else {
             candle_core::bail!("token-logprobs takes contiguous logits");
         };
-        let (rows, vocab) = layout.shape().dims2()?;
+        let (_, vocab) = layout.shape().dims2()?;
         let data = &data[a..b];
-        let out: Vec<f32> = (0..rows)
-            .into_par_iter()
-            .map(|r| {
+        let out: Vec<f32> = self
+            .rows
+            .par_iter()
+            .zip(&self.tokens)
+            .map(|(&r, &t)| {
                 let row = &data[r * vocab..(r + 1) * vocab];
-                row[self.0[r] as usize] - log_normalizer(row)
+                row[t as usize] - log_normalizer(row)
             })
             .collect();
-        Ok((candle_core::CpuStorage::F32(out), rows.into()))
+        Ok((candle_core::CpuStorage::F32(out), self.rows.len().into()))
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         use rayon::prelude::*;
         let (rows, vocab) = arg.dims2()?;
         let g = grad_res.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        // Per row: Σ g over the tokens read from it (−Σg · softmax), plus g at each
+        // token.
+        let mut weight = vec![0f32; rows];
+        for (&r, &g) in self.rows.iter().zip(&g) {
+            weight[r] += g;
+        }
         let mut out = vec![0f32; rows * vocab];
         agentstack_model::with_f32(arg, |data| {
             out.par_chunks_mut(vocab).enumerate().for_each(|(r, dst)| {
+                if weight[r] == 0.0 {
+                    return;
+                }
                 let row = &data[r * vocab..(r + 1) * vocab];
                 let lse = log_normalizer(row);
                 for (d, &x) in dst.iter_mut().zip(row) {
-                    *d = -g[r] * (x - lse).exp();
+                    *d = -weight[r] * (x - lse).exp();
                 }
-                dst[self.0[r] as usize] += g[r];
             });
         })?;
+        for ((&r, &t), &g) in self.rows.iter().zip(&self.tokens).zip(&g) {
+            out[r * vocab + t as usize] += g;
+        }
         Ok(Some(Tensor::from_vec(out, (rows, vocab), arg.device())?))
     }
 }

@@ -6,7 +6,7 @@ use agentstack_model::{Logits, Model, SeqInput};
 use candle_core::{D, Result, Tensor};
 use rand::Rng;
 
-use crate::loss::token_logprobs;
+use crate::loss::{token_logprobs, token_logprobs_at};
 
 fn model_error(e: agentstack_model::ModelError) -> candle_core::Error {
     let mut message = e.to_string();
@@ -87,22 +87,31 @@ pub fn completion_logprobs_grouped(
         !prompt.is_empty() && completions.iter().all(|c| !c.is_empty()),
         "a prompt and completions are needed"
     );
-    // The prompt's last row predicts every completion's first token.
-    let (first, rest) = model
+    // Row 0 of the logits predicts every completion's first token; each completion's
+    // own rows predict its later tokens. Read in one pass; the log-probabilities are
+    // split per completion, not the vocabulary-wide logits.
+    let logits = model
         .forward_completions(prompt, completions)
         .map_err(model_error)?;
+    let mut rows = Vec::new();
+    let mut tokens = Vec::new();
+    let mut next_row = 1;
+    for c in completions {
+        rows.push(0);
+        for _ in 1..c.len() {
+            rows.push(next_row);
+            next_row += 1;
+        }
+        tokens.extend_from_slice(c);
+    }
+    let logps = token_logprobs_at(&logits, &rows, &tokens)?;
+    let mut at = 0;
     completions
         .iter()
-        .zip(rest)
-        .map(|(c, more)| {
-            // The first token from the prompt's last row, the rest from the
-            // completion's own rows (the log-probabilities are joined, not the
-            // vocabulary-wide logits).
-            let head = token_logprobs(&first, &c[..1])?;
-            match more {
-                Some(more) => Tensor::cat(&[&head, &token_logprobs(&more, &c[1..])?], 0),
-                None => Ok(head),
-            }
+        .map(|c| {
+            let lp = logps.narrow(0, at, c.len());
+            at += c.len();
+            lp
         })
         .collect()
 }
