@@ -228,7 +228,10 @@ struct Rope {
 impl Rope {
     fn apply(&self, x: &[f32], inverse: bool) -> Result<Vec<f32>> {
         let rows = self.positions.len();
-        if rows == 0 || x.len() % rows != 0 || (x.len() / rows) % self.head_dim != 0 {
+        if rows == 0
+            || !x.len().is_multiple_of(rows)
+            || !(x.len() / rows).is_multiple_of(self.head_dim)
+        {
             bail!(
                 "rope of {} values for {rows} positions of heads of {}",
                 x.len(),
@@ -515,8 +518,8 @@ impl Attention {
         if kv_heads == 0
             || heads % kv_heads != 0
             || k != v
-            || q % (heads * head_dim) != 0
-            || k % (kv_heads * head_dim) != 0
+            || !q.is_multiple_of(heads * head_dim)
+            || !k.is_multiple_of(kv_heads * head_dim)
         {
             bail!(
                 "attention of {q} query and {k}/{v} key/value values with {heads}/{kv_heads} heads of {head_dim}"

@@ -304,14 +304,21 @@ pub struct Model {
 pub struct SeqCache {
     /// `(keys, values)` per layer, each `[positions, kv_heads·hd]` (keys after their
     /// norm and rotary embedding).
-    raw: Vec<(Vec<f32>, Vec<f32>)>,
+    raw: Vec<RawKv>,
     /// While training: per layer, the keys and values of every cached position as
     /// tensors of the autograd graph (one segment per forward call), so a prefix run
     /// once (a GRPO group's shared prompt) passes gradients back from every
     /// continuation.
-    graph: Vec<Vec<(Tensor, Tensor)>>,
+    graph: Vec<Segments>,
     len: usize,
 }
+
+/// One layer's cached keys and values, `[positions, kv_heads·hd]` each.
+type RawKv = (Vec<f32>, Vec<f32>);
+
+/// One layer's keys and values in the autograd graph, one `(keys, values)` pair per
+/// forward call.
+type Segments = Vec<(Tensor, Tensor)>;
 
 impl SeqCache {
     /// Tokens already in the cache.
@@ -947,8 +954,10 @@ impl Model {
             let segments: Vec<(Tensor, Tensor)> = match item.cache.graph.get(layer) {
                 // A continuation of the first sequence: its past is set below.
                 _ if shared_prefix && i > 0 => Vec::new(),
-                Some(segments) => segments.clone(),
-                None if start > 0 => {
+                // Segments that cover the whole past (a pass without gradients
+                // since then added values only).
+                Some(segments) if segment_rows(segments)? == start => segments.clone(),
+                _ if start > 0 => {
                     let (pk, pv) = &item.cache.raw[layer];
                     let width = kv_heads * hd;
                     vec![(
@@ -956,7 +965,7 @@ impl Model {
                         Tensor::from_slice(&pv[..start * width], (start, width), &self.device)?,
                     )]
                 }
-                None => Vec::new(),
+                _ => Vec::new(),
             };
             let mut past = Vec::with_capacity(segments.len());
             for (sk, sv) in &segments {
@@ -1013,7 +1022,7 @@ impl Model {
             (k.flatten_all()?.to_vec1()?, v.flatten_all()?.to_vec1()?);
         let width = kv_heads * hd;
         let mut offset = 0;
-        let mut prefix: Option<(Vec<(Tensor, Tensor)>, (Vec<f32>, Vec<f32>))> = None;
+        let mut prefix: Option<(Segments, RawKv)> = None;
         for (i, (item, mut segments)) in batch.iter_mut().zip(pasts).enumerate() {
             let n = item.tokens.len();
             let cache = &mut *item.cache;
@@ -1021,10 +1030,10 @@ impl Model {
                 segments = graph.clone();
                 cache.raw[layer] = raw.clone();
             }
-            // A cache that kept no graph so far starts its segments with its constant
-            // past, as the keys above saw it.
-            segments.push((k.narrow(0, offset, n)?, v.narrow(0, offset, n)?));
             if keep_graph {
+                // A cache that kept no graph so far starts its segments with its
+                // constant past, as the keys above saw it.
+                segments.push((k.narrow(0, offset, n)?, v.narrow(0, offset, n)?));
                 if cache.graph.len() <= layer {
                     cache.graph.resize(layer + 1, Vec::new());
                 }
@@ -1127,6 +1136,15 @@ impl Model {
             false,
         );
     }
+}
+
+/// Positions covered by a cache's autograd segments.
+fn segment_rows(segments: &[(Tensor, Tensor)]) -> Result<usize> {
+    let mut rows = 0;
+    for (k, _) in segments {
+        rows += k.dim(0)?;
+    }
+    Ok(rows)
 }
 
 /// RMS norm of one vector with weight `w`, as candle's fused kernel computes it.

@@ -571,3 +571,102 @@ async fn named_adapters_load_replace_and_serve() {
         Err(agentstack_model::engine::SubmitError::UnknownAdapter(_))
     ));
 }
+
+/// Per-position logits of `tokens` run in one pass from an empty cache.
+fn one_pass(model: &agentstack_model::Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache();
+    model
+        .forward(&mut [SeqInput {
+            cache: &mut cache,
+            tokens,
+            logits: Logits::All,
+        }])
+        .unwrap()[0]
+        .to_vec2()
+        .unwrap()
+}
+
+fn assert_rows_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (x, y)) in got.iter().zip(want).enumerate() {
+        assert!((x - y).abs() <= tolerance, "{what}, logit {i}: {x} vs {y}");
+    }
+}
+
+/// The training path (adapters being trained, so their tensors carry gradients) and
+/// the dense form without gradients share the same operations; a cache passes between
+/// them. A sequence run in pieces, with gradients or without, gives the logits of one
+/// pass; so do a group's completions run after their prompt in one batch (the rows a
+/// loss reads), in both weight forms, and exactly in the quantized form, whose
+/// kernels do not depend on the batch.
+#[test]
+fn dense_passes_in_pieces_and_shared_prompts_give_the_logits_of_one_pass() {
+    let f = fixture();
+    let dense = LanguageModel::load(&f.gguf, WeightForm::Dense(DType::F32)).unwrap();
+    let quantized = LanguageModel::load(&f.hf, WeightForm::Quantized).unwrap();
+    let plain = random_adapter(dense.model());
+    let mut tracked = plain.clone();
+    for w in &mut tracked.weights {
+        w.a = candle_core::Var::from_tensor(&w.a)
+            .unwrap()
+            .as_tensor()
+            .clone();
+        w.b = candle_core::Var::from_tensor(&w.b)
+            .unwrap()
+            .as_tensor()
+            .clone();
+    }
+    let training = tracked.apply(dense.model()).unwrap();
+    let inference = plain.apply(dense.model()).unwrap();
+    let tokens = dense.tokenizer().encode("pieces of it", false).unwrap();
+    assert!(tokens.len() >= 8, "{tokens:?}");
+    let whole = one_pass(&inference, &tokens);
+
+    let mut cache = dense.model().new_cache();
+    let mut rows = Vec::new();
+    let n = tokens.len();
+    for (model, range) in [(&training, 0..3), (&inference, 3..5), (&training, 5..n)] {
+        let out = model
+            .forward(&mut [SeqInput {
+                cache: &mut cache,
+                tokens: &tokens[range],
+                logits: Logits::All,
+            }])
+            .unwrap();
+        rows.extend(out[0].to_vec2::<f32>().unwrap());
+    }
+    for (i, (got, want)) in rows.iter().zip(&whole).enumerate() {
+        assert_rows_close(got, want, 1e-4, &format!("position {i} in pieces"));
+    }
+
+    let prompt = &tokens[..4];
+    let completions: [&[u32]; 3] = [&tokens[4..7], &tokens[4..5], &[tokens[6], tokens[2]]];
+    for (model, tolerance) in [
+        (&training, 1e-4),
+        (&inference, 1e-4),
+        (quantized.model(), 0.0),
+    ] {
+        let joined: Vec<Vec<f32>> = model
+            .forward_completions(prompt, &completions)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        assert_eq!(joined.len(), 1 + 2 + 1);
+        let mut row = 1;
+        for c in completions {
+            let full: Vec<u32> = prompt.iter().chain(c).copied().collect();
+            let alone = one_pass(model, &full);
+            let last = prompt.len() - 1;
+            assert_rows_close(&joined[0], &alone[last], tolerance, "the prompt's last row");
+            for t in 1..c.len() {
+                assert_rows_close(
+                    &joined[row],
+                    &alone[last + t],
+                    tolerance,
+                    "a completion row",
+                );
+                row += 1;
+            }
+        }
+    }
+}
