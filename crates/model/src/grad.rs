@@ -16,7 +16,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::config::RopeLayout;
-use crate::model::with_f32;
+use crate::model::{dot_fixed as dot, with_f32};
 
 /// The contiguous `f32` values of a custom operation's input.
 fn values<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [f32]> {
@@ -31,24 +31,6 @@ fn values<'a>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a 
 
 fn f32_contiguous(t: &Tensor) -> Result<Tensor> {
     t.to_dtype(DType::F32)?.contiguous()
-}
-
-/// `Σ pᵢ qᵢ` in eight lanes, which vectorise.
-fn dot(p: &[f32], q: &[f32]) -> f32 {
-    const LANES: usize = 8;
-    let mut acc = [0f32; LANES];
-    let (pc, pr) = p.as_chunks::<LANES>();
-    let (qc, qr) = q.as_chunks::<LANES>();
-    for (pv, qv) in pc.iter().zip(qc) {
-        for ((s, x), y) in acc.iter_mut().zip(pv).zip(qv) {
-            *s += x * y;
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in pr.iter().zip(qr) {
-        tail += x * y;
-    }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])) + tail
 }
 
 /// `y += a · x`.

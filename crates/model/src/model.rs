@@ -216,7 +216,7 @@ pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Resu
 /// fixed tree: one order for a given length, so the same bits every call, and the
 /// lanes vectorise (a single running sum cannot, since float addition does not
 /// reassociate).
-fn dot_fixed(p: &[f32], q: &[f32]) -> f32 {
+pub(crate) fn dot_fixed(p: &[f32], q: &[f32]) -> f32 {
     const LANES: usize = 8;
     let mut acc = [0f32; LANES];
     let (pc, pr) = p.as_chunks::<LANES>();
