@@ -298,28 +298,19 @@ impl LanguageModel {
                 "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
             )));
         }
-        // Row 0 predicts every completion's first token; then each completion's rows.
         let logits: Vec<Vec<f32>> = self
             .model
             .forward_completions(prompt, completions)?
             .to_vec2()?;
-        let first = sampling::log_softmax(&logits[0]);
-        let mut rows = logits[1..].iter();
+        let normalized: Vec<Vec<f32>> = logits.iter().map(|r| sampling::log_softmax(r)).collect();
+        let mut rows = Model::completion_rows(completions).into_iter();
         Ok(completions
             .iter()
             .map(|c| {
-                let Some(&head) = c.first() else {
-                    return Vec::new();
-                };
-                let mut out = vec![first[head as usize]];
-                // The tokens lead the zip, so it takes no row past the last.
-                out.extend(
-                    c[1..]
-                        .iter()
-                        .zip(rows.by_ref())
-                        .map(|(&next, row)| sampling::log_softmax(row)[next as usize]),
-                );
-                out
+                c.iter()
+                    .zip(rows.by_ref())
+                    .map(|(&token, row)| normalized[row][token as usize])
+                    .collect()
             })
             .collect())
     }

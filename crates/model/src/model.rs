@@ -748,6 +748,23 @@ impl Model {
         Ok(self.forward_joined(&mut batch, None, true)?.0)
     }
 
+    /// For each token of each completion, in order, the row of
+    /// [`Model::forward_completions`]'s logits that predicts it: 0 for every first
+    /// token, then each completion's own rows.
+    pub fn completion_rows(completions: &[&[u32]]) -> Vec<usize> {
+        let mut rows = Vec::with_capacity(completions.iter().map(|c| c.len()).sum());
+        let mut next = 1;
+        for c in completions {
+            if c.is_empty() {
+                continue;
+            }
+            rows.push(0);
+            rows.extend(next..next + c.len() - 1);
+            next += c.len() - 1;
+        }
+        rows
+    }
+
     /// [`Model::forward`], showing `observer` the input of every matrix multiplication
     /// with a weight: the GGUF names of the weights that multiply it (q, k and v share
     /// one input, as do gate and up) and the input rows `[tokens, in]`. The output

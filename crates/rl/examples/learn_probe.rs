@@ -1,7 +1,8 @@
 //! Times the learner's work on one GRPO group, as bench/rl's step does it: a 46-token
 //! prompt and 8 completions of 22 tokens scored with `completion_logprobs_grouped` on
-//! the f32 weights with LoRA (r 8, q and v), then the backward pass. `PROBE_ITERS` iterations (6), with their medians;
-//! for profiling the learner alone (`perf record` on it), without rollouts.
+//! the f32 weights with LoRA (r 8, q and v), then the backward pass. `PROBE_ITERS`
+//! iterations (6), with their medians; for profiling the learner alone (`perf record`
+//! on it), without rollouts.
 //!
 //!     cargo build --release -p agentstack-rl --example learn_probe
 //!     RAYON_NUM_THREADS=2 CANDLE_NUM_THREADS=2 target/release/examples/learn_probe MODEL.gguf

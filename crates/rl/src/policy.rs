@@ -93,18 +93,8 @@ pub fn completion_logprobs_grouped(
     let logits = model
         .forward_completions(prompt, completions)
         .map_err(model_error)?;
-    let mut rows = Vec::new();
-    let mut tokens = Vec::new();
-    let mut next_row = 1;
-    for c in completions {
-        rows.push(0);
-        for _ in 1..c.len() {
-            rows.push(next_row);
-            next_row += 1;
-        }
-        tokens.extend_from_slice(c);
-    }
-    let logps = token_logprobs_at(&logits, &rows, &tokens)?;
+    let tokens: Vec<u32> = completions.concat();
+    let logps = token_logprobs_at(&logits, &Model::completion_rows(completions), &tokens)?;
     let mut at = 0;
     completions
         .iter()
