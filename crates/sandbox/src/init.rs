@@ -46,6 +46,7 @@ use nix::sys::statvfs::{FsFlags, statvfs};
 use nix::unistd::{ForkResult, Gid, Pid, Uid, fork, pipe2};
 
 use crate::job::{End, LimitKind, Usage, check_relative_path};
+use crate::seccomp::SyscallFilter;
 use crate::wire::{FileHeader, Hello, INIT_ARG, Isolation, JobHeader, Report, Setup};
 
 /// The uid and gid the command has inside the sandbox.
@@ -592,6 +593,8 @@ struct Exec {
     /// The paths to try in order: the program itself, or a bare name looked up on
     /// the sandbox's `PATH`.
     candidates: Vec<CString>,
+    /// The system-call filter, compiled.
+    filter: SyscallFilter,
 }
 
 impl Exec {
@@ -628,8 +631,10 @@ impl Exec {
         env.extend(header.env.iter().map(|(k, v)| format!("{k}={v}")));
         let limits = &header.limits;
         let cpu = limits.cpu.as_secs().max(1);
+        let filter = SyscallFilter::new().step("compile the system-call filter")?;
         Ok(Self {
             candidates,
+            filter,
             program,
             argv,
             env: env.iter().map(|e| cstring(e)).collect::<Result<_, _>>()?,
@@ -709,6 +714,11 @@ fn command(exec: &Exec, stdin: &OwnedFd, stdout: &OwnedFd, stderr: &OwnedFd) -> 
     }
     if nix::unistd::chdir(exec.cwd.as_c_str()).is_err() {
         return fail(b"sandbox: could not enter the scratch directory\n");
+    }
+    // Last, so that everything above may still use what it refuses; the command and
+    // everything it starts inherit it.
+    if exec.filter.install().is_err() {
+        return fail(b"sandbox: could not install the system-call filter\n");
     }
     let mut last = Errno::ENOENT;
     for path in &exec.candidates {

@@ -31,6 +31,8 @@ pub mod wire;
 
 #[cfg(target_os = "linux")]
 mod init;
+#[cfg(target_os = "linux")]
+mod seccomp;
 
 pub use job::{End, Job, JobFile, LimitKind, Limits, Outcome, Usage};
 pub use pool::{Error, INIT_PROGRAM_ENV, Sandbox, SandboxConfig};
