@@ -9,7 +9,9 @@
 //!
 //! Everything is bounded: sessions ([`ServerConfig::max_sessions`], answered with
 //! `CAPACITY_REACHED`), frame and body size, time per step, and idle time (sessions
-//! idle longer than [`ServerConfig::idle_timeout`] are reaped, attached or not).
+//! idle longer than [`ServerConfig::idle_timeout`] are reaped, attached or not),
+//! connections ([`ServerConfig::max_connections`]) and the time to send a request head
+//! ([`ServerConfig::header_read_timeout`]).
 
 mod http;
 mod mcp;
@@ -22,7 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -51,7 +52,17 @@ pub struct ServerConfig {
     /// Whether to serve the stateless `/reset`, `/step`, `/state` routes (OpenEnv's
     /// simulation mode).
     pub simulation: bool,
+    /// Longest time to receive a request head; a slow or idle connection is then
+    /// closed.
+    pub header_read_timeout: Duration,
+    /// Most connections open at once (each WebSocket session holds one for its life);
+    /// past it, new connections wait until one closes.
+    pub max_connections: usize,
 }
+
+/// Connections the default [`ServerConfig`] keeps beside its sessions' WebSockets,
+/// for plain HTTP requests.
+const HTTP_CONNECTIONS: usize = 1024;
 
 impl Default for ServerConfig {
     fn default() -> Self {
@@ -64,6 +75,8 @@ impl Default for ServerConfig {
             max_frame_bytes: 16 * 1024 * 1024,
             max_body_bytes: 16 * 1024 * 1024,
             simulation: true,
+            header_read_timeout: agentstack_serve::Limits::DEFAULT_HEADER_READ_TIMEOUT,
+            max_connections: 16_384 + HTTP_CONNECTIONS,
         }
     }
 }
@@ -266,16 +279,11 @@ impl Server {
         let reaper = tokio::spawn(reap_loop(handle.state.clone()));
         let stop = handle.clone();
         let mut rx = handle.shutdown.subscribe();
-        // Replies are single small frames: send each at once rather than waiting on
-        // Nagle's algorithm for an ACK.
-        let listener = self.listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let result = axum::serve(
-            listener,
-            self.app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(async move {
+        let limits = agentstack_serve::Limits {
+            header_read_timeout: handle.state.config.header_read_timeout,
+            max_connections: handle.state.config.max_connections,
+        };
+        let result = agentstack_serve::serve(self.listener, self.app, limits, async move {
             tokio::select! {
                 () = signal => stop.shutdown(),
                 _ = rx.wait_for(|stop| *stop) => {}

@@ -272,6 +272,76 @@ async fn bad_frames_get_reference_codes_and_the_session_survives() {
     assert_eq!(server.handle.active_sessions(), 0);
 }
 
+fn socket_addr(url: &str) -> std::net::SocketAddr {
+    url.trim_start_matches("http://").parse().unwrap()
+}
+
+/// The header-read timeout of the tests of connection limits.
+const HEADER_TIMEOUT: Duration = Duration::from_millis(300);
+
+/// Regression (issue 19): an unfinished request head held its connection forever.
+#[tokio::test]
+async fn a_slow_request_head_is_closed_after_the_header_timeout() {
+    let server = start(ServerConfig {
+        header_read_timeout: HEADER_TIMEOUT,
+        ..ServerConfig::default()
+    })
+    .await;
+    let closed = agentstack_serve::probe::time_to_close(
+        socket_addr(&server.url),
+        b"GET /health HTTP/1.1\r\nHost: slow",
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert!(closed.is_some(), "the server held a slow request head open");
+}
+
+#[tokio::test]
+async fn a_websocket_session_outlives_the_header_timeout() {
+    let server = start(ServerConfig {
+        header_read_timeout: HEADER_TIMEOUT,
+        ..ServerConfig::default()
+    })
+    .await;
+    let mut ws = raw(&server.url, "").await;
+    ws.send(Message::Text(r#"{"type":"reset","data":{}}"#.into()))
+        .await
+        .unwrap();
+    assert_eq!(reply(&mut ws).await["type"], "observation");
+    tokio::time::sleep(HEADER_TIMEOUT * 3).await;
+    ws.send(Message::Text(r#"{"type":"step","data":{"amount":2}}"#.into()))
+        .await
+        .unwrap();
+    let r = reply(&mut ws).await;
+    assert_eq!(r["type"], "observation", "{r}");
+}
+
+#[tokio::test]
+async fn websocket_sessions_hold_connection_slots() {
+    let server = start(ServerConfig {
+        max_connections: 2,
+        ..ServerConfig::default()
+    })
+    .await;
+    let first = raw(&server.url, "").await;
+    let _second = raw(&server.url, "").await;
+    let url = format!("{}/health", server.url);
+    let third = tokio::spawn(async move { reqwest::get(url).await.map(|r| r.status()) });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !third.is_finished(),
+        "a request was served while two WebSockets held both connection slots"
+    );
+    drop(first);
+    let status = tokio::time::timeout(Duration::from_secs(5), third)
+        .await
+        .expect("the request is served once a WebSocket closes")
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, 200);
+}
+
 #[tokio::test]
 async fn oversized_frame_is_refused_with_a_message() {
     let server = start(ServerConfig {
