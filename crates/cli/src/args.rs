@@ -967,12 +967,36 @@ pub struct ServeArgs {
     /// Production mode: no stateless /reset, /step, /state routes.
     #[arg(long)]
     pub production: bool,
+    /// Connection limits.
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
     /// Python interpreter for OpenEnv Python packages [env: AGENTSTACK_PYTHON] (default python3).
     #[arg(long)]
     pub python: Option<String>,
     /// Seconds to wait for a foreign server to become healthy.
     #[arg(long, default_value_t = 60.0, value_name = "SECS")]
     pub ready_timeout: f64,
+}
+
+/// What one client may hold of a server (`env serve`, `model serve`, `hub serve`).
+#[derive(Debug, Clone, Copy, Args)]
+pub struct ConnectionArgs {
+    /// Most connections open at once, WebSockets included; past it, new connections wait
+    /// until one closes (default: 1024, or --max-sessions + 1024 for `env serve`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: Option<u32>,
+    /// Seconds a client has to send a request's headers; slow or idle connections are
+    /// then closed.
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, value_parser = positive_seconds)]
+    pub header_timeout: f64,
+}
+
+/// A positive, finite number of seconds.
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= 86_400.0 => Ok(secs),
+        _ => Err(format!("`{text}` is not a number of seconds between 0 and 86400")),
+    }
 }
 
 /// Action policies for `env run`.

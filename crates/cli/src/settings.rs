@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use agentstack_env::server::ServerConfig;
 
-use crate::args::ServeArgs;
+use agentstack_serve::Limits;
+
+use crate::args::{ConnectionArgs, ServeArgs};
 use crate::env_vars;
 
 /// The Python interpreter for foreign Python packages.
@@ -19,13 +21,30 @@ pub fn python(flag: Option<&str>) -> String {
         .unwrap_or_else(|| "python3".to_owned())
 }
 
+/// A server's connection limits: the flags, else `default_max_connections` and the
+/// default header-read timeout.
+pub fn connection_limits(args: &ConnectionArgs, default_max_connections: usize) -> Limits {
+    Limits {
+        header_read_timeout: Duration::from_secs_f64(args.header_timeout),
+        max_connections: args
+            .max_connections
+            .map_or(default_max_connections, |n| n as usize),
+    }
+}
+
 /// The server configuration for `env serve`.
 pub fn server_config(args: &ServeArgs) -> ServerConfig {
     let defaults = ServerConfig::default();
+    let max_sessions = args.max_sessions.unwrap_or(defaults.max_sessions);
+    // Each session's WebSocket holds a connection: leave room beside them for requests.
+    let limits = connection_limits(
+        &args.connections,
+        max_sessions.saturating_add(Limits::DEFAULT_MAX_CONNECTIONS),
+    );
     ServerConfig {
         host: args.host,
         port: args.port,
-        max_sessions: args.max_sessions.unwrap_or(defaults.max_sessions),
+        max_sessions,
         idle_timeout: args
             .idle_timeout
             .map_or(defaults.idle_timeout, Duration::from_secs_f64),
@@ -35,6 +54,8 @@ pub fn server_config(args: &ServeArgs) -> ServerConfig {
         max_frame_bytes: args.max_message_bytes.unwrap_or(defaults.max_frame_bytes),
         max_body_bytes: args.max_message_bytes.unwrap_or(defaults.max_body_bytes),
         simulation: !args.production,
+        header_read_timeout: limits.header_read_timeout,
+        max_connections: limits.max_connections,
     }
 }
 

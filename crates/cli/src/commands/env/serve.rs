@@ -84,10 +84,11 @@ fn announce(banner: &str) {
     let _ = out.write_all(banner.as_bytes()).and_then(|()| out.flush());
 }
 
-/// Each session holds a socket: lift the soft open-file limit to the hard one (a
-/// default soft limit of 1024 would refuse connections long before `--max-sessions`),
-/// and say so when even the hard limit is below what the sessions need.
-fn raise_open_file_limit(max_sessions: usize) {
+/// Each connection (a session's WebSocket among them) holds a socket: lift the soft
+/// open-file limit to the hard one (a default soft limit of 1024 would refuse
+/// connections long before `--max-sessions`), and say so when even the hard limit is
+/// below what the connections need.
+fn raise_open_file_limit(max_connections: usize) {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return;
@@ -95,12 +96,12 @@ fn raise_open_file_limit(max_sessions: usize) {
     if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_err() {
         tracing::warn!(soft, hard, "could not raise the open-file limit");
     }
-    let wanted = max_sessions as u64 + 64;
+    let wanted = max_connections as u64 + 64;
     if hard < wanted {
         tracing::warn!(
             limit = hard,
-            max_sessions,
-            "the open-file limit is below --max-sessions; connections beyond it will be refused (raise it with `ulimit -n`)"
+            max_connections,
+            "the open-file limit is below --max-connections; connections beyond it will be refused (raise it with `ulimit -n` or lower --max-connections)"
         );
     }
 }
@@ -109,7 +110,7 @@ fn raise_open_file_limit(max_sessions: usize) {
 pub async fn run(args: ServeArgs) -> Result<(), Exit> {
     let python = settings::python(args.python.as_deref());
     let config = settings::server_config(&args);
-    raise_open_file_limit(config.max_sessions);
+    raise_open_file_limit(config.max_connections);
     let mut targets = Vec::new();
     for target in &args.targets {
         let target = crate::commands::hub::pull_target(target).await?;
