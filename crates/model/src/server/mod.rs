@@ -4,11 +4,20 @@
 //!
 //! Errors have OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), with
 //! one table from error kind to HTTP status ([`ApiError::status`]).
+//!
+//! With API keys in [`ServerConfig::api_keys`] every route but `/health` needs
+//! `Authorization: Bearer KEY`, checked before a body is read. `/v1/adapters` loads
+//! LoRA adapters only from files inside [`ServerConfig::adapter_dir`].
 
+mod adapters;
+mod auth;
 mod openai;
 mod tokens;
 
+pub use auth::{API_KEY_ENV, ApiKey, EmptyApiKey};
+
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +33,7 @@ use crate::constraint::ConstraintCompiler;
 use crate::engine::{Engine, SubmitError};
 use crate::error::ModelError;
 
-/// Server limits.
+/// Server limits and access.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// The model name reported by `/v1/models` and in responses.
@@ -35,6 +44,12 @@ pub struct ServerConfig {
     pub max_n: usize,
     /// How long a request may wait and run in total.
     pub request_timeout: Duration,
+    /// Keys a request must bear one of (`Authorization: Bearer KEY`) on every route but
+    /// `/health`; none: no key is asked for.
+    pub api_keys: Vec<ApiKey>,
+    /// The directory `POST /v1/adapters` loads adapter files from (a path inside it,
+    /// relative or absolute); none: loading adapters is refused.
+    pub adapter_dir: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -44,6 +59,8 @@ impl Default for ServerConfig {
             max_body_bytes: 4 << 20,
             max_n: 16,
             request_timeout: Duration::from_secs(600),
+            api_keys: Vec::new(),
+            adapter_dir: None,
         }
     }
 }
@@ -72,9 +89,11 @@ impl AppState {
     }
 }
 
-/// The whole service.
+/// The whole service. With API keys configured, every route but `/health` checks the
+/// key before anything else (the body is not read without one).
 pub fn app(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
+    let keys: Arc<[ApiKey]> = state.config.api_keys.clone().into();
     Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
@@ -83,10 +102,20 @@ pub fn app(state: AppState) -> Router {
         .route("/generate", post(tokens::generate))
         .route("/tokenize", post(tokens::tokenize))
         .route("/detokenize", post(tokens::detokenize))
-        .route("/v1/adapters", get(list_adapters).post(load_adapter))
-        .route("/v1/adapters/{name}", axum::routing::delete(unload_adapter))
+        .route(
+            "/v1/adapters",
+            get(adapters::list_adapters).post(adapters::load_adapter),
+        )
+        .route(
+            "/v1/adapters/{name}",
+            axum::routing::delete(adapters::unload_adapter),
+        )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn_with_state(
+            keys,
+            auth::require_api_key,
+        ))
         .with_state(state)
 }
 
@@ -149,92 +178,6 @@ impl AppState {
     }
 }
 
-/// `POST /v1/adapters`: load LoRA adapters from a file under a name, or replace the
-/// weights of the adapter of that name.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct LoadAdapter {
-    /// The name requests pick it by (`model`).
-    name: String,
-    /// A safetensors file written by `agentstack train` (`adapter.safetensors`).
-    path: std::path::PathBuf,
-}
-
-/// The longest adapter name.
-const MAX_ADAPTER_NAME: usize = 128;
-
-async fn load_adapter(
-    axum::extract::State(state): axum::extract::State<AppState>,
-    ApiJson(body): ApiJson<LoadAdapter>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let name = body.name.trim();
-    if name.is_empty()
-        || name.len() > MAX_ADAPTER_NAME
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.:/".contains(c))
-    {
-        return Err(ApiError::invalid(
-            "name",
-            format!(
-                "`{name}` is not a usable adapter name; use 1 to {MAX_ADAPTER_NAME} letters, digits, `-`, `_`, `.`, `:` or `/`"
-            ),
-        ));
-    }
-    if name == state.config.model_name {
-        return Err(ApiError::invalid(
-            "name",
-            format!("`{name}` is the base model's name; pick another name for the adapter"),
-        ));
-    }
-    let started = std::time::Instant::now();
-    let engine = state.engine.clone();
-    let path = body.path.clone();
-    let model = tokio::task::spawn_blocking(move || {
-        let base = engine.model().model();
-        crate::adapter::Adapter::load(&path, base)?.apply(base)
-    })
-    .await
-    .map_err(|e| ApiError::from(ModelError::InvalidRequest(format!("loading failed: {e}"))))?
-    .map_err(|e| match e {
-        ModelError::InvalidRequest(m) => ApiError::invalid("path", m),
-        other => ApiError::from(other),
-    })?;
-    let version = state.engine.set_adapter(name, model);
-    let load_ms = started.elapsed().as_secs_f64() * 1e3;
-    tracing::info!(name, version, load_ms, "adapter loaded");
-    Ok(Json(
-        json!({"name": name, "version": version, "load_ms": load_ms}),
-    ))
-}
-
-async fn list_adapters(
-    axum::extract::State(state): axum::extract::State<AppState>,
-) -> Json<serde_json::Value> {
-    let data: Vec<_> = state
-        .engine
-        .adapters()
-        .into_iter()
-        .map(|a| json!({"name": a.name, "version": a.version}))
-        .collect();
-    Json(json!({"object": "list", "data": data}))
-}
-
-async fn unload_adapter(
-    axum::extract::State(state): axum::extract::State<AppState>,
-    axum::extract::Path(name): axum::extract::Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    if state.engine.remove_adapter(&name) {
-        Ok(Json(json!({"name": name, "deleted": true})))
-    } else {
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "not_found_error",
-            format!("no adapter named `{name}` is loaded; GET /v1/adapters lists them"),
-        ))
-    }
-}
-
 async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -277,6 +220,11 @@ impl ApiError {
             param: Some(param.to_owned()),
             ..Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
         }
+    }
+
+    /// A 401: the request bears no valid API key.
+    fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
     }
 
     /// The HTTP status.

@@ -3,12 +3,12 @@
 //! two loaders, the two rotary layouts, the two weight forms, batching and the server
 //! are checked in milliseconds without the real model.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use agentstack_model::engine::{Engine, EngineConfig};
 use agentstack_model::generate::{GenerateRequest, generate, generate_batch};
-use agentstack_model::server::{AppState, ServerConfig, app};
+use agentstack_model::server::{ApiKey, AppState, ServerConfig, app};
 use agentstack_model::{LanguageModel, Logits, SamplingParams, SeqInput, WeightForm};
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{DType, Device, Tensor};
@@ -259,8 +259,8 @@ fn write_gguf(path: &Path) {
 
 struct Fixture {
     _dir: tempfile::TempDir,
-    hf: std::path::PathBuf,
-    gguf: std::path::PathBuf,
+    hf: PathBuf,
+    gguf: PathBuf,
 }
 
 fn fixture() -> Fixture {
@@ -448,7 +448,14 @@ async fn named_adapters_load_replace_and_serve() {
     let path = f._dir.path().join("adapter.safetensors");
     adapter.save(&path).unwrap();
     let engine = Engine::start(lm.clone(), EngineConfig::default());
-    let state = AppState::new(engine.clone(), None, ServerConfig::default());
+    let state = AppState::new(
+        engine.clone(),
+        None,
+        ServerConfig {
+            adapter_dir: Some(f._dir.path().to_path_buf()),
+            ..ServerConfig::default()
+        },
+    );
 
     // Unknown adapters and bad files are refused with a reason.
     let gen_body = |model: &str| json!({"input_ids": [1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": true, "model": model});
@@ -570,6 +577,341 @@ async fn named_adapters_load_replace_and_serve() {
         engine.submit_with(request, Some("tuned")),
         Err(agentstack_model::engine::SubmitError::UnknownAdapter(_))
     ));
+}
+
+/// What the server answers to `request`: the status, the headers and the JSON body.
+async fn send(
+    state: &AppState,
+    request: axum::http::Request<axum::body::Body>,
+) -> (u16, axum::http::HeaderMap, Value) {
+    let response = app(state.clone()).oneshot(request).await.unwrap();
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
+        .await
+        .unwrap();
+    (
+        status,
+        headers,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// A request bearing `key` (none: no `Authorization` header).
+fn keyed(
+    method: &str,
+    uri: &str,
+    body: Option<&Value>,
+    key: Option<&str>,
+) -> axum::http::Request<axum::body::Body> {
+    let mut request = axum::http::Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("authorization", format!("Bearer {key}"));
+    }
+    request
+        .body(axum::body::Body::from(
+            body.map(Value::to_string).unwrap_or_default(),
+        ))
+        .unwrap()
+}
+
+/// A tiny-model server whose keys are `keys` and whose adapter directory is `dir`.
+fn guarded_state(f: &Fixture, keys: &[&str], dir: Option<&Path>) -> AppState {
+    let lm = Arc::new(LanguageModel::load(&f.gguf, WeightForm::Quantized).unwrap());
+    AppState::new(
+        Engine::start(lm, EngineConfig::default()),
+        None,
+        ServerConfig {
+            api_keys: keys.iter().map(|k| ApiKey::new(*k).unwrap()).collect(),
+            adapter_dir: dir.map(Path::to_path_buf),
+            ..ServerConfig::default()
+        },
+    )
+}
+
+/// Regression (issue 19): with API keys set, every route but `/health` answers 401 in
+/// OpenAI's shape, with `WWW-Authenticate: Bearer`, to a request without a key or with
+/// a wrong one, adapter loading and unloading included; a right key (any of them) is
+/// served; without keys nothing is asked.
+#[tokio::test]
+async fn api_keys_guard_every_route_but_health() {
+    let f = fixture();
+    let dir = f._dir.path().join("adapters");
+    std::fs::create_dir(&dir).unwrap();
+    let lm = LanguageModel::load(&f.gguf, WeightForm::Quantized).unwrap();
+    random_adapter(lm.model())
+        .save(&dir.join("adapter.safetensors"))
+        .unwrap();
+    let state = guarded_state(&f, &["first-key", "second-key"], Some(&dir));
+    let chat =
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0});
+    let generate = json!({"input_ids": [1, 2, 3], "max_tokens": 2, "temperature": 0});
+    let load = json!({"name": "tuned", "path": "adapter.safetensors"});
+    let routes: [(&str, &str, Option<&Value>); 9] = [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", Some(&chat)),
+        (
+            "POST",
+            "/v1/completions",
+            Some(&json!({"prompt": "hi", "max_tokens": 2})),
+        ),
+        ("POST", "/generate", Some(&generate)),
+        ("POST", "/tokenize", Some(&json!({"text": "hi"}))),
+        ("GET", "/v1/adapters", None),
+        ("POST", "/v1/adapters", Some(&load)),
+        ("DELETE", "/v1/adapters/tuned", None),
+        ("GET", "/no/such/route", None),
+    ];
+    for (method, uri, body) in routes {
+        for key in [None, Some("wrong-key"), Some("first-ke")] {
+            let (status, headers, answer) = send(&state, keyed(method, uri, body, key)).await;
+            assert_eq!(status, 401, "{method} {uri} with {key:?}: {answer}");
+            assert_eq!(headers["www-authenticate"], "Bearer", "{method} {uri}");
+            assert_eq!(answer["error"]["type"], "invalid_request_error", "{answer}");
+            assert!(
+                answer["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("API key"),
+                "{answer}"
+            );
+        }
+    }
+    let (_, _, listed) = send(
+        &state,
+        keyed("GET", "/v1/adapters", None, Some("first-key")),
+    )
+    .await;
+    assert_eq!(listed["data"], json!([]), "nothing was loaded");
+    let (status, _, health) = send(&state, keyed("GET", "/health", None, None)).await;
+    assert_eq!(status, 200, "{health}");
+
+    // The right keys are served, whatever the scheme's case.
+    let (status, _, models) =
+        send(&state, keyed("GET", "/v1/models", None, Some("first-key"))).await;
+    assert_eq!(status, 200, "{models}");
+    let lower = axum::http::Request::get("/v1/models")
+        .header("authorization", "bearer second-key")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    assert_eq!(send(&state, lower).await.0, 200);
+    for (method, uri, body) in &routes[1..8] {
+        let (status, _, answer) = send(&state, keyed(method, uri, *body, Some("second-key"))).await;
+        assert_eq!(status, 200, "{method} {uri}: {answer}");
+    }
+
+    // Without keys, no key is asked for.
+    let open = guarded_state(&f, &[], None);
+    let (status, _, answer) = send(&open, keyed("POST", "/generate", Some(&generate), None)).await;
+    assert_eq!(status, 200, "{answer}");
+}
+
+/// Regression (issue 19): a request without a key is refused before its body is read,
+/// so an unauthenticated client cannot make the server take in a body; the body here
+/// would be endless, and records whether it was ever polled. The same over a real
+/// socket: a request announcing 10 GB gets its 401 at once.
+#[tokio::test]
+async fn a_request_without_a_key_is_refused_before_its_body_is_read() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let f = fixture();
+    let state = guarded_state(&f, &["the-key"], Some(f._dir.path()));
+    for uri in ["/v1/chat/completions", "/v1/adapters", "/generate"] {
+        let polled = Arc::new(AtomicBool::new(false));
+        let flag = polled.clone();
+        let endless = futures_util::stream::repeat_with(move || {
+            flag.store(true, Ordering::SeqCst);
+            Ok::<_, std::io::Error>(axum::body::Bytes::from(vec![b' '; 1 << 20]))
+        });
+        let request = axum::http::Request::post(uri)
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer not-the-key")
+            .body(axum::body::Body::from_stream(endless))
+            .unwrap();
+        let (status, _, answer) = send(&state, request).await;
+        assert_eq!(status, 401, "{uri}: {answer}");
+        assert!(!polled.load(Ordering::SeqCst), "{uri}: the body was read");
+    }
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let server = tokio::spawn(agentstack_model::server::serve(
+        state,
+        listener,
+        std::future::pending(),
+    ));
+    let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
+    socket
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 10000000000\r\n\r\n{\"messages\": [")
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), socket.read(&mut answer))
+        .await
+        .expect("the 401 comes without the body")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    server.abort();
+}
+
+/// This process's resident memory in bytes.
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib << 10
+}
+
+/// The most a refused adapter load may add to the server's memory.
+const REFUSED_LOAD_MEMORY: u64 = 64 << 20;
+
+/// Regression (issue 19): adapters load only from inside `--adapter-dir`, and every
+/// refusal about the file (an endless device, a FIFO, a directory, a missing file, a
+/// `../` escape, an absolute path outside, a symlink out, a file of the wrong size)
+/// is told with one and the same text, at once and without memory growth, even for a
+/// valid adapter file that lies outside. A readable file whose tensors do not fit the
+/// model says what is wrong (a rank above the layer's dimension, a huge shape in the
+/// header); a valid adapter inside, named relatively or absolutely, loads and is used.
+/// Without an adapter directory, loading is refused with a hint.
+#[tokio::test]
+async fn adapters_load_only_from_inside_the_adapter_directory() {
+    let f = fixture();
+    let root = f._dir.path();
+    let dir = root.join("runs");
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    let lm = LanguageModel::load(&f.gguf, WeightForm::Quantized).unwrap();
+    let adapter = random_adapter(lm.model());
+    let inside = dir.join("run/adapter.safetensors");
+    adapter.save(&inside).unwrap();
+    adapter.save(&root.join("outside.safetensors")).unwrap();
+    std::os::unix::fs::symlink(
+        root.join("outside.safetensors"),
+        dir.join("link.safetensors"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.join("zero.safetensors")).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(dir.join("fifo.safetensors"))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let mut longer = std::fs::read(&inside).unwrap();
+    longer.extend_from_slice(&[0; 16]);
+    std::fs::write(dir.join("longer.safetensors"), &longer).unwrap();
+    std::fs::write(
+        dir.join("shorter.safetensors"),
+        &longer[..longer.len() - 40],
+    )
+    .unwrap();
+
+    let state = guarded_state(&f, &[], Some(&dir));
+    let load = |path: &Path| {
+        let state = state.clone();
+        let body = json!({"name": "tuned", "path": path});
+        async move {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                call(&state, "POST", "/v1/adapters", Some(body)),
+            )
+            .await
+            .expect("a refusal comes at once")
+        }
+    };
+    let before = resident_bytes();
+    let refused = [
+        PathBuf::from("/dev/zero"),
+        PathBuf::from("zero.safetensors"),
+        PathBuf::from("fifo.safetensors"),
+        PathBuf::from("run"),
+        dir.clone(),
+        PathBuf::from("missing.safetensors"),
+        PathBuf::from("../outside.safetensors"),
+        PathBuf::from("run/../../outside.safetensors"),
+        root.join("outside.safetensors"),
+        PathBuf::from("link.safetensors"),
+        PathBuf::from("/etc/passwd"),
+        PathBuf::from("longer.safetensors"),
+        PathBuf::from("shorter.safetensors"),
+    ];
+    for path in &refused {
+        let (status, err) = load(path).await;
+        assert_eq!(status, 400, "{}: {err}", path.display());
+        assert_eq!(
+            err["error"]["message"],
+            "`path` does not name a loadable adapter file inside the server's adapter directory",
+            "{}",
+            path.display()
+        );
+        assert_eq!(err["error"]["param"], "path");
+    }
+    let grown = resident_bytes().saturating_sub(before);
+    assert!(grown < REFUSED_LOAD_MEMORY, "refusals took {grown} bytes");
+    let (_, listed) = call(&state, "GET", "/v1/adapters", None).await;
+    assert_eq!(listed["data"], json!([]), "nothing was loaded");
+
+    // Readable files whose tensors do not fit say why.
+    let mut too_high = adapter.clone();
+    for w in &mut too_high.weights {
+        let (out, inp) = (w.b.dims()[0], w.a.dims()[1]);
+        w.a = Tensor::zeros((40, inp), DType::F32, &Device::Cpu).unwrap();
+        w.b = Tensor::zeros((out, 40), DType::F32, &Device::Cpu).unwrap();
+    }
+    too_high.rank = 40;
+    too_high.save(&dir.join("rank.safetensors")).unwrap();
+    let (status, err) = load(Path::new("rank.safetensors")).await;
+    assert_eq!(status, 400, "{err}");
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("v_proj") && message.contains("from 1 to 32"),
+        "{err}"
+    );
+    let header = json!({"blk.0.q_proj.lora_a": {"dtype": "F32", "shape": [1u64 << 40, HIDDEN], "data_offsets": [0, 0]}}).to_string();
+    let mut huge = (header.len() as u64).to_le_bytes().to_vec();
+    huge.extend_from_slice(header.as_bytes());
+    std::fs::write(dir.join("huge.safetensors"), &huge).unwrap();
+    let (status, err) = load(Path::new("huge.safetensors")).await;
+    assert_eq!(status, 400, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("q_proj.lora_a"),
+        "{err}"
+    );
+
+    // A valid adapter inside loads, relatively or absolutely, and is used.
+    let generate =
+        json!({"input_ids": [1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (_, base) = call(&state, "POST", "/generate", Some(generate.clone())).await;
+    for path in [PathBuf::from("run/adapter.safetensors"), inside.clone()] {
+        let (status, loaded) = load(&path).await;
+        assert_eq!(status, 200, "{}: {loaded}", path.display());
+    }
+    let mut tuned_request = generate.clone();
+    tuned_request["model"] = json!("tuned");
+    let (_, tuned) = call(&state, "POST", "/generate", Some(tuned_request)).await;
+    assert_ne!(base["output_ids"], tuned["output_ids"]);
+
+    // No adapter directory: no loading at all.
+    let closed = guarded_state(&f, &[], None);
+    let body = json!({"name": "tuned", "path": inside});
+    let (status, err) = call(&closed, "POST", "/v1/adapters", Some(body)).await;
+    assert_eq!(status, 403, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--adapter-dir"),
+        "{err}"
+    );
 }
 
 /// Per-position logits of `tokens` run in one pass from an empty cache.
