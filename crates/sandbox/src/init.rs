@@ -5,7 +5,10 @@
 //! a user namespace needs a single-threaded caller, and the host (a tokio runtime) has
 //! many threads. The init process is the host's own executable started with
 //! [`INIT_ARG`](crate::wire::INIT_ARG); the binary calls [`run_if_init`] first thing in
-//! `main`.
+//! `main`. Its `argv[0]` and name are [`INIT_NAME`](crate::wire::INIT_NAME) and its
+//! environment is empty, so a command reading `/proc/1/cmdline`, `comm` or `environ`
+//! learns nothing of the host (`/proc/1/exe` and `environ` are unreadable to it anyway:
+//! pid 1 holds capabilities the command lacks).
 //!
 //! Isolation, in order (see [`prepare`]):
 //! 1. started by root: drop to an unprivileged host uid/gid (`nobody`) and no groups;
@@ -13,12 +16,14 @@
 //!    inside to that host id (no other id exists inside);
 //! 3. a new root on a tmpfs: `/usr`, `/bin`, `/lib*` bind-mounted read-only, `nosuid`,
 //!    `nodev`; a synthetic `/etc`; a minimal `/dev`; `/work`, the one writable scratch
-//!    tmpfs (size-limited), with `/tmp` a link into it; the old root detached;
+//!    tmpfs (size-limited), with `/tmp` and `/dev/shm` links into it; the old root
+//!    detached;
 //! 4. loopback up in the fresh network namespace (no other interface, no route).
 //!
 //! Per job (see [`run_job`]): a new PID namespace whose init (`B`) mounts `/proc` and
-//! forks the command (`C`); `C` starts a session, gets rlimits and `no_new_privs`, and
-//! `exec`s, which drops every capability (uid 1000 is not root). When `C` exits, `B`
+//! forks the command (`C`); `C` starts a session, gets rlimits, `no_new_privs` and the
+//! system-call filter ([`crate::seccomp`]), and `exec`s, which drops every capability
+//! (uid 1000 is not root). When `C` exits, `B`
 //! reports its status and exits, and the kernel kills whatever `C` left behind. When the
 //! init process exits, its mount namespace and the scratch tmpfs go with it: nothing is
 //! left on the host.
@@ -49,6 +54,9 @@ use crate::job::{End, LimitKind, Usage, check_relative_path};
 use crate::seccomp::SyscallFilter;
 use crate::wire::{FileHeader, Hello, INIT_ARG, Isolation, JobHeader, Report, Setup};
 
+/// [`INIT_NAME`](crate::wire::INIT_NAME) for `prctl(PR_SET_NAME)`.
+const INIT_NAME_C: &std::ffi::CStr = c"sandbox-init";
+
 /// The uid and gid the command has inside the sandbox.
 pub const SANDBOX_ID: u32 = 1000;
 /// The scratch directory inside the sandbox.
@@ -75,21 +83,10 @@ const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 /// If this process was started as a sandbox init, runs it and exits; otherwise returns
 /// at once. Call it first thing in `main`, before any thread starts.
 pub fn run_if_init() {
-    let mut args = std::env::args_os().skip(1);
-    if args.next().as_deref() != Some(OsStr::new(INIT_ARG)) {
+    if std::env::args_os().nth(1).as_deref() != Some(OsStr::new(INIT_ARG)) {
         return;
     }
-    let setup = args
-        .next()
-        .and_then(|s| serde_json::from_str::<Setup>(&s.to_string_lossy()).ok());
-    let code = match setup {
-        Some(setup) => main(&setup),
-        None => {
-            eprintln!("{INIT_ARG}: expected the set-up as JSON in the next argument");
-            2
-        }
-    };
-    std::process::exit(code);
+    std::process::exit(main());
 }
 
 /// A failed step of setting up or running.
@@ -111,9 +108,17 @@ impl<T, E: std::fmt::Display> Step<T> for Result<T, E> {
     }
 }
 
-fn main(setup: &Setup) -> i32 {
+fn main() -> i32 {
     let mut control_in = io::stdin().lock();
     let mut control_out = io::stdout().lock();
+    let setup = match crate::wire::read_header::<Setup>(&mut control_in) {
+        Ok(Some(setup)) => setup,
+        Ok(None) | Err(_) => {
+            eprintln!("{INIT_ARG}: expected the set-up on stdin");
+            return 2;
+        }
+    };
+    let setup = &setup;
     let prepared = match setup.isolation {
         Isolation::Namespaces => prepare(setup).map(Prepared::Isolated),
         Isolation::UnsafeNone => unsafe_scratch().map(Prepared::Unisolated),
@@ -244,6 +249,9 @@ fn prepare(setup: &Setup) -> Result<Pid, Failure> {
             drop(ready_r);
             // If the init process dies, so does `B`, and with it the namespace.
             let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
+            // What the command sees of its pid 1 (`/proc/1/comm`), rather than the
+            // host program's file name.
+            let _ = nix::sys::prctl::set_name(INIT_NAME_C);
             let built = build_root(setup).and_then(|()| loopback_up().step("bring up loopback"));
             let message = match &built {
                 Ok(()) => String::new(),
@@ -300,14 +308,12 @@ fn build_root(setup: &Setup) -> Result<(), Failure> {
     // The new root is a small tmpfs over /tmp (any directory would do; /tmp exists
     // everywhere). Extra read-only paths are bound before it hides /tmp's contents.
     let root = Path::new("/tmp");
-    // The program is opened by its path in this mount namespace, before the new root
-    // hides /tmp (`/proc/self/exe` itself names a mount of the parent namespace, which
-    // cannot be bound here).
-    let program = if setup.expose_program {
-        let path = fs::read_link("/proc/self/exe").step("find the program")?;
-        Some(fs::File::open(path).step("open the program")?)
-    } else {
-        None
+    // The host's neutral link to the program, not the program's own path (a bind
+    // mount's root, in /proc/self/mountinfo, is the path of the file bound). It is
+    // opened in this mount namespace, before the new root hides /tmp.
+    let program = match &setup.exposed_program {
+        Some(path) => Some(fs::File::open(path).step("open the program")?),
+        None => None,
     };
     mount(
         Some("tmpfs"),
@@ -351,7 +357,7 @@ fn build_root(setup: &Setup) -> Result<(), Failure> {
     for (name, contents) in files {
         fs::write(etc.join(name), contents).step("write /etc")?;
     }
-    // /dev: the harmless character devices, and links into /proc.
+    // /dev: the harmless character devices, and links into /proc and the scratch.
     let dev = root.join("dev");
     fs::create_dir(&dev).step("create /dev")?;
     mount(
@@ -370,7 +376,11 @@ fn build_root(setup: &Setup) -> Result<(), Failure> {
             mount(Some(&source), &target, none, MsFlags::MS_BIND, none).step("bind a device")?;
         }
     }
+    // /dev/shm, where POSIX semaphores and shared memory live (Python's
+    // multiprocessing locks need them): a directory in the scratch tmpfs, so it counts
+    // against the job's scratch size and goes with it.
     for (name, target) in [
+        ("shm", "/work/.shm"),
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
         ("stdout", "/proc/self/fd/1"),
@@ -415,7 +425,7 @@ fn build_root(setup: &Setup) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Binds this process's own executable (opened as `program`) read-only at
+/// Binds the program (opened as `program`) read-only at
 /// [`crate::PROGRAM_IN_SANDBOX`].
 fn bind_program(program: &fs::File, root: &Path) -> Result<(), Failure> {
     use std::os::fd::AsRawFd;
@@ -553,6 +563,7 @@ fn receive_and_run(
         receive_file(&scratch, file, control_in)?;
     }
     fs::create_dir_all(scratch.join(".tmp")).step("create /tmp")?;
+    fs::create_dir_all(scratch.join(".shm")).step("create /dev/shm")?;
     run_job(prepared, header, &scratch, stdin)
 }
 
@@ -985,5 +996,15 @@ fn reap(child: Pid) -> (i32, libc::rusage) {
         if pid >= 0 || Errno::last() != Errno::EINTR {
             return (raw, rusage);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_init_process_takes_its_own_name() {
+        assert_eq!(INIT_NAME_C.to_str(), Ok(crate::wire::INIT_NAME));
     }
 }

@@ -1,10 +1,26 @@
 //! Runs untrusted commands isolated: a fresh set of Linux namespaces per run (user,
 //! mount, PID, network with only loopback, IPC, UTS, cgroup), a read-only root with one
-//! writable, size-limited scratch directory, an unprivileged uid, `no_new_privs`, and
-//! rlimits on CPU time, address space, processes, file size; wall time and output are
-//! bounded by the supervisor. Nothing is left behind: the PID namespace's end kills
-//! every process the command started, and the scratch tmpfs dies with its mount
-//! namespace.
+//! writable, size-limited scratch directory, an unprivileged uid, `no_new_privs`, a
+//! system-call filter, and rlimits on CPU time, address space, processes, file size;
+//! wall time and output are bounded by the supervisor. Nothing is left behind: the PID
+//! namespace's end kills every process the command started, and the scratch tmpfs dies
+//! with its mount namespace.
+//!
+//! The system-call filter (seccomp-bpf, installed last before the command starts and
+//! inherited by everything it starts) refuses with `EPERM`: new namespaces (`unshare`,
+//! `setns`, `clone` with a `CLONE_NEW*` flag), io_uring, the kernel keyring, `bpf`,
+//! `perf_event_open`, `userfaultfd`, every way to mount, `ptrace` and reading or writing
+//! other processes' memory, opening files by handle (`open_by_handle_at`), kernel
+//! modules, `kexec`, swap, reboot, setting the clock, accounting, quotas, the kernel
+//! log, and `personality` changes; `clone3` fails with `ENOSYS` so the C library uses
+//! `clone`, whose flags the filter can see. A system call through a foreign ABI (i386's
+//! `int 0x80` or x32 on x86_64) kills the process. Threads, `fork`, subprocesses and
+//! Python's `multiprocessing` work as usual.
+//!
+//! Nothing of the host shows inside: the sandbox's pid 1 is named `sandbox-init` (its
+//! command line, name and empty environment are all a command can read of it), and the
+//! program exposed with [`SandboxConfig::expose_program`] is bound from a link in a
+//! private temporary directory, so `/proc/self/mountinfo` does not show its host path.
 //!
 //! A [`Sandbox`] keeps a pool of sandboxes already isolated and waiting, so a run starts
 //! in milliseconds; it runs at most `max_concurrent` at once and queues the rest.

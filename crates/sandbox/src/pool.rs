@@ -11,7 +11,7 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::Semaphore;
 
 use crate::job::{Job, Outcome};
-use crate::wire::{FileHeader, Hello, INIT_ARG, Isolation, JobHeader, Report, Setup};
+use crate::wire::{FileHeader, Hello, INIT_ARG, INIT_NAME, Isolation, JobHeader, Report, Setup};
 
 /// Names the program started as the sandbox's init process, when it is not the
 /// current executable (tests, or a library embedding the sandbox in another binary).
@@ -43,7 +43,9 @@ pub struct SandboxConfig {
     pub unprivileged_id: u32,
     /// Make the init program (this stack's own binary) runnable inside, read-only, at
     /// [`PROGRAM_IN_SANDBOX`], so a job can use its tools (e.g. validate a package it
-    /// serves) without the host's paths.
+    /// serves) without the host's paths. It is bound from a hard link (or a copy) in a
+    /// private temporary directory that lives as long as the pool, so that not even
+    /// `/proc/self/mountinfo` shows where the program lives on the host.
     pub expose_program: bool,
 }
 
@@ -112,7 +114,11 @@ struct Warm {
 struct Inner {
     config: SandboxConfig,
     program: PathBuf,
-    setup: String,
+    /// The [`Setup`], encoded as its header.
+    setup: Vec<u8>,
+    /// What sandboxes that expose `program` bind; the path went into `setup`.
+    #[expect(dead_code, reason = "held so the link lives as long as the pool")]
+    exposed: Option<ExposedProgram>,
     warm: Mutex<Vec<Warm>>,
     permits: Semaphore,
     waiting: AtomicUsize,
@@ -168,18 +174,28 @@ impl Sandbox {
                 })?,
             },
         };
-        let setup = serde_json::to_string(&Setup {
+        let exposed = if config.expose_program && config.isolation == Isolation::Namespaces {
+            Some(
+                ExposedProgram::new(&program).map_err(|source| Error::Spawn {
+                    program: program.clone(),
+                    source,
+                })?,
+            )
+        } else {
+            None
+        };
+        let setup = crate::wire::encode_header(&Setup {
             isolation: config.isolation,
             read_only: config.read_only.clone(),
             unprivileged_id: config.unprivileged_id,
-            expose_program: config.expose_program,
-        })
-        .expect("the set-up serializes");
+            exposed_program: exposed.as_ref().map(|exposed| exposed.path.clone()),
+        });
         let inner = Arc::new(Inner {
             permits: Semaphore::new(config.max_concurrent),
             config,
             program,
             setup,
+            exposed,
             warm: Mutex::new(Vec::new()),
             waiting: AtomicUsize::new(0),
             refilling: AtomicBool::new(false),
@@ -241,23 +257,30 @@ enum Exchange {
 
 impl Inner {
     async fn spawn(&self) -> Result<Warm, Error> {
-        let mut child = Command::new(&self.program)
+        let mut command = Command::new(&self.program);
+        command
+            // The command sees its pid 1's argv: a neutral name, not the host's path.
+            .arg0(INIT_NAME)
             .arg(INIT_ARG)
-            .arg(&self.setup)
             // Nothing of the host's environment reaches a sandbox.
             .env_clear()
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|source| Error::Spawn {
-                program: self.program.clone(),
-                source,
-            })?;
-        let stdin = child.stdin.take().expect("piped stdin");
+            .kill_on_drop(true);
+        let spawn_error = |source| Error::Spawn {
+            program: self.program.clone(),
+            source,
+        };
+        let mut child = command.spawn().map_err(spawn_error)?;
+        let mut stdin = child.stdin.take().expect("piped stdin");
         let mut stdout = child.stdout.take().expect("piped stdout");
-        let hello = tokio::time::timeout(SETUP_TIMEOUT, read_header::<Hello>(&mut stdout)).await;
+        let hello = tokio::time::timeout(SETUP_TIMEOUT, async {
+            stdin.write_all(&self.setup).await?;
+            stdin.flush().await?;
+            read_header::<Hello>(&mut stdout).await
+        })
+        .await;
         match hello {
             Ok(Ok(Some(Hello::Ready))) => Ok(Warm {
                 child,
@@ -403,6 +426,44 @@ async fn read_header<T: serde::de::DeserializeOwned>(
     let mut body = vec![0u8; crate::wire::header_len(prefix)?];
     input.read_exact(&mut body).await?;
     crate::wire::decode_header(&body).map(Some)
+}
+
+/// The init program as sandboxes that expose it bind it: a hard link (or, across file
+/// systems, a copy) under a neutral name in a private temporary directory. A bind of
+/// the program itself would show its host path in the sandbox's `/proc/self/mountinfo`
+/// (a bind mount's root is the file's path within its file system); this shows only
+/// the temporary one. One link serves every sandbox of a pool, and goes with it.
+struct ExposedProgram {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl ExposedProgram {
+    fn new(program: &Path) -> std::io::Result<Self> {
+        static POOLS: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "agentstack-sandbox-{}-{}",
+            std::process::id(),
+            POOLS.fetch_add(1, Ordering::SeqCst)
+        ));
+        // Left by an earlier process with this pid, if any.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir)?;
+        let exposed = Self {
+            path: dir.join("agentstack"),
+            dir,
+        };
+        if std::fs::hard_link(program, &exposed.path).is_err() {
+            std::fs::copy(program, &exposed.path)?;
+        }
+        Ok(exposed)
+    }
+}
+
+impl Drop for ExposedProgram {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn first_line(text: &str) -> Option<&str> {

@@ -3,7 +3,8 @@
 //! announce.
 //!
 //! ```text
-//! host → init   argv: <program> __agentstack-sandbox-init <Setup as JSON>
+//! host → init   argv: sandbox-init __agentstack-sandbox-init
+//! host → init   Setup
 //! init → host   Hello (ready, or the step that failed and why)
 //! host → init   JobHeader, then stdin bytes, then each file's bytes in order
 //! init → host   Report, then stdout bytes, then stderr bytes
@@ -19,6 +20,11 @@ use crate::job::{End, Limits, Usage};
 
 /// The argument that turns the program into a sandbox init process.
 pub const INIT_ARG: &str = "__agentstack-sandbox-init";
+
+/// The init process's `argv[0]` and name: what a sandboxed command sees of its pid 1
+/// (`/proc/1/cmdline`, `/proc/1/comm`) instead of the host program's path. The set-up
+/// comes over stdin for the same reason.
+pub const INIT_NAME: &str = "sandbox-init";
 
 /// The largest header a peer may send.
 const MAX_HEADER_BYTES: u32 = 4 << 20;
@@ -45,9 +51,10 @@ pub struct Setup {
     pub read_only: Vec<PathBuf>,
     /// The host uid and gid the sandbox runs as when started by root.
     pub unprivileged_id: u32,
-    /// Bind the init program at [`crate::PROGRAM_IN_SANDBOX`].
+    /// The init program to bind at [`crate::PROGRAM_IN_SANDBOX`], if any: a link to it
+    /// whose path reveals nothing of the host's.
     #[serde(default)]
-    pub expose_program: bool,
+    pub exposed_program: Option<PathBuf>,
 }
 
 /// The init process's first message.

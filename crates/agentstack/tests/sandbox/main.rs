@@ -508,6 +508,253 @@ async fn the_warm_pool_serves_concurrent_runs() {
     }
 }
 
+/// Probes, each in a forked child so that one that got through cannot change what the
+/// next sees: every dangerous system call prints `refused <name> <errno>` or
+/// `ALLOWED <name>`. The numbers are this architecture's, passed in by the test.
+const SYSCALL_PROBES: &str = r#"
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {nr}
+CLONE_NEWNS, CLONE_NEWUSER, SIGCHLD = 0x20000, 0x10000000, 17
+
+def call(name, *args):
+    args = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    result = libc.syscall(ctypes.c_long(NR[name]), *args)
+    return result, ctypes.get_errno()
+
+def io_uring_setup():
+    params = ctypes.create_string_buffer(256)
+    return call("io_uring_setup", 1, params)
+
+def clone_with_namespaces():
+    return call("clone", CLONE_NEWUSER | CLONE_NEWNS | SIGCHLD, 0, 0, 0, 0)
+
+def clone3_with_namespaces():
+    args = (ctypes.c_uint64 * 11)()
+    args[0] = CLONE_NEWUSER
+    args[4] = SIGCHLD
+    return call("clone3", args, ctypes.sizeof(args))
+
+def setns():
+    fd = os.open("/proc/self/ns/uts", os.O_RDONLY)
+    return call("setns", fd, 0)
+
+def mount():
+    os.makedirs("/work/mnt", exist_ok=True)
+    return call("mount", b"none", b"/work/mnt", b"tmpfs", 0, None)
+
+PROBES = {
+    "io_uring_setup": io_uring_setup,
+    "unshare": lambda: call("unshare", CLONE_NEWUSER),
+    "clone": clone_with_namespaces,
+    "clone3": clone3_with_namespaces,
+    "keyctl": lambda: call("keyctl", 0, -3, 1),
+    "bpf": lambda: call("bpf", 0, None, 0),
+    "perf_event_open": lambda: call("perf_event_open", None, 0, -1, -1, 0),
+    "userfaultfd": lambda: call("userfaultfd", 1 | os.O_CLOEXEC),
+    "mount": mount,
+    "setns": setns,
+    "ptrace": lambda: call("ptrace", 0, 0, 0, 0),
+}
+
+for name, probe in PROBES.items():
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        result, errno = probe()
+        if result == 0 and name in ("clone", "clone3"):
+            os._exit(0)  # the clone's child
+        print("ALLOWED" if result >= 0 else "refused", name, errno, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+"#;
+
+#[tokio::test]
+async fn dangerous_system_calls_are_refused() {
+    let numbers = [
+        ("io_uring_setup", libc_nr::IO_URING_SETUP),
+        ("unshare", libc_nr::UNSHARE),
+        ("clone", libc_nr::CLONE),
+        ("clone3", libc_nr::CLONE3),
+        ("keyctl", libc_nr::KEYCTL),
+        ("bpf", libc_nr::BPF),
+        ("perf_event_open", libc_nr::PERF_EVENT_OPEN),
+        ("userfaultfd", libc_nr::USERFAULTFD),
+        ("mount", libc_nr::MOUNT),
+        ("setns", libc_nr::SETNS),
+        ("ptrace", libc_nr::PTRACE),
+    ];
+    let table = numbers
+        .iter()
+        .map(|(name, nr)| format!("{name:?}: {nr}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let code = SYSCALL_PROBES.replace("{nr}", &format!("{{{table}}}"));
+    let sandbox = sandbox().await;
+    let outcome = python(&sandbox, &code, short()).await;
+    assert!(outcome.end.success(), "{}", outcome.stderr_text());
+    let out = outcome.stdout_text();
+    assert!(!out.contains("ALLOWED"), "{out}");
+    let (eperm, enosys) = (1, 38);
+    for (name, _) in numbers {
+        let errno = if name == "clone3" { enosys } else { eperm };
+        assert!(
+            out.lines()
+                .any(|line| line == format!("refused {name} {errno}")),
+            "{name} was not refused with errno {errno}:\n{out}"
+        );
+    }
+}
+
+/// This architecture's system-call numbers for the probes (the kernel's unistd.h).
+mod libc_nr {
+    #[cfg(target_arch = "x86_64")]
+    mod numbers {
+        pub const IO_URING_SETUP: i64 = 425;
+        pub const UNSHARE: i64 = 272;
+        pub const CLONE: i64 = 56;
+        pub const CLONE3: i64 = 435;
+        pub const KEYCTL: i64 = 250;
+        pub const BPF: i64 = 321;
+        pub const PERF_EVENT_OPEN: i64 = 298;
+        pub const USERFAULTFD: i64 = 323;
+        pub const MOUNT: i64 = 165;
+        pub const SETNS: i64 = 308;
+        pub const PTRACE: i64 = 101;
+    }
+    #[cfg(target_arch = "aarch64")]
+    mod numbers {
+        pub const IO_URING_SETUP: i64 = 425;
+        pub const UNSHARE: i64 = 97;
+        pub const CLONE: i64 = 220;
+        pub const CLONE3: i64 = 435;
+        pub const KEYCTL: i64 = 219;
+        pub const BPF: i64 = 280;
+        pub const PERF_EVENT_OPEN: i64 = 241;
+        pub const USERFAULTFD: i64 = 282;
+        pub const MOUNT: i64 = 40;
+        pub const SETNS: i64 = 268;
+        pub const PTRACE: i64 = 117;
+    }
+    pub use numbers::*;
+}
+
+#[tokio::test]
+async fn python_threads_subprocesses_and_a_process_pool_still_work() {
+    let sandbox = sandbox().await;
+    let code = r#"
+import multiprocessing, subprocess, sys, threading
+
+def square(x):
+    return x * x
+
+if __name__ == "__main__":
+    results = []
+    threads = [threading.Thread(target=lambda i=i: results.append(square(i))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print("threads", sum(results))
+    child = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
+    print("subprocess", child.stdout.strip())
+    with multiprocessing.Pool(2) as pool:
+        print("pool", sum(pool.map(square, range(10))))
+"#;
+    let limits = Limits {
+        wall: Duration::from_secs(20),
+        cpu: Duration::from_secs(20),
+        ..Limits::default()
+    };
+    let outcome = python(&sandbox, code, limits).await;
+    assert!(outcome.end.success(), "{}", outcome.stderr_text());
+    assert_eq!(
+        outcome.stdout_text(),
+        "threads 140\nsubprocess 42\npool 285\n"
+    );
+}
+
+#[test]
+fn the_sandbox_init_reveals_no_host_path_or_environment() {
+    const CANARY: &str = "AGENTSTACK_TEST_CANARY";
+    let canary_value = format!("host-secret-{}", std::process::id());
+    let program = PathBuf::from(env!("CARGO_BIN_EXE_agentstack"));
+    let code = r#"
+import os
+def show(label, read):
+    try:
+        value = read()
+    except OSError as e:
+        value = "unreadable " + type(e).__name__
+    print(label, repr(value))
+show("cmdline", lambda: open("/proc/1/cmdline", "rb").read())
+show("comm", lambda: open("/proc/1/comm").read())
+show("environ", lambda: open("/proc/1/environ", "rb").read())
+show("exe", lambda: os.readlink("/proc/1/exe"))
+show("mountinfo", lambda: open("/proc/self/mountinfo").read())
+show("own_environ", lambda: dict(os.environ))
+"#;
+    let out = Command::new(&program)
+        .env(CANARY, &canary_value)
+        .args([
+            "sandbox", "run", "--time", "10", "--", "python3", "-c", code,
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{stdout}");
+    assert_reveals_nothing(&stdout, &program, &canary_value);
+    assert!(
+        stdout.contains("cmdline b'sandbox-init\\x00__agentstack-sandbox-init\\x00'"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("comm 'sandbox-init\\n'"), "{stdout}");
+}
+
+/// Fails if `out` names `program` (its path, or its last two components, as a mount
+/// of the file would show them) or contains `canary`.
+fn assert_reveals_nothing(out: &str, program: &Path, canary: &str) {
+    let path = program.to_string_lossy();
+    let components: Vec<_> = program.components().collect();
+    let tail: PathBuf = components[components.len() - 2..].iter().collect();
+    let tail = tail.to_string_lossy();
+    for secret in [path.as_ref(), tail.as_ref(), canary] {
+        assert!(!out.contains(secret), "the sandbox sees {secret:?}:\n{out}");
+    }
+}
+
+#[tokio::test]
+async fn the_exposed_program_runs_without_revealing_its_host_path() {
+    let program = PathBuf::from(env!("CARGO_BIN_EXE_agentstack"));
+    let sandbox = Sandbox::start(SandboxConfig {
+        expose_program: true,
+        ..config()
+    })
+    .await
+    .unwrap();
+    let code = format!(
+        r#"
+import os, subprocess
+print("mountinfo", repr(open("/proc/self/mountinfo").read()))
+print("cmdline", repr(open("/proc/1/cmdline", "rb").read()))
+ran = subprocess.run([{:?}, "--version"], capture_output=True, text=True)
+print("ran", ran.returncode, ran.stdout.split()[0])
+"#,
+        agentstack_sandbox::PROGRAM_IN_SANDBOX
+    );
+    let outcome = python(&sandbox, &code, short()).await;
+    assert!(outcome.end.success(), "{}", outcome.stderr_text());
+    let out = outcome.stdout_text();
+    assert_reveals_nothing(&out, &program, "no canary here");
+    assert!(out.contains("ran 0 agentstack"), "{out}");
+}
+
 mod coding {
     //! The `coding` environment, its tests run in real sandboxes: every reference
     //! solution earns 1.0, a stub does not; a repository snapshot earns strictly
