@@ -16,6 +16,7 @@ use agentstack_model::chat::{FunctionCall, Message, ToolCall};
 use agentstack_model::constraint::{Constraint, ConstraintCompiler, parse_tool_calls};
 use agentstack_model::engine::{Engine, Event};
 use agentstack_model::generate::GenerateRequest;
+use agentstack_model::server::{API_KEY_ENV, ApiKey};
 use agentstack_model::{LanguageModel, SamplingParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -234,7 +235,25 @@ pub struct OpenAiModel {
     http: reqwest::Client,
     base_url: String,
     model: String,
-    api_key: Option<String>,
+    api_key: Option<ApiKey>,
+}
+
+/// The standard variable for an OpenAI API key; sent when [`API_KEY_ENV`] is unset.
+pub const OPENAI_API_KEY_ENV: &str = "OPENAI_API_KEY";
+
+/// The key to send to an OpenAI-compatible server, from the environment: the first key
+/// of [`API_KEY_ENV`] (`AGENTSTACK_API_KEY`, what `agentstack model serve` asks for),
+/// else [`OPENAI_API_KEY_ENV`]. Empty values count as unset.
+pub fn api_key_from_env() -> Option<String> {
+    api_key_from(|name| std::env::var(name).ok())
+}
+
+/// [`api_key_from_env`] over the variables `var` gives.
+fn api_key_from(var: impl Fn(&str) -> Option<String>) -> Option<String> {
+    var(API_KEY_ENV)
+        .and_then(|list| ApiKey::first_of_list(&list))
+        .map(|key| key.expose().to_owned())
+        .or_else(|| var(OPENAI_API_KEY_ENV).filter(|k| !k.trim().is_empty()))
 }
 
 impl ModelClient {
@@ -271,7 +290,7 @@ impl ModelClient {
                 http,
                 base_url: base_url.trim_end_matches('/').to_owned(),
                 model: model.to_owned(),
-                api_key,
+                api_key: api_key.and_then(|k| ApiKey::new(k).ok()),
             })),
             activity: Activity::new(),
         }
@@ -436,7 +455,7 @@ impl OpenAiModel {
         }
         let mut call = self.http.post(&url).json(&body);
         if let Some(key) = &self.api_key {
-            call = call.bearer_auth(key);
+            call = call.bearer_auth(key.expose());
         }
         let response = call.send().await.map_err(|source| ModelError::Http {
             url: url.clone(),
@@ -539,5 +558,63 @@ mod tests {
         assert_eq!(r.tool_calls[0].function.name, "f");
         assert_eq!(r.completion_ids, None);
         assert!(parse_completion(&json!({"error": "x"})).is_err());
+    }
+
+    /// Regression (issue 19): clients send `AGENTSTACK_API_KEY` (its first key, the
+    /// variable holding a server's list) before `OPENAI_API_KEY`; empty values are unset.
+    #[test]
+    fn the_api_key_comes_from_agentstack_then_openai() {
+        let from = |agentstack: Option<&str>, openai: Option<&str>| {
+            api_key_from(|name| match name {
+                API_KEY_ENV => agentstack.map(str::to_owned),
+                OPENAI_API_KEY_ENV => openai.map(str::to_owned),
+                _ => None,
+            })
+        };
+        assert_eq!(from(Some("k1,k2"), Some("sk")).as_deref(), Some("k1"));
+        assert_eq!(from(Some(" k1 "), None).as_deref(), Some("k1"));
+        assert_eq!(from(None, Some("sk")).as_deref(), Some("sk"));
+        assert_eq!(from(Some(""), Some("sk")).as_deref(), Some("sk"));
+        assert_eq!(from(Some(" , "), Some("")), None);
+        assert_eq!(from(None, None), None);
+    }
+
+    /// The key is sent as a bearer token and is not in the client's `Debug` output.
+    #[tokio::test]
+    async fn the_openai_client_sends_its_key_as_a_bearer_token() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/v1", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let (mut buf, mut got) = (vec![0u8; 8192], Vec::new());
+            while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+                let n = socket.read(&mut buf).await.unwrap();
+                got.extend_from_slice(&buf[..n]);
+            }
+            let body =
+                json!({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}]})
+                    .to_string();
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            socket.write_all(reply.as_bytes()).await.unwrap();
+            String::from_utf8_lossy(&got).to_lowercase()
+        });
+        let client =
+            ModelClient::openai(&base, "m", Some("s3cret".into()), Duration::from_secs(10));
+        assert!(!format!("{client:?}").contains("s3cret"));
+        let request = ChatRequest {
+            messages: vec![],
+            tools: vec![],
+            json_schema: None,
+            sampling: Sampling::default(),
+            seed: 0,
+        };
+        let reply = client.chat(&request).await.unwrap();
+        assert_eq!(reply.text, "ok");
+        let head = server.await.unwrap();
+        assert!(head.contains("authorization: bearer s3cret\r\n"), "{head}");
     }
 }

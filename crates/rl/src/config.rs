@@ -26,6 +26,7 @@
 use std::path::PathBuf;
 
 use agentstack_harness::Profile;
+use agentstack_model::server::{API_KEY_ENV, ApiKey};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -321,6 +322,12 @@ pub struct SyncSection {
     /// How long, in seconds, a push keeps retrying a server that cannot be reached or
     /// answers 5xx (one still starting, or being replaced) before the run fails.
     pub wait_seconds: u64,
+    /// The environment variable of the trainer that holds the API key the servers ask
+    /// for (sent as `Authorization: Bearer`; the first of a comma-separated list).
+    /// Default: `AGENTSTACK_API_KEY`, when set. The key itself never goes in this file,
+    /// which is saved in the run directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
 }
 
 impl Default for SyncSection {
@@ -329,6 +336,34 @@ impl Default for SyncSection {
             servers: Vec::new(),
             name: None,
             wait_seconds: 120,
+            api_key_env: None,
+        }
+    }
+}
+
+impl SyncSection {
+    /// The API key to send to the servers, from the trainer's environment: the
+    /// variable `api_key_env` names (which must then be set), else
+    /// `AGENTSTACK_API_KEY` if it is.
+    pub fn api_key(&self) -> Result<Option<ApiKey>, ConfigError> {
+        self.api_key_from(|name| std::env::var(name).ok())
+    }
+
+    /// [`SyncSection::api_key`] over the variables `var` gives.
+    fn api_key_from(
+        &self,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<ApiKey>, ConfigError> {
+        match &self.api_key_env {
+            None => Ok(var(API_KEY_ENV).and_then(|list| ApiKey::first_of_list(&list))),
+            Some(name) => var(name)
+                .and_then(|list| ApiKey::first_of_list(&list))
+                .map(Some)
+                .ok_or_else(|| {
+                    ConfigError(format!(
+                        "sync.api_key_env names `{name}`, which is not set (or empty) in the trainer's environment\nhint: export {name} with the model servers' API key"
+                    ))
+                }),
         }
     }
 }
@@ -592,5 +627,65 @@ mod tests {
         let target = TrainConfig::parse("model = \"m\"\nsteps = 1\n[lora]\ntargets = [\"qq\"]\n")
             .unwrap_err();
         assert!(target.to_string().contains("`qq` is not a weight"));
+    }
+
+    /// Regression (issue 19): the key pushed adapters carry comes from the trainer's
+    /// environment (`AGENTSTACK_API_KEY`, or the variable `[sync] api_key_env` names,
+    /// which must then be set), never from the file, and is not saved with the run's
+    /// configuration.
+    #[test]
+    fn the_sync_key_comes_from_the_environment_and_is_never_recorded() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| (*v).to_owned())
+            }
+        };
+        let key = |sync: &SyncSection, vars| {
+            sync.api_key_from(vars)
+                .map(|k| k.map(|k| k.expose().to_owned()))
+        };
+        let plain = TrainConfig::parse("model = \"m\"\nsteps = 1\n")
+            .unwrap()
+            .sync;
+        assert_eq!(key(&plain, env(&[])).unwrap(), None);
+        assert_eq!(
+            key(&plain, env(&[("AGENTSTACK_API_KEY", "k1,k2")]))
+                .unwrap()
+                .as_deref(),
+            Some("k1")
+        );
+        let named = TrainConfig::parse(
+            "model = \"m\"\nsteps = 1\n[sync]\napi_key_env = \"MY_SERVER_KEY\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            key(
+                &named.sync,
+                env(&[("MY_SERVER_KEY", "mine"), ("AGENTSTACK_API_KEY", "other")])
+            )
+            .unwrap()
+            .as_deref(),
+            Some("mine")
+        );
+        let unset = key(&named.sync, env(&[("AGENTSTACK_API_KEY", "other")])).unwrap_err();
+        assert!(
+            unset.0.contains("MY_SERVER_KEY") && unset.0.contains("hint:"),
+            "{}",
+            unset.0
+        );
+        let recorded = serde_json::to_value(&named).unwrap();
+        assert_eq!(recorded["sync"]["api_key_env"], "MY_SERVER_KEY");
+        // A run recorded before the field existed still matches its configuration.
+        let before =
+            serde_json::to_value(TrainConfig::parse("model = \"m\"\nsteps = 1\n").unwrap())
+                .unwrap();
+        assert!(before["sync"].get("api_key_env").is_none(), "{before}");
+        assert!(
+            TrainConfig::parse("model = \"m\"\nsteps = 1\n[sync]\napi_key = \"k\"\n").is_err(),
+            "a key in the file is refused"
+        );
     }
 }

@@ -25,6 +25,7 @@ use agentstack_harness::{
     ContextPolicy, EnvHandle, EvalConfig, ModelClient, Profile, Run, Sampling,
 };
 use agentstack_model::engine::{Engine, EngineConfig};
+use agentstack_model::server::{API_KEY_ENV, ApiKey};
 use agentstack_model::{LanguageModel, Model, WeightForm};
 use agentstack_protocol::http::ResetRequest;
 use candle_core::{DType, Tensor};
@@ -341,13 +342,14 @@ impl Learner {
     }
 }
 
-/// `POST {server}/v1/adapters` with `body`. A server that cannot be reached or answers
-/// 5xx (still starting, or being replaced by its supervisor) is retried, backing off
-/// from 0.25 s to 4 s, for up to `wait`; any other failure, or the last one, ends the
-/// run with the server's answer.
+/// `POST {server}/v1/adapters` with `body`, bearing `key` when there is one. A server
+/// that cannot be reached or answers 5xx (still starting, or being replaced by its
+/// supervisor) is retried, backing off from 0.25 s to 4 s, for up to `wait`; any other
+/// failure, or the last one, ends the run with the server's answer.
 async fn push_adapter(
     http: &reqwest::Client,
     server: &str,
+    key: Option<&ApiKey>,
     body: &Value,
     wait: std::time::Duration,
 ) -> Result<(), TrainError> {
@@ -355,12 +357,25 @@ async fn push_adapter(
     let deadline = Instant::now() + wait;
     let mut pause = std::time::Duration::from_millis(250);
     loop {
-        let failure = match http.post(&url).json(body).send().await {
+        let mut request = http.post(&url).json(body);
+        if let Some(key) = key {
+            request = request.bearer_auth(key.expose());
+        }
+        let failure = match request.send().await {
             Ok(response) if response.status().is_success() => return Ok(()),
             Ok(response) => {
                 let status = response.status();
                 let text = response.text().await.unwrap_or_default();
-                let message = format!("{url}: {status}: {text}");
+                let mut message = format!("{url}: {status}: {text}");
+                if status == reqwest::StatusCode::UNAUTHORIZED {
+                    message.push_str(&format!(
+                        "\nhint: set {API_KEY_ENV} (or the variable [sync] api_key_env names) in the trainer's environment to the server's API key"
+                    ));
+                } else if status == reqwest::StatusCode::FORBIDDEN
+                    || text.contains("adapter directory")
+                {
+                    message.push_str("\nhint: start the model server with --adapter-dir set to this trainer's runs directory");
+                }
                 if !status.is_server_error() {
                     return Err(TrainError::Rollout(message));
                 }
@@ -567,6 +582,12 @@ pub async fn train(
         stop,
     } = setup;
     config.check().map_err(|e| TrainError::Config(e.0))?;
+    // The adapter pushes' key, from the trainer's environment (never the file).
+    let sync_key = if config.sync.servers.is_empty() {
+        None
+    } else {
+        config.sync.api_key().map_err(|e| TrainError::Config(e.0))?
+    };
     if fresh && dir.exists() {
         fs::remove_dir_all(&dir).map_err(io(&dir))?;
     }
@@ -889,7 +910,7 @@ pub async fn train(
             let wait = std::time::Duration::from_secs(config.sync.wait_seconds);
             let body = json!({"name": adapter_name, "path": path});
             for server in &config.sync.servers {
-                push_adapter(&http, server, &body, wait).await?;
+                push_adapter(&http, server, sync_key.as_ref(), &body, wait).await?;
             }
             m.remote_sync_ms = Some(t.elapsed().as_secs_f64() * 1e3);
         }
@@ -1286,7 +1307,8 @@ mod tests {
         let push = {
             let (http, body, server) = (http.clone(), body.clone(), server.clone());
             tokio::spawn(async move {
-                push_adapter(&http, &server, &body, Duration::from_secs(20)).await
+                let key = ApiKey::new("the-key").unwrap();
+                push_adapter(&http, &server, Some(&key), &body, Duration::from_secs(20)).await
             })
         };
         tokio::time::sleep(Duration::from_millis(600)).await;
@@ -1296,30 +1318,45 @@ mod tests {
         push.await.unwrap().unwrap();
         assert!(request.starts_with("POST /v1/adapters "), "{request}");
         assert!(request.contains("\"name\":\"run\""), "{request}");
+        assert!(
+            request
+                .to_ascii_lowercase()
+                .contains("authorization: bearer the-key\r\n"),
+            "{request}"
+        );
 
-        let refusing = {
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let refusing = |status: &'static str, text: &'static str| {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             let addr = listener.local_addr().unwrap();
+            listener.set_nonblocking(true).unwrap();
+            let listener = TcpListener::from_std(listener).unwrap();
             tokio::spawn(async move {
-                answer(
-                    &listener,
-                    "400 Bad Request",
-                    "the adapter's shapes do not fit",
-                )
-                .await;
+                answer(&listener, status, text).await;
             });
             format!("http://{addr}")
         };
         let t = Instant::now();
-        let e = push_adapter(&http, &refusing, &body, Duration::from_secs(20))
+        let server = refusing("400 Bad Request", "the adapter's shapes do not fit");
+        let e = push_adapter(&http, &server, None, &body, Duration::from_secs(20))
             .await
             .unwrap_err()
             .to_string();
         assert!(e.contains("400") && e.contains("shapes do not fit"), "{e}");
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // A missing key is a refusal too, with the variable to set.
+        let server = refusing("401 Unauthorized", "this server needs an API key");
+        let e = push_adapter(&http, &server, None, &body, Duration::from_secs(20))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("401") && e.contains("hint: set AGENTSTACK_API_KEY"),
+            "{e}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 
         let nobody = format!("http://127.0.0.1:{}", free_port());
-        let e = push_adapter(&http, &nobody, &body, Duration::from_secs(1))
+        let e = push_adapter(&http, &nobody, None, &body, Duration::from_secs(1))
             .await
             .unwrap_err()
             .to_string();
