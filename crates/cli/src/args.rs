@@ -173,7 +173,7 @@ pub enum HubCommand {
     /// Manage the registry's users (run on the hub's machine, against its database).
     #[command(subcommand)]
     User(HubUserCommand),
-    /// Create another API token for a user (run on the hub's machine).
+    /// Create (`hub token --user NAME`), list or revoke API tokens.
     Token(HubTokenArgs),
     /// Save a hub URL and token for the other commands.
     Login(HubLoginArgs),
@@ -238,9 +238,19 @@ pub struct HubServeArgs {
     /// Where package blobs go (default: blobs/ in the data directory).
     #[arg(long, value_name = "DIR")]
     pub blobs: Option<PathBuf>,
-    /// The largest package accepted, in MiB.
+    /// The largest package accepted, in MiB (a push is refused with 413 as soon as
+    /// its body passes it).
     #[arg(long, default_value_t = 256, value_name = "MIB")]
     pub max_package_mib: usize,
+    /// The most a package may hold unpacked, in MiB (checked while it inflates).
+    #[arg(long, default_value_t = 512, value_name = "MIB")]
+    pub max_unpacked_mib: u64,
+    /// Package uploads received at once; more wait briefly, then get 503.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub max_concurrent_uploads: usize,
+    /// Leaderboard posts a user may make per minute (then 429).
+    #[arg(long, default_value_t = 30, value_name = "N")]
+    pub max_posts_per_minute: u32,
     /// Do not start pushed packages to check them (only the static checks run).
     #[arg(long)]
     pub no_conformance: bool,
@@ -287,18 +297,87 @@ pub struct HubUserCreateArgs {
     pub database: Option<String>,
 }
 
-/// `hub token`.
+/// `hub token`: `hub token --user NAME` creates a token, as `hub token create`.
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct HubTokenArgs {
+    /// What to do (default: create).
+    #[command(subcommand)]
+    pub action: Option<HubTokenAction>,
+    /// The token to create when no subcommand is given.
+    #[command(flatten)]
+    pub create: HubTokenCreateArgs,
+}
+
+/// `hub token` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum HubTokenAction {
+    /// Create a token for a user and print it, once (run on the hub's machine).
+    Create(HubTokenCreateArgs),
+    /// List tokens: yours through the hub, or with --user a user's from the hub's
+    /// database (on the hub's machine).
+    List(HubTokenListArgs),
+    /// Revoke a token: yours through the hub (by id, or --current for the one this
+    /// command sends), or with --user a user's in the hub's database (on the hub's
+    /// machine; --all revokes every token of theirs).
+    Revoke(HubTokenRevokeArgs),
+}
+
+/// `hub token create`.
+#[derive(Debug, Args)]
+pub struct HubTokenCreateArgs {
     /// The user.
     #[arg(long)]
     pub user: String,
     /// A note on what the token is for.
     #[arg(long, default_value = "cli")]
     pub label: String,
+    /// The token stops working after this long: 90m, 12h, 30d, 2w (default: never).
+    #[arg(long, value_name = "DURATION")]
+    pub expires_in: Option<String>,
     /// The hub's database (as for `hub serve`).
     #[arg(long, value_name = "URL")]
     pub database: Option<String>,
+}
+
+/// `hub token list`.
+#[derive(Debug, Args)]
+pub struct HubTokenListArgs {
+    /// List this user's tokens from the hub's database instead of yours through
+    /// the hub.
+    #[arg(long)]
+    pub user: Option<String>,
+    /// The hub's database (as for `hub serve`), with --user.
+    #[arg(long, value_name = "URL", requires = "user")]
+    pub database: Option<String>,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
+}
+
+/// `hub token revoke`.
+#[derive(Debug, Args)]
+pub struct HubTokenRevokeArgs {
+    /// The token's id (`hub token list` shows them).
+    #[arg(required_unless_present_any = ["current", "all"], conflicts_with_all = ["current", "all"])]
+    pub id: Option<i64>,
+    /// Revoke the token this command sends (the one `hub login` saved, or
+    /// AGENTSTACK_HUB_TOKEN).
+    #[arg(long, conflicts_with = "user")]
+    pub current: bool,
+    /// Revoke every token of --user.
+    #[arg(long, requires = "user")]
+    pub all: bool,
+    /// Revoke this user's token in the hub's database instead of yours through the
+    /// hub.
+    #[arg(long)]
+    pub user: Option<String>,
+    /// The hub's database (as for `hub serve`), with --user.
+    #[arg(long, value_name = "URL", requires = "user")]
+    pub database: Option<String>,
+    /// Where and how to print.
+    #[command(flatten)]
+    pub client: HubClientArgs,
 }
 
 /// `hub login`.
@@ -324,7 +403,10 @@ pub struct HubPushArgs {
     /// The version (default: openenv.yaml's version).
     #[arg(long)]
     pub version: Option<String>,
-    /// Only you can see it.
+    /// Create the package private: only you can see it. A package keeps the
+    /// visibility it was created with: a push without --private to a private
+    /// package adds a private version, and --private on a public package is
+    /// refused.
     #[arg(long)]
     pub private: bool,
     /// Where and how to print.

@@ -15,8 +15,17 @@
 //! | PUT | `/envs/{owner}/{name}/tags/{tag}` | move a tag ([`TagRequest`]) |
 //! | POST | `/envs/{owner}/{name}/fork` | fork ([`ForkRequest`]) |
 //! | GET/POST | `/envs/{owner}/{name}/versions/{ref}/leaderboard` | results ([`LeaderboardPost`]) |
+//! | GET | `/tokens` | the caller's tokens ([`TokenList`]) |
+//! | DELETE | `/tokens/current` | revoke the token of this request ([`RevokedToken`]) |
+//! | DELETE | `/tokens/{id}` | revoke one of the caller's tokens ([`RevokedToken`]) |
 //!
-//! Errors are `{"error": {"code": "...", "message": "..."}}` with the HTTP status.
+//! A push is authorized from its headers before its body is read; `private=true`
+//! creates a private package, and a push never changes an existing package's
+//! visibility (`private=true` on a public package, or `private=false` on a private
+//! one, is 409; without `private` the package's visibility is kept).
+//!
+//! Errors are `{"error": {"code": "...", "message": "..."}}` with the HTTP status;
+//! 429 and 503 carry `Retry-After` (seconds).
 
 use serde::{Deserialize, Serialize};
 
@@ -156,7 +165,8 @@ pub struct ErrorBody {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ErrorDetail {
     /// A stable code: `bad_request`, `unauthorized`, `forbidden`, `not_found`,
-    /// `conflict`, `too_large`, `invalid_package`, `internal`.
+    /// `conflict`, `too_large`, `timed_out`, `invalid_package`, `rate_limited`,
+    /// `busy`, `internal`.
     pub code: String,
     /// What was wrong and how to fix it.
     pub message: String,
@@ -180,6 +190,10 @@ pub struct PushResponse {
     pub sha256: String,
     /// Packed size in bytes.
     pub size: u64,
+    /// Whether the package is private (a push keeps an existing package's
+    /// visibility).
+    #[serde(default)]
+    pub private: bool,
     /// The validation status right after the push (`pending` while it runs).
     pub validation: String,
 }
@@ -357,8 +371,69 @@ pub struct LeaderboardPost {
     pub details: serde_json::Value,
 }
 
+/// Whether `c` may not appear in text a leaderboard shows: C0 and C1 control
+/// characters (tab and newline included), DEL, and the bidirectional overrides and
+/// isolates that reorder what a terminal or a page displays.
+pub fn is_forbidden_char(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` with every [`is_forbidden_char`] written as `\u{..}`, so stored text cannot
+/// drive a terminal when it is printed.
+pub fn escape_forbidden(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(is_forbidden_char) {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| {
+            if is_forbidden_char(c) {
+                format!("\\u{{{:x}}}", u32::from(c))
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
+}
+
+/// Refuses a text field holding an [`is_forbidden_char`], naming the field and the
+/// character.
+fn check_text(field: &str, text: &str) -> Result<(), String> {
+    match text.chars().find(|c| is_forbidden_char(*c)) {
+        Some(c) => Err(format!(
+            "{field} holds the control character U+{:04X}; control characters and bidirectional overrides are not allowed in leaderboard posts",
+            u32::from(c)
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Checks every string (keys included) of a `details` value.
+fn check_details(path: &mut String, value: &serde_json::Value) -> Result<(), String> {
+    match value {
+        serde_json::Value::String(text) => check_text(path, text),
+        serde_json::Value::Array(items) => items.iter().enumerate().try_for_each(|(i, item)| {
+            let len = path.len();
+            path.push_str(&format!("[{i}]"));
+            let result = check_details(path, item);
+            path.truncate(len);
+            result
+        }),
+        serde_json::Value::Object(map) => map.iter().try_for_each(|(key, item)| {
+            check_text(&format!("a key of {path}"), key)?;
+            let len = path.len();
+            path.push('.');
+            path.push_str(&escape_forbidden(key));
+            let result = check_details(path, item);
+            path.truncate(len);
+            result
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl LeaderboardPost {
-    /// Checks the numbers and sizes.
+    /// Checks the numbers, sizes and text (no control characters).
     pub fn check(&self) -> Result<(), String> {
         let [low, high] = self.ci95;
         if !(self.score.is_finite() && low.is_finite() && high.is_finite()) {
@@ -379,8 +454,58 @@ impl LeaderboardPost {
         if self.harness.len() > 256 {
             return Err("harness must be at most 256 characters".into());
         }
+        check_text("model", &self.model)?;
+        check_text("harness", &self.harness)?;
+        check_details(&mut "details".to_owned(), &self.details)
+    }
+
+    /// Checks that the score and its interval lie within the package's declared
+    /// reward range, `[low, high]`.
+    pub fn check_range(&self, range: [f64; 2]) -> Result<(), String> {
+        let [low, high] = range;
+        let inside = |x: f64| low <= x && x <= high;
+        if !(inside(self.score) && inside(self.ci95[0]) && inside(self.ci95[1])) {
+            return Err(format!(
+                "score {} and ci95 [{}, {}] must lie within the package's reward_range [{low}, {high}] (openenv.yaml, agentstack.reward_range)",
+                self.score, self.ci95[0], self.ci95[1]
+            ));
+        }
         Ok(())
     }
+}
+
+/// One API token (never its secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenInfo {
+    /// Its id (what revoking takes).
+    pub id: i64,
+    /// What it is for.
+    pub label: String,
+    /// When it was made, Unix seconds.
+    pub created_at: i64,
+    /// When it stops working, Unix seconds; `None`: never.
+    pub expires_at: Option<i64>,
+    /// When it was revoked, Unix seconds.
+    pub revoked_at: Option<i64>,
+    /// Whether it is the token of the request that listed it.
+    #[serde(default)]
+    pub current: bool,
+}
+
+/// `GET /tokens`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenList {
+    /// Their user.
+    pub user: String,
+    /// Oldest first.
+    pub tokens: Vec<TokenInfo>,
+}
+
+/// `DELETE /tokens/...`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RevokedToken {
+    /// The revoked token's id.
+    pub id: i64,
 }
 
 /// One leaderboard row.
@@ -454,5 +579,48 @@ mod tests {
         assert!(post.check().unwrap_err().contains("contain"));
         post.ci95 = [0.4, f64::NAN];
         assert!(post.check().is_err());
+    }
+
+    #[test]
+    fn leaderboard_posts_with_control_characters_or_out_of_range_are_refused() {
+        let post = LeaderboardPost {
+            model: "m".into(),
+            score: 0.5,
+            ci95: [0.4, 0.6],
+            episodes: 20,
+            harness: "h".into(),
+            details: serde_json::json!({"seed": 1, "notes": ["fine"]}),
+        };
+        assert!(post.check().is_ok());
+        for (field, bad) in [
+            ("model", "gpt\u{1b}[2J"),
+            ("model", "a\u{202E}gnp.exe"),
+            ("harness", "x\u{9b}31m"),
+            ("harness", "tab\there"),
+            ("details", "\u{2066}isolated"),
+        ] {
+            let mut p = post.clone();
+            match field {
+                "model" => p.model = bad.into(),
+                "harness" => p.harness = bad.into(),
+                _ => p.details = serde_json::json!({"notes": [bad]}),
+            }
+            let err = p.check().unwrap_err();
+            assert!(
+                err.contains(field) && err.contains("control character"),
+                "{err}"
+            );
+        }
+        let mut p = post.clone();
+        p.details = serde_json::json!({"k\u{7}": 1});
+        assert!(p.check().unwrap_err().contains("a key of details"));
+        assert!(post.check_range([0.0, 1.0]).is_ok());
+        let err = post.check_range([0.0, 0.55]).unwrap_err();
+        assert!(err.contains("reward_range [0, 0.55]"), "{err}");
+        assert_eq!(escape_forbidden("ok"), "ok");
+        assert_eq!(
+            escape_forbidden("a\u{1b}[2J\u{202e}"),
+            "a\\u{1b}[2J\\u{202e}"
+        );
     }
 }

@@ -177,7 +177,28 @@ impl HubClient {
         Ok(me.user)
     }
 
-    /// Pushes packed bytes as `owner/name@version`.
+    /// The token's user's tokens.
+    pub async fn tokens(&self) -> Result<api::TokenList> {
+        self.json(self.request(reqwest::Method::GET, "/tokens"))
+            .await
+    }
+
+    /// Revokes one of the token's user's tokens: `id`, or this client's own token
+    /// when `None`. Returns the revoked token's id.
+    pub async fn revoke_token(&self, id: Option<i64>) -> Result<i64> {
+        let path = match id {
+            Some(id) => format!("/tokens/{id}"),
+            None => "/tokens/current".to_owned(),
+        };
+        let revoked: api::RevokedToken = self
+            .json(self.request(reqwest::Method::DELETE, &path))
+            .await?;
+        Ok(revoked.id)
+    }
+
+    /// Pushes packed bytes as `owner/name@version` (`private`: create it private;
+    /// an existing package keeps its visibility, and `private` on a public one is
+    /// refused).
     pub async fn push_bytes(
         &self,
         owner: &str,
@@ -187,11 +208,14 @@ impl HubClient {
         bytes: Vec<u8>,
     ) -> Result<api::PushResponse> {
         let path = format!("/envs/{owner}/{name}/versions/{version}");
-        let request = self
+        let mut request = self
             .request(reqwest::Method::PUT, &path)
-            .query(&[("private", private)])
             .header(reqwest::header::CONTENT_TYPE, "application/gzip")
             .body(bytes);
+        // Without `private` the hub keeps an existing package's visibility.
+        if private {
+            request = request.query(&[("private", true)]);
+        }
         self.json(request).await
     }
 

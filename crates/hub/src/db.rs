@@ -32,6 +32,22 @@ pub enum DbError {
     /// Stored data is not what this version of the code wrote.
     #[error("stored data is malformed: {0}")]
     Malformed(String),
+    /// The package a version was inserted into has the other visibility (it was
+    /// created by a concurrent push).
+    #[error("the package is {}", if *.private { "private" } else { "public" })]
+    Visibility {
+        /// Whether the stored package is private.
+        private: bool,
+    },
+    /// Setting the SQLite file's permissions failed.
+    #[error("{path}: setting its permissions")]
+    Permissions {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 fn conflict_or(e: sqlx::Error) -> DbError {
@@ -74,6 +90,23 @@ pub struct User {
     pub id: i64,
     /// Name (also their namespace).
     pub name: String,
+}
+
+/// An API token's row (never its secret).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenRow {
+    /// Row id: what `hub token revoke` takes.
+    pub id: i64,
+    /// Its user.
+    pub user: User,
+    /// What it is for.
+    pub label: String,
+    /// Unix seconds.
+    pub created_at: i64,
+    /// When it stops working, Unix seconds; `None`: never.
+    pub expires_at: Option<i64>,
+    /// When it was revoked, Unix seconds.
+    pub revoked_at: Option<i64>,
 }
 
 /// A package row.
@@ -133,7 +166,8 @@ pub struct NewVersion {
     pub name: String,
     /// The pusher.
     pub user_id: i64,
-    /// Private, when this push creates the package.
+    /// Whether the package is private: it must match the package's visibility when
+    /// it exists (a push never changes it).
     pub private: bool,
     /// The version.
     pub version: semver::Version,
@@ -218,6 +252,63 @@ fn package_row(row: &AnyRow) -> Result<PackageRow, sqlx::Error> {
     })
 }
 
+const TOKEN_COLUMNS: &str =
+    "t.id, t.user_id, u.name AS user_name, t.label, t.created_at, t.expires_at, t.revoked_at";
+
+fn token_row(row: &AnyRow) -> Result<TokenRow, sqlx::Error> {
+    Ok(TokenRow {
+        id: row.try_get("id")?,
+        user: User {
+            id: row.try_get("user_id")?,
+            name: row.try_get("user_name")?,
+        },
+        label: row.try_get("label")?,
+        created_at: row.try_get("created_at")?,
+        expires_at: row.try_get("expires_at")?,
+        revoked_at: row.try_get("revoked_at")?,
+    })
+}
+
+/// The file of a `sqlite:` URL, if it names one (not `:memory:`).
+fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))?;
+    let path = rest.split('?').next().unwrap_or_default();
+    (!path.is_empty() && !path.starts_with(':')).then(|| path.into())
+}
+
+/// Makes the SQLite database and its `-wal`, `-shm` and `-journal` files readable
+/// by this user only, creating the database file (empty: SQLite fills it) when
+/// missing. SQLite gives the files it creates later the database file's mode.
+fn private_sqlite_files(db: &std::path::Path) -> Result<(), DbError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let failed = |path: &std::path::Path| {
+        let path = path.to_owned();
+        move |source| DbError::Permissions { path, source }
+    };
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .mode(PRIVATE_FILE_MODE)
+        .open(db)
+        .map_err(failed(db))?;
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let mut name = db.as_os_str().to_owned();
+        name.push(suffix);
+        let path = std::path::PathBuf::from(name);
+        match std::fs::set_permissions(&path, std::fs::Permissions::from_mode(PRIVATE_FILE_MODE)) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            other => other.map_err(failed(&path))?,
+        }
+    }
+    Ok(())
+}
+
+/// Mode of the SQLite files: the hub's user only (they hold token hashes and
+/// private packages' metadata).
+const PRIVATE_FILE_MODE: u32 = 0o600;
+
 fn user_row(row: &AnyRow) -> Result<User, sqlx::Error> {
     Ok(User {
         id: row.try_get("id")?,
@@ -289,6 +380,13 @@ impl Db {
             let scheme = url.split(':').next().unwrap_or_default();
             return Err(DbError::Url(scheme.chars().take(32).collect()));
         };
+        let file = match dialect {
+            Dialect::Sqlite => sqlite_file(url),
+            Dialect::Postgres => None,
+        };
+        if let Some(file) = &file {
+            private_sqlite_files(file)?;
+        }
         let url = match dialect {
             Dialect::Sqlite if !url.contains("mode=") => {
                 let sep = if url.contains('?') { '&' } else { '?' };
@@ -330,6 +428,10 @@ impl Db {
                 .execute(&pool)
                 .await?;
             sqlx::migrate!("./migrations/sqlite").run(&pool).await?;
+            // The WAL files exist now: an older hub may have left them open to all.
+            if let Some(file) = &file {
+                private_sqlite_files(file)?;
+            }
         } else {
             sqlx::migrate!("./migrations/postgres").run(&pool).await?;
         }
@@ -381,31 +483,69 @@ impl Db {
         Ok(row.as_ref().map(user_row).transpose()?)
     }
 
-    /// Stores a token's hash for a user.
-    pub async fn add_token(&self, user_id: i64, hash: &str, label: &str) -> Result<(), DbError> {
+    /// Stores a token's hash for a user; returns the token's id.
+    pub async fn add_token(
+        &self,
+        user_id: i64,
+        hash: &str,
+        label: &str,
+        expires_at: Option<i64>,
+    ) -> Result<i64, DbError> {
         let _turn = self.write_turn().await;
-        sqlx::query(
-            "INSERT INTO tokens (user_id, hash, label, created_at) VALUES ($1, $2, $3, $4)",
+        Ok(sqlx::query(
+            "INSERT INTO tokens (user_id, hash, label, created_at, expires_at) VALUES ($1, $2, $3, $4, $5) RETURNING id",
         )
         .bind(user_id)
         .bind(hash)
         .bind(label)
         .bind(now())
-        .execute(&self.pool)
+        .bind(expires_at)
+        .fetch_one(&self.pool)
         .await
-        .map_err(conflict_or)?;
-        Ok(())
+        .map_err(conflict_or)?
+        .try_get("id")?)
     }
 
-    /// The user a token hash belongs to.
-    pub async fn user_for_token(&self, hash: &str) -> Result<Option<User>, DbError> {
-        let row = sqlx::query(
-            "SELECT u.id, u.name FROM tokens t JOIN users u ON u.id = t.user_id WHERE t.hash = $1",
-        )
+    /// The token with this hash, revoked or expired ones included.
+    pub async fn token(&self, hash: &str) -> Result<Option<TokenRow>, DbError> {
+        let row = sqlx::query(&format!(
+            "SELECT {TOKEN_COLUMNS} FROM tokens t JOIN users u ON u.id = t.user_id WHERE t.hash = $1"
+        ))
         .bind(hash)
         .fetch_optional(&self.pool)
         .await?;
-        Ok(row.as_ref().map(user_row).transpose()?)
+        Ok(row.as_ref().map(token_row).transpose()?)
+    }
+
+    /// A user's tokens, oldest first.
+    pub async fn tokens(&self, user_id: i64) -> Result<Vec<TokenRow>, DbError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {TOKEN_COLUMNS} FROM tokens t JOIN users u ON u.id = t.user_id WHERE t.user_id = $1 ORDER BY t.id"
+        ))
+        .bind(user_id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(token_row).collect::<Result<_, _>>()?)
+    }
+
+    /// Revokes a user's token `token_id`, or all of the user's tokens when `None`;
+    /// returns how many were revoked (tokens revoked before are not counted again).
+    pub async fn revoke_tokens(&self, user_id: i64, token_id: Option<i64>) -> Result<u64, DbError> {
+        let _turn = self.write_turn().await;
+        let query = match token_id {
+            Some(id) => sqlx::query(
+                "UPDATE tokens SET revoked_at = $1 WHERE user_id = $2 AND id = $3 AND revoked_at IS NULL",
+            )
+            .bind(now())
+            .bind(user_id)
+            .bind(id),
+            None => sqlx::query(
+                "UPDATE tokens SET revoked_at = $1 WHERE user_id = $2 AND revoked_at IS NULL",
+            )
+            .bind(now())
+            .bind(user_id),
+        };
+        Ok(query.execute(&self.pool).await?.rows_affected())
     }
 
     // ---- packages and versions ----
@@ -543,12 +683,19 @@ impl Db {
         .bind(now)
         .execute(&mut *tx)
         .await?;
-        let package_id: i64 = sqlx::query("SELECT id FROM packages WHERE owner = $1 AND name = $2")
-            .bind(&new.owner)
-            .bind(&new.name)
-            .fetch_one(&mut *tx)
-            .await?
-            .try_get("id")?;
+        let package =
+            sqlx::query("SELECT id, private FROM packages WHERE owner = $1 AND name = $2")
+                .bind(&new.owner)
+                .bind(&new.name)
+                .fetch_one(&mut *tx)
+                .await?;
+        let package_id: i64 = package.try_get("id")?;
+        // A push never changes a package's visibility; one that raced the package's
+        // creation with the other visibility is refused.
+        let private = package.try_get::<i64, _>("private")? != 0;
+        if private != new.private {
+            return Err(DbError::Visibility { private });
+        }
         let v = &new.version;
         let version_id: i64 = sqlx::query(
             "INSERT INTO versions (package_id, version, major, minor, patch, prerelease, sha256, size, manifest, spec, pushed_by, created_at) \
@@ -992,6 +1139,41 @@ impl Db {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn mode(path: &std::path::Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[tokio::test]
+    async fn the_sqlite_files_are_private_to_the_hub_user() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("hub.db");
+        let url = format!("sqlite://{}", file.display());
+        let db = Db::connect(&url).await.unwrap();
+        db.create_user("alice").await.unwrap();
+        for suffix in ["", "-wal", "-shm"] {
+            let path = dir.path().join(format!("hub.db{suffix}"));
+            assert_eq!(mode(&path), 0o600, "{}", path.display());
+        }
+        drop(db);
+        // Files an older hub left open to all are tightened at start.
+        for suffix in ["", "-wal", "-shm"] {
+            let path = dir.path().join(format!("hub.db{suffix}"));
+            if path.exists() {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+            }
+        }
+        let db = Db::connect(&url).await.unwrap();
+        assert!(db.user("alice").await.unwrap().is_some());
+        for suffix in ["", "-wal", "-shm"] {
+            let path = dir.path().join(format!("hub.db{suffix}"));
+            if path.exists() {
+                assert_eq!(mode(&path), 0o600, "{}", path.display());
+            }
+        }
+    }
 
     #[test]
     fn search_words_never_carry_query_syntax() {

@@ -6,7 +6,7 @@
 //! (how to serve the package, its reward range, the resources it needs).
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -383,92 +383,212 @@ fn safe_path(path: &Path) -> Result<String, PackageError> {
     Ok(parts.join("/"))
 }
 
-/// Reads a packed package, checking every file against the manifest; returns the
-/// manifest and the files.
-pub fn read_packed(bytes: &[u8]) -> Result<(Manifest, Files), PackageError> {
-    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(bytes));
-    let mut files = BTreeMap::new();
-    let mut manifest: Option<Manifest> = None;
-    let mut total = 0u64;
-    let entries = archive
-        .entries()
-        .map_err(|e| PackageError::Corrupt(format!("not a gzipped tar: {e}")))?;
-    for entry in entries {
-        let mut entry =
-            entry.map_err(|e| PackageError::Corrupt(format!("reading an entry: {e}")))?;
-        let header = entry.header();
-        if header.entry_type() != tar::EntryType::Regular {
-            return Err(PackageError::Corrupt(
-                "only regular files may be in a package".into(),
-            ));
+/// Limits on what a packed package holds once inflated. They are checked while the
+/// archive is read, against the manifest (its first entry) and each entry's header,
+/// before the bytes they describe are inflated: a small archive that inflates to
+/// gigabytes is refused after a few hundred bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnpackLimits {
+    /// The most bytes of files, unpacked.
+    pub max_bytes: u64,
+    /// The most files.
+    pub max_files: usize,
+}
+
+impl Default for UnpackLimits {
+    fn default() -> Self {
+        Self {
+            max_bytes: MAX_PACKAGE_BYTES,
+            max_files: MAX_PACKAGE_FILES,
         }
-        let size = header
-            .size()
-            .map_err(|e| PackageError::Corrupt(e.to_string()))?;
-        total += size;
-        if total > MAX_PACKAGE_BYTES || files.len() >= MAX_PACKAGE_FILES {
+    }
+}
+
+/// The largest manifest read: it lists every file (a [`MAX_PACKAGE_FILES`] list is
+/// a few MiB).
+const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+
+/// A reader that hashes and counts what passes through it.
+struct Hashing<'a> {
+    inner: &'a mut dyn Read,
+    hasher: Sha256,
+    count: u64,
+}
+
+impl Read for Hashing<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.count += n as u64;
+        Ok(n)
+    }
+}
+
+/// Checks a manifest read from an archive before any file is: safe, sorted, unique
+/// paths, and sizes and a count within `limits`.
+fn check_manifest(manifest: &Manifest, limits: &UnpackLimits) -> Result<(), PackageError> {
+    if manifest.files.len() > limits.max_files {
+        return Err(PackageError::Corrupt(format!(
+            "the manifest lists {} files; a package may hold at most {}",
+            manifest.files.len(),
+            limits.max_files
+        )));
+    }
+    let mut total = 0u64;
+    for (i, file) in manifest.files.iter().enumerate() {
+        if safe_path(Path::new(&file.path))? != file.path || file.path == MANIFEST_PATH {
             return Err(PackageError::Corrupt(format!(
-                "larger than {MAX_PACKAGE_BYTES} bytes or {MAX_PACKAGE_FILES} files"
+                "the manifest lists the path '{}', which is not a plain relative path",
+                file.path
             )));
         }
-        let executable = header
-            .mode()
-            .map_err(|e| PackageError::Corrupt(e.to_string()))?
-            & 0o111
-            != 0;
-        let path = safe_path(
-            &entry
-                .path()
-                .map_err(|e| PackageError::Corrupt(e.to_string()))?,
-        )?;
-        // The header's size is untrusted: grow as bytes actually arrive.
-        let mut contents = Vec::with_capacity(size.min(1 << 20) as usize);
-        entry
-            .read_to_end(&mut contents)
-            .map_err(|e| PackageError::Corrupt(format!("{path}: {e}")))?;
-        if path == MANIFEST_PATH {
-            manifest = Some(
-                serde_json::from_slice(&contents)
-                    .map_err(|e| PackageError::Corrupt(format!("{MANIFEST_PATH}: {e}")))?,
-            );
-        } else if files.insert(path.clone(), (contents, executable)).is_some() {
-            return Err(PackageError::Corrupt(format!("{path} appears twice")));
+        if i > 0 && manifest.files[i - 1].path >= file.path {
+            return Err(PackageError::Corrupt(
+                "the manifest's paths are not sorted and unique".into(),
+            ));
+        }
+        total = total.saturating_add(file.size);
+        if total > limits.max_bytes {
+            return Err(PackageError::Corrupt(format!(
+                "the files add up to more than {} bytes unpacked, the most a package may hold",
+                limits.max_bytes
+            )));
         }
     }
-    let manifest =
-        manifest.ok_or_else(|| PackageError::Corrupt(format!("{MANIFEST_PATH} is missing")))?;
-    let listed: BTreeMap<&str, &FileEntry> = manifest
-        .files
-        .iter()
-        .map(|f| (f.path.as_str(), f))
-        .collect();
-    if listed.len() != files.len()
-        || listed
-            .keys()
-            .zip(files.keys())
-            .any(|(a, b)| *a != b.as_str())
-    {
+    Ok(())
+}
+
+/// The header of an archive entry, checked: a regular file at a safe path.
+fn entry_path<R: Read>(entry: &tar::Entry<'_, R>) -> Result<(String, u64, bool), PackageError> {
+    let header = entry.header();
+    // Raw entries: GNU long names and pax headers arrive as entries of their own
+    // (which `tar` would otherwise read whole into memory); packages have none.
+    if !matches!(header.entry_type(), tar::EntryType::Regular) {
         return Err(PackageError::Corrupt(
-            "the files do not match the manifest's list".into(),
+            "only regular files may be in a package".into(),
         ));
     }
-    for (path, (contents, executable)) in &files {
-        let entry = listed[path.as_str()];
-        if entry.size != contents.len() as u64
-            || entry.sha256 != hex_sha256(contents)
-            || entry.executable != *executable
-        {
+    let size = header
+        .size()
+        .map_err(|e| PackageError::Corrupt(e.to_string()))?;
+    let executable = header
+        .mode()
+        .map_err(|e| PackageError::Corrupt(e.to_string()))?
+        & 0o111
+        != 0;
+    let path = safe_path(
+        &entry
+            .path()
+            .map_err(|e| PackageError::Corrupt(e.to_string()))?,
+    )?;
+    Ok((path, size, executable))
+}
+
+/// Reads a packed package from `reader` as it inflates, never holding more than a
+/// buffer of it: the manifest (the first entry) is checked against `limits`, then
+/// every entry against the manifest's next file (path, size, executable bit) before
+/// its bytes are read, and its bytes against the file's hash as they go by. `each`
+/// gets every file's entry and a reader of its bytes; what it leaves unread is read
+/// (and hashed) after it returns. Returns the manifest.
+pub fn read_packed_from<R: Read>(
+    reader: R,
+    limits: &UnpackLimits,
+    mut each: impl FnMut(&FileEntry, &mut dyn Read) -> Result<(), PackageError>,
+) -> Result<Manifest, PackageError> {
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(reader));
+    let mut entries = archive
+        .entries()
+        .map_err(|e| PackageError::Corrupt(format!("not a gzipped tar: {e}")))?
+        .raw(true);
+    let mut next = |what: &str| -> Result<Option<tar::Entry<'_, _>>, PackageError> {
+        entries
+            .next()
+            .transpose()
+            .map_err(|e| PackageError::Corrupt(format!("reading {what}: {e}")))
+    };
+    let mut first = next("the first entry")?
+        .ok_or_else(|| PackageError::Corrupt("the archive is empty".into()))?;
+    let (path, size, _) = entry_path(&first)?;
+    if path != MANIFEST_PATH {
+        return Err(PackageError::Corrupt(format!(
+            "the first entry is {path}; a package starts with {MANIFEST_PATH}"
+        )));
+    }
+    if size > MAX_MANIFEST_BYTES {
+        return Err(PackageError::Corrupt(format!(
+            "{MANIFEST_PATH} is larger than {MAX_MANIFEST_BYTES} bytes"
+        )));
+    }
+    let mut json = Vec::new();
+    first
+        .read_to_end(&mut json)
+        .map_err(|e| PackageError::Corrupt(format!("{MANIFEST_PATH}: {e}")))?;
+    drop(first);
+    let manifest: Manifest = serde_json::from_slice(&json)
+        .map_err(|e| PackageError::Corrupt(format!("{MANIFEST_PATH}: {e}")))?;
+    check_manifest(&manifest, limits)?;
+    for expected in &manifest.files {
+        let mut entry = next(&expected.path)?.ok_or_else(|| {
+            PackageError::Corrupt(format!(
+                "{} is in the manifest but not in the archive",
+                expected.path
+            ))
+        })?;
+        let (path, size, executable) = entry_path(&entry)?;
+        if path != expected.path || size != expected.size || executable != expected.executable {
+            return Err(PackageError::Corrupt(format!(
+                "the entry {path} ({size} bytes) is not the manifest's next file, {} ({} bytes)",
+                expected.path, expected.size
+            )));
+        }
+        let mut hashing = Hashing {
+            inner: &mut entry,
+            hasher: Sha256::new(),
+            count: 0,
+        };
+        each(expected, &mut hashing)?;
+        std::io::copy(&mut hashing, &mut std::io::sink())
+            .map_err(|e| PackageError::Corrupt(format!("{path}: {e}")))?;
+        let actual: String = hashing
+            .hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        if hashing.count != expected.size || actual != expected.sha256 {
             return Err(PackageError::Corrupt(format!(
                 "{path} does not match its manifest entry"
             )));
         }
     }
+    if let Some(extra) = next("the end of the archive")? {
+        let path = entry_path(&extra).map(|(p, _, _)| p).unwrap_or_default();
+        return Err(PackageError::Corrupt(format!(
+            "the archive holds {path}, which the manifest does not list"
+        )));
+    }
+    Ok(manifest)
+}
+
+/// Reads a packed package, checking every file against the manifest; returns the
+/// manifest and the files (within the default [`UnpackLimits`]).
+pub fn read_packed(bytes: &[u8]) -> Result<(Manifest, Files), PackageError> {
+    let mut files = Files::new();
+    let manifest = read_packed_from(bytes, &UnpackLimits::default(), |file, contents| {
+        // The size was checked against the limits; the bytes arrive as they inflate.
+        let mut buffer = Vec::with_capacity(file.size.min(1 << 20) as usize);
+        contents
+            .read_to_end(&mut buffer)
+            .map_err(|e| PackageError::Corrupt(format!("{}: {e}", file.path)))?;
+        files.insert(file.path.clone(), (buffer, file.executable));
+        Ok(())
+    })?;
     Ok((manifest, files))
 }
 
-/// Unpacks a package into `dest`, which must not exist. The files go to a temporary
-/// sibling first and are renamed into place, so an interrupted unpack leaves nothing
-/// at `dest`.
+/// Unpacks a package into `dest`, which must not exist, writing each file as it
+/// inflates. The files go to a temporary sibling first and are renamed into place,
+/// so an interrupted or refused unpack leaves nothing at `dest`.
 pub fn unpack(bytes: &[u8], dest: &Path) -> Result<Manifest, PackageError> {
     use std::os::unix::fs::PermissionsExt;
     if dest.exists() {
@@ -477,7 +597,6 @@ pub fn unpack(bytes: &[u8], dest: &Path) -> Result<Manifest, PackageError> {
             dest.display()
         )));
     }
-    let (manifest, files) = read_packed(bytes)?;
     let parent = dest.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(io_error(parent))?;
     let stage = parent.join(format!(
@@ -489,23 +608,25 @@ pub fn unpack(bytes: &[u8], dest: &Path) -> Result<Manifest, PackageError> {
     ));
     let _ = std::fs::remove_dir_all(&stage);
     let result = (|| {
-        for (path, (contents, executable)) in &files {
-            let target = stage.join(path);
+        std::fs::create_dir_all(&stage).map_err(io_error(&stage))?;
+        let manifest = read_packed_from(bytes, &UnpackLimits::default(), |file, contents| {
+            let target = stage.join(&file.path);
             if let Some(dir) = target.parent() {
                 std::fs::create_dir_all(dir).map_err(io_error(dir))?;
             }
-            let mut file = std::fs::File::create(&target).map_err(io_error(&target))?;
-            file.write_all(contents).map_err(io_error(&target))?;
-            let mode = if *executable { 0o755 } else { 0o644 };
+            let mut out = std::fs::File::create(&target).map_err(io_error(&target))?;
+            std::io::copy(contents, &mut out).map_err(io_error(&target))?;
+            let mode = if file.executable { 0o755 } else { 0o644 };
             std::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode))
-                .map_err(io_error(&target))?;
-        }
-        std::fs::rename(&stage, dest).map_err(io_error(dest))
+                .map_err(io_error(&target))
+        })?;
+        std::fs::rename(&stage, dest).map_err(io_error(dest))?;
+        Ok(manifest)
     })();
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&stage);
     }
-    result.map(|()| manifest)
+    result
 }
 
 #[cfg(test)]
@@ -608,6 +729,127 @@ mod tests {
         let err = read_packed(&raw).unwrap_err().to_string();
         assert!(err.contains("escapes"), "{err}");
         assert!(read_packed(b"not a package").is_err());
+    }
+
+    /// A reader that counts what is read from it.
+    struct Counting<'a>(&'a [u8], std::rc::Rc<std::cell::Cell<usize>>);
+
+    impl Read for Counting<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.0.read(buf)?;
+            self.1.set(self.1.get() + n);
+            Ok(n)
+        }
+    }
+
+    /// A gzipped tar of `entries` (path, size, bytes: zeros when `None`), the way
+    /// an attacker builds one: any sizes, any manifest. Stored without compression,
+    /// so the bytes read from it are the bytes inflated.
+    fn bomb(entries: &[(&str, u64, Option<Vec<u8>>)]) -> Vec<u8> {
+        let mut raw = Vec::new();
+        let gz = flate2::write::GzEncoder::new(&mut raw, flate2::Compression::none());
+        let mut archive = tar::Builder::new(gz);
+        for (path, size, contents) in entries {
+            let header = tar_header(path, *size, false).unwrap();
+            match contents {
+                Some(c) => archive.append(&header, &c[..]).unwrap(),
+                None => archive
+                    .append(&header, std::io::repeat(0).take(*size))
+                    .unwrap(),
+            }
+        }
+        archive.into_inner().unwrap().finish().unwrap();
+        raw
+    }
+
+    fn manifest_of(files: &[(&str, u64)]) -> Vec<u8> {
+        serde_json::to_vec(&Manifest {
+            format: 1,
+            name: "bomb".into(),
+            files: files
+                .iter()
+                .map(|(path, size)| FileEntry {
+                    path: (*path).into(),
+                    size: *size,
+                    sha256: "0".repeat(64),
+                    executable: false,
+                })
+                .collect(),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_gzip_bomb_is_refused_before_it_inflates() {
+        let limits = UnpackLimits {
+            max_bytes: 1 << 20,
+            max_files: 4,
+        };
+        // What reading may take before a refusal: a few of the gzip decoder's
+        // buffers (32 KiB), against archives of 4 MiB and more.
+        const READ_AHEAD: usize = 128 << 10;
+        let read = |bytes: &[u8]| {
+            let consumed = std::rc::Rc::new(std::cell::Cell::new(0));
+            let result =
+                read_packed_from(Counting(bytes, consumed.clone()), &limits, |_, _| Ok(()));
+            (result.map(|_| ()), consumed.get())
+        };
+        // The manifest owns up to 8 MiB of files: refused on reading it.
+        let sizes = [("a.bin", 4u64 << 20), ("b.bin", 4 << 20)];
+        let manifest = manifest_of(&sizes);
+        let mut entries = vec![(MANIFEST_PATH, manifest.len() as u64, Some(manifest))];
+        entries.extend(sizes.iter().map(|(p, s)| (*p, *s, None)));
+        let archive = bomb(&entries);
+        let (result, consumed) = read(&archive);
+        let err = result.unwrap_err().to_string();
+        assert!(err.contains("more than 1048576 bytes"), "{err}");
+        assert!(
+            consumed < READ_AHEAD,
+            "read {consumed} of {} bytes",
+            archive.len()
+        );
+        // The manifest says 1 KiB but the entry 4 MiB: refused at the entry's header.
+        let manifest = manifest_of(&[("a.bin", 1024)]);
+        let archive = bomb(&[
+            (MANIFEST_PATH, manifest.len() as u64, Some(manifest)),
+            ("a.bin", 4 << 20, None),
+        ]);
+        let (result, consumed) = read(&archive);
+        assert!(
+            result
+                .unwrap_err()
+                .to_string()
+                .contains("not the manifest's next file")
+        );
+        assert!(
+            consumed < READ_AHEAD,
+            "read {consumed} of {} bytes",
+            archive.len()
+        );
+        // No manifest first, or too many files: refused before any file is read.
+        let archive = bomb(&[("a.bin", 4 << 20, None)]);
+        let (result, consumed) = read(&archive);
+        assert!(result.unwrap_err().to_string().contains("starts with"));
+        assert!(consumed < READ_AHEAD);
+        let many: Vec<(String, u64)> = (0..5).map(|i| (format!("f{i}"), 1)).collect();
+        let many: Vec<(&str, u64)> = many.iter().map(|(p, s)| (p.as_str(), *s)).collect();
+        let manifest = manifest_of(&many);
+        let archive = bomb(&[(MANIFEST_PATH, manifest.len() as u64, Some(manifest))]);
+        assert!(
+            read(&archive)
+                .0
+                .unwrap_err()
+                .to_string()
+                .contains("at most 4")
+        );
+        // A file is hashed as it inflates, and a lie is caught at its end.
+        let manifest = manifest_of(&[("a.bin", 1 << 19)]);
+        let archive = bomb(&[
+            (MANIFEST_PATH, manifest.len() as u64, Some(manifest)),
+            ("a.bin", 1 << 19, None),
+        ]);
+        let err = read(&archive).0.unwrap_err().to_string();
+        assert!(err.contains("does not match its manifest entry"), "{err}");
     }
 
     #[test]

@@ -2,15 +2,22 @@
 //! leaderboards, and the garbage collection that keeps blobs and rows consistent
 //! after a crash. [`crate::server`] maps them onto routes.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::{Stream, StreamExt};
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::api::{
     self, LeaderboardEntry, LeaderboardPost, PackageInfo, Parent, PushResponse, SearchHit,
     SearchQuery, Validation, VersionInfo,
 };
-use crate::blobs::{BlobError, Blobs, sha256_hex};
-use crate::db::{Db, DbError, NewVersion, PackageRow, User, VersionRow};
-use crate::package::{self, PackageError, PackageSpec};
+use crate::blobs::{BlobError, Blobs};
+use crate::db::{Db, DbError, NewVersion, PackageRow, TokenRow, User, VersionRow};
+use crate::package::{self, PackageError, PackageSpec, UnpackLimits};
 use crate::validate::Validators;
 
 /// Why an operation failed; [`crate::server`] maps each kind to one HTTP status.
@@ -34,6 +41,25 @@ pub enum RegistryError {
     /// The body is larger than allowed.
     #[error("{0}")]
     TooLarge(String),
+    /// The body stopped arriving.
+    #[error("{0}")]
+    TimedOut(String),
+    /// Too many uploads at once: try again after `retry_after`.
+    #[error("{message}")]
+    Busy {
+        /// What is busy.
+        message: String,
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The user sent too many requests of a kind: try again after `retry_after`.
+    #[error("{message}")]
+    RateLimited {
+        /// What was limited.
+        message: String,
+        /// When to try again.
+        retry_after: Duration,
+    },
     /// The package is malformed or unsafe.
     #[error("invalid package: {0}")]
     InvalidPackage(#[source] PackageError),
@@ -62,8 +88,20 @@ type Result<T> = std::result::Result<T, RegistryError>;
 /// Registry limits.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// The largest packed package accepted, bytes.
+    /// The largest packed package accepted, bytes (refused with 413 as soon as a
+    /// body passes it).
     pub max_package_bytes: usize,
+    /// What a package may hold unpacked, checked while it inflates.
+    pub unpack: UnpackLimits,
+    /// Package bodies received at once; more wait up to `upload_wait`, then get 503.
+    pub max_concurrent_uploads: usize,
+    /// How long an upload over `max_concurrent_uploads` waits for its turn.
+    pub upload_wait: Duration,
+    /// The longest pause in a package body before the push is dropped (408).
+    pub upload_idle: Duration,
+    /// Leaderboard posts per user per minute (a burst of this many, then one every
+    /// `60 s / posts_per_minute`).
+    pub posts_per_minute: u32,
     /// The most search results per page.
     pub max_search_results: u32,
 }
@@ -72,7 +110,73 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_package_bytes: 256 << 20,
+            unpack: UnpackLimits::default(),
+            max_concurrent_uploads: 4,
+            upload_wait: Duration::from_secs(10),
+            upload_idle: Duration::from_secs(60),
+            posts_per_minute: 30,
             max_search_results: 100,
+        }
+    }
+}
+
+/// The largest `openenv.yaml` a package may have.
+const MAX_SPEC_BYTES: u64 = 1 << 20;
+/// How much of `README.md` is kept (characters) and read (bytes: a character is at
+/// most four).
+const MAX_README_CHARS: usize = 256 << 10;
+const MAX_README_BYTES: u64 = 4 * MAX_README_CHARS as u64;
+
+/// A push the request line and headers allow, decided before its body is read.
+#[derive(Debug, Clone)]
+pub struct PushTarget {
+    user: User,
+    owner: String,
+    name: String,
+    version: semver::Version,
+    /// The package's visibility: the existing package's, or the one asked for.
+    private: bool,
+}
+
+/// A package body received into a staging file, hashed and counted on the way; the
+/// file goes when this is dropped unless it was stored.
+#[derive(Debug)]
+pub struct StagedUpload {
+    path: tempfile::TempPath,
+    sha256: String,
+    size: u64,
+}
+
+/// Per-user token buckets: `capacity` requests at once, refilled at `per_second`.
+#[derive(Debug)]
+struct RateLimiter {
+    capacity: f64,
+    per_second: f64,
+    buckets: Mutex<HashMap<i64, (f64, tokio::time::Instant)>>,
+}
+
+impl RateLimiter {
+    fn per_minute(n: u32) -> Self {
+        Self {
+            capacity: f64::from(n.max(1)),
+            per_second: f64::from(n.max(1)) / 60.0,
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes a token of `user`'s bucket, or says how long until there is one.
+    fn take(&self, user: i64) -> std::result::Result<(), Duration> {
+        let now = tokio::time::Instant::now();
+        let mut buckets = self.buckets.lock().expect("the rate limiter never panics");
+        let (tokens, at) = buckets.entry(user).or_insert((self.capacity, now));
+        *tokens =
+            (*tokens + now.duration_since(*at).as_secs_f64() * self.per_second).min(self.capacity);
+        *at = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - *tokens) / self.per_second))
         }
     }
 }
@@ -90,6 +194,10 @@ pub struct Registry {
     /// Orders "register an upload" against "delete an unreferenced blob", so a push
     /// that lost a race never deletes a blob another push is about to use.
     blob_lock: tokio::sync::Mutex<()>,
+    /// Turns of package bodies being received ([`Limits::max_concurrent_uploads`]).
+    uploads: Arc<Semaphore>,
+    /// Leaderboard posts per user ([`Limits::posts_per_minute`]).
+    posts: RateLimiter,
 }
 
 /// What [`Registry::check`] found.
@@ -117,6 +225,12 @@ impl CheckReport {
 fn not_found(owner: &str, name: &str) -> RegistryError {
     RegistryError::NotFound(format!(
         "no package {owner}/{name} (or it is private and the token is not its owner's)"
+    ))
+}
+
+fn no_token(what: &str) -> RegistryError {
+    RegistryError::Unauthorized(format!(
+        "{what} needs a token: run `agentstack hub login` (or set AGENTSTACK_HUB_TOKEN) and send it as `Authorization: Bearer <token>`"
     ))
 }
 
@@ -149,31 +263,82 @@ impl Registry {
         Self {
             db,
             blobs,
+            uploads: Arc::new(Semaphore::new(limits.max_concurrent_uploads.max(1))),
+            posts: RateLimiter::per_minute(limits.posts_per_minute),
             limits,
             validators,
             blob_lock: tokio::sync::Mutex::new(()),
         }
     }
 
-    /// The user a bearer token belongs to; `None` when no token was sent.
+    /// The user a bearer token belongs to; `None` when no token was sent. Unknown,
+    /// revoked and expired tokens are refused, each saying which.
     pub async fn authenticate(&self, token: Option<&str>) -> Result<Option<User>> {
         let Some(token) = token else {
             return Ok(None);
         };
-        match self.db.user_for_token(&crate::auth::hash_token(token)).await? {
-            Some(user) => Ok(Some(user)),
-            None => Err(RegistryError::Unauthorized(
-                "the token is not valid; create one with `agentstack hub token create --user NAME` on the hub's machine and `agentstack hub login`".into(),
-            )),
+        Ok(Some(self.token(token).await?.user))
+    }
+
+    /// The live token row of a bearer token.
+    async fn token(&self, token: &str) -> Result<TokenRow> {
+        let make_one = "create one with `agentstack hub token create --user NAME` on the hub's machine and `agentstack hub login`";
+        let Some(row) = self.db.token(&crate::auth::hash_token(token)).await? else {
+            return Err(RegistryError::Unauthorized(format!(
+                "the token is not valid; {make_one}"
+            )));
+        };
+        if row.revoked_at.is_some() {
+            return Err(RegistryError::Unauthorized(format!(
+                "the token was revoked; {make_one}"
+            )));
+        }
+        if row.expires_at.is_some_and(|at| at <= crate::db::now()) {
+            return Err(RegistryError::Unauthorized(format!(
+                "token expired; {make_one}"
+            )));
+        }
+        Ok(row)
+    }
+
+    /// The tokens of the bearer token's user.
+    pub async fn tokens(&self, token: Option<&str>) -> Result<api::TokenList> {
+        let token = token.ok_or_else(|| no_token("listing tokens"))?;
+        let current = self.token(token).await?;
+        let tokens = self.db.tokens(current.user.id).await?;
+        Ok(api::TokenList {
+            user: current.user.name.clone(),
+            tokens: tokens
+                .into_iter()
+                .map(|t| api::TokenInfo {
+                    current: t.id == current.id,
+                    id: t.id,
+                    label: t.label,
+                    created_at: t.created_at,
+                    expires_at: t.expires_at,
+                    revoked_at: t.revoked_at,
+                })
+                .collect(),
+        })
+    }
+
+    /// Revokes one of the bearer token's user's tokens: `id`, or the bearer token
+    /// itself when `None`. Returns the revoked token's id.
+    pub async fn revoke_token(&self, token: Option<&str>, id: Option<i64>) -> Result<i64> {
+        let token = token.ok_or_else(|| no_token("revoking a token"))?;
+        let row = self.token(token).await?;
+        let id = id.unwrap_or(row.id);
+        match self.db.revoke_tokens(row.user.id, Some(id)).await? {
+            0 => Err(RegistryError::NotFound(format!(
+                "{} has no live token {id}; `agentstack hub token list` shows them",
+                row.user.name
+            ))),
+            _ => Ok(id),
         }
     }
 
     fn require<'a>(user: Option<&'a User>, what: &str) -> Result<&'a User> {
-        user.ok_or_else(|| {
-            RegistryError::Unauthorized(format!(
-                "{what} needs a token: run `agentstack hub login` (or set AGENTSTACK_HUB_TOKEN) and send it as `Authorization: Bearer <token>`"
-            ))
-        })
+        user.ok_or_else(|| no_token(what))
     }
 
     /// A package the viewer may see.
@@ -196,18 +361,21 @@ impl Registry {
             })
     }
 
-    /// Pushes a packed package as `owner/name@version`. Checks the bytes fully before
-    /// anything is stored; stores the blob, then the rows in one transaction. A kill
-    /// between the two leaves a blob that [`Registry::collect_garbage`] removes.
-    pub async fn push(
+    /// Decides whether `user` may push `owner/name@version` from the request alone,
+    /// before any of its body is read: a token, the owner's namespace, valid names, a
+    /// version that does not exist, and a visibility that matches the package's.
+    ///
+    /// `private`: `Some(true)` asks for a private package, `Some(false)` a public
+    /// one, `None` takes the package's (public for a new one). A push never changes
+    /// an existing package's visibility: asking for the other one is a conflict.
+    pub async fn authorize_push(
         &self,
         user: Option<&User>,
         owner: &str,
         name: &str,
         version: &str,
-        private: bool,
-        bytes: bytes::Bytes,
-    ) -> Result<(PushResponse, i64)> {
+        private: Option<bool>,
+    ) -> Result<PushTarget> {
         let user = Self::require(user, "pushing")?;
         api::check_name("owner", owner).map_err(RegistryError::BadRequest)?;
         api::check_name("package", name).map_err(RegistryError::BadRequest)?;
@@ -218,71 +386,196 @@ impl Registry {
                 user.name, user.name
             )));
         }
-        if bytes.len() > self.limits.max_package_bytes {
-            return Err(RegistryError::TooLarge(format!(
-                "the package is {} bytes; this registry takes at most {}",
-                bytes.len(),
-                self.limits.max_package_bytes
-            )));
+        let existing = self.db.package(owner, name).await?;
+        let private = match (&existing, private) {
+            (None, asked) => asked.unwrap_or(false),
+            (Some(p), None) => p.private,
+            (Some(p), Some(asked)) if asked == p.private => asked,
+            (Some(p), Some(_)) => return Err(visibility_conflict(owner, name, p.private)),
+        };
+        if let Some(existing) = &existing
+            && self.db.resolve(existing.id, version).await?.is_some()
+        {
+            return Err(conflict(owner, name, version));
         }
-        // Unpack in memory with every check (paths, links, sizes, hashes).
+        Ok(PushTarget {
+            user: user.clone(),
+            owner: owner.to_owned(),
+            name: name.to_owned(),
+            version: semver,
+            private,
+        })
+    }
+
+    /// A turn to receive a package body: waits up to [`Limits::upload_wait`] while
+    /// [`Limits::max_concurrent_uploads`] are being received, then gives up (503).
+    pub async fn upload_permit(&self) -> Result<OwnedSemaphorePermit> {
+        let wait = self.limits.upload_wait;
+        match tokio::time::timeout(wait, self.uploads.clone().acquire_owned()).await {
+            Ok(permit) => Ok(permit.expect("the upload semaphore is never closed")),
+            Err(_) => Err(RegistryError::Busy {
+                message: format!(
+                    "the hub is receiving {} packages already; try again shortly",
+                    self.limits.max_concurrent_uploads
+                ),
+                retry_after: wait,
+            }),
+        }
+    }
+
+    /// Refuses (413) a body whose declared length (Content-Length) is more than
+    /// [`Limits::max_package_bytes`], before any of it is read.
+    pub fn check_length(&self, declared: Option<u64>) -> Result<()> {
+        match declared {
+            Some(n) if n > self.limits.max_package_bytes as u64 => Err(self.too_large()),
+            _ => Ok(()),
+        }
+    }
+
+    fn too_large(&self) -> RegistryError {
+        RegistryError::TooLarge(format!(
+            "the package is larger than this registry takes ({} bytes)\nhint: `agentstack hub serve --max-package-mib` sets the limit",
+            self.limits.max_package_bytes
+        ))
+    }
+
+    /// Receives a package body into a staging file, hashing and counting it as it
+    /// arrives: refused (413) as soon as it passes [`Limits::max_package_bytes`],
+    /// and dropped (408) when it pauses longer than [`Limits::upload_idle`].
+    pub async fn receive<S, E>(&self, body: S) -> Result<StagedUpload>
+    where
+        S: Stream<Item = std::result::Result<bytes::Bytes, E>>,
+        E: std::fmt::Display,
+    {
+        let max = self.limits.max_package_bytes as u64;
+        let staging = self.blobs.staging_dir();
+        let staging_error = |source| {
+            RegistryError::Blob(BlobError::Io {
+                path: staging.clone(),
+                source,
+            })
+        };
+        let staged = tempfile::NamedTempFile::new_in(&staging).map_err(staging_error)?;
+        let mut file =
+            tokio::fs::File::from_std(staged.as_file().try_clone().map_err(staging_error)?);
+        let path = staged.into_temp_path();
+        let mut hasher = Sha256::new();
+        let mut size = 0u64;
+        let mut body = std::pin::pin!(body);
+        loop {
+            let chunk = match tokio::time::timeout(self.limits.upload_idle, body.next()).await {
+                Err(_) => {
+                    return Err(RegistryError::TimedOut(format!(
+                        "no bytes of the package for {} s; the push was dropped",
+                        self.limits.upload_idle.as_secs()
+                    )));
+                }
+                Ok(None) => break,
+                Ok(Some(Err(e))) => {
+                    return Err(RegistryError::BadRequest(format!("reading the body: {e}")));
+                }
+                Ok(Some(Ok(chunk))) => chunk,
+            };
+            size += chunk.len() as u64;
+            if size > max {
+                return Err(self.too_large());
+            }
+            hasher.update(&chunk);
+            file.write_all(&chunk).await.map_err(staging_error)?;
+        }
+        file.flush().await.map_err(staging_error)?;
+        let sha256 = hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Ok(StagedUpload { path, sha256, size })
+    }
+
+    /// Pushes a packed package as `owner/name@version` from bytes in memory (the
+    /// HTTP route streams instead: [`Registry::authorize_push`], then
+    /// [`Registry::receive`], then [`Registry::push_staged`]).
+    pub async fn push(
+        &self,
+        user: Option<&User>,
+        owner: &str,
+        name: &str,
+        version: &str,
+        private: Option<bool>,
+        bytes: bytes::Bytes,
+    ) -> Result<(PushResponse, i64)> {
+        let target = self
+            .authorize_push(user, owner, name, version, private)
+            .await?;
+        self.check_length(Some(bytes.len() as u64))?;
+        let _permit = self.upload_permit().await?;
+        let body = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(bytes)]);
+        let staged = self.receive(body).await?;
+        self.push_staged(&target, staged).await
+    }
+
+    /// Stores a received package: checks it fully while it inflates (paths, links,
+    /// sizes and count within [`Limits::unpack`], hashes) before anything is stored;
+    /// stores the blob, then the rows in one transaction. A kill between the two
+    /// leaves a blob that [`Registry::collect_garbage`] removes.
+    pub async fn push_staged(
+        &self,
+        target: &PushTarget,
+        staged: StagedUpload,
+    ) -> Result<(PushResponse, i64)> {
+        let PushTarget {
+            owner, name, user, ..
+        } = target;
+        let version = target.version.to_string();
         let checked = {
-            let bytes = bytes.clone();
-            tokio::task::spawn_blocking(move || package::read_packed(&bytes))
+            let path = staged.path.to_path_buf();
+            let limits = self.limits.unpack;
+            tokio::task::spawn_blocking(move || read_pushed(&path, &limits))
                 .await
                 .expect("package reader does not panic")
         };
-        let (manifest, files) = checked.map_err(RegistryError::InvalidPackage)?;
-        let spec_text = files
-            .get("openenv.yaml")
-            .map(|(c, _)| String::from_utf8_lossy(c).into_owned())
-            .ok_or_else(|| {
-                RegistryError::InvalidPackage(PackageError::Corrupt(
-                    "no openenv.yaml at the package's root".into(),
-                ))
-            })?;
+        let (manifest, spec_text, readme) = checked.map_err(RegistryError::InvalidPackage)?;
+        let spec_text = spec_text.ok_or_else(|| {
+            RegistryError::InvalidPackage(PackageError::Corrupt(
+                "no openenv.yaml at the package's root".into(),
+            ))
+        })?;
         let spec = PackageSpec::parse(&spec_text, std::path::Path::new("openenv.yaml"))
             .map_err(RegistryError::InvalidPackage)?;
         if let Some(declared) = &spec.version
-            && declared != version
+            && *declared != version
         {
             return Err(RegistryError::BadRequest(format!(
                 "openenv.yaml says version {declared} but the push is for {version}; make them agree"
             )));
         }
-        let readme = files
-            .get("README.md")
-            .map(|(c, _)| String::from_utf8_lossy(c).chars().take(256 << 10).collect())
-            .unwrap_or_default();
-        let sha256 = sha256_hex(&bytes);
+        let StagedUpload { path, sha256, size } = staged;
         let new = NewVersion {
-            owner: owner.to_owned(),
-            name: name.to_owned(),
+            owner: owner.clone(),
+            name: name.clone(),
             user_id: user.id,
-            private,
-            version: semver,
+            private: target.private,
+            version: target.version.clone(),
             sha256: sha256.clone(),
-            size: bytes.len() as i64,
+            size: size as i64,
             manifest: serde_json::to_string(&manifest).expect("manifest serializes"),
             spec: spec_text,
             description: spec.description.clone().unwrap_or_default(),
             tags: spec_tags(&spec),
             readme,
         };
-        if let Some(existing) = self.db.package(owner, name).await?
-            && self.db.resolve(existing.id, version).await?.is_some()
-        {
-            return Err(conflict(owner, name, version));
-        }
         let upload = {
             let _lock = self.blob_lock.lock().await;
             self.db.begin_upload(&sha256).await?
         };
         let stored = async {
-            self.blobs.put(&sha256, bytes.clone()).await?;
+            self.blobs.put_file(&sha256, path).await?;
             match self.db.insert_version(&new, upload).await {
                 Ok(id) => Ok(id),
-                Err(DbError::Conflict) => Err(conflict(owner, name, version)),
+                Err(DbError::Conflict) => Err(conflict(owner, name, &version)),
+                Err(DbError::Visibility { private }) => {
+                    Err(visibility_conflict(owner, name, private))
+                }
                 Err(e) => Err(e.into()),
             }
         }
@@ -296,9 +589,10 @@ impl Registry {
         };
         let response = PushResponse {
             package: format!("{owner}/{name}"),
-            version: new.version.to_string(),
+            version,
             sha256,
-            size: bytes.len() as u64,
+            size,
+            private: target.private,
             validation: "pending".into(),
         };
         Ok((response, version_id))
@@ -497,6 +791,17 @@ impl Registry {
         post: &LeaderboardPost,
     ) -> Result<()> {
         let user = Self::require(user, "posting to a leaderboard")?;
+        self.posts
+            .take(user.id)
+            .map_err(|retry_after| RegistryError::RateLimited {
+                message: format!(
+                    "{} posted more than {} results in a minute; try again in {} s",
+                    user.name,
+                    self.limits.posts_per_minute,
+                    retry_after.as_secs().max(1)
+                ),
+                retry_after,
+            })?;
         post.check().map_err(RegistryError::BadRequest)?;
         let details = serde_json::to_string(&post.details).expect("JSON value serializes");
         if details.len() > 64 << 10 {
@@ -506,6 +811,17 @@ impl Registry {
         }
         let package = self.visible(Some(user), owner, name).await?;
         let version = self.resolve(&package, reference).await?;
+        // The version's own reward range bounds what its results can be.
+        let spec = PackageSpec::parse(&version.spec, std::path::Path::new("openenv.yaml"))
+            .map_err(|e| {
+                RegistryError::Db(DbError::Malformed(format!(
+                    "the stored openenv.yaml of {owner}/{name}@{}: {e}",
+                    version.version
+                )))
+            })?;
+        if let Some(range) = spec.agentstack.reward_range {
+            post.check_range(range).map_err(RegistryError::BadRequest)?;
+        }
         self.db
             .post_result(
                 version.id,
@@ -608,6 +924,65 @@ impl Registry {
     }
 }
 
+/// A pushed package's contents as the registry keeps them: the manifest,
+/// `openenv.yaml` and the start of `README.md`; every file is checked against the
+/// manifest as it inflates and then dropped.
+fn read_pushed(
+    path: &std::path::Path,
+    limits: &UnpackLimits,
+) -> std::result::Result<(package::Manifest, Option<String>, String), PackageError> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|source| PackageError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    let (mut spec, mut readme) = (None, String::new());
+    let read = |contents: &mut dyn Read, max: u64, what: &str| {
+        let mut buffer = Vec::new();
+        contents
+            .take(max)
+            .read_to_end(&mut buffer)
+            .map_err(|e| PackageError::Corrupt(format!("{what}: {e}")))?;
+        Ok::<_, PackageError>(buffer)
+    };
+    let manifest =
+        package::read_packed_from(std::io::BufReader::new(file), limits, |file, contents| {
+            match file.path.as_str() {
+                "openenv.yaml" if file.size > MAX_SPEC_BYTES => {
+                    return Err(PackageError::Corrupt(format!(
+                        "openenv.yaml is larger than {MAX_SPEC_BYTES} bytes"
+                    )));
+                }
+                "openenv.yaml" => {
+                    let bytes = read(contents, MAX_SPEC_BYTES, "openenv.yaml")?;
+                    spec = Some(String::from_utf8_lossy(&bytes).into_owned());
+                }
+                "README.md" => {
+                    let bytes = read(contents, MAX_README_BYTES, "README.md")?;
+                    readme = String::from_utf8_lossy(&bytes)
+                        .chars()
+                        .take(MAX_README_CHARS)
+                        .collect();
+                }
+                _ => {}
+            }
+            Ok(())
+        })?;
+    Ok((manifest, spec, readme))
+}
+
+fn visibility_conflict(owner: &str, name: &str, private: bool) -> RegistryError {
+    RegistryError::Conflict(if private {
+        format!(
+            "{owner}/{name} is private, and a push does not make a package public\nhint: push without `private=false` (`agentstack hub push` without --private) to add a private version"
+        )
+    } else {
+        format!(
+            "{owner}/{name} is public: a version pushed to it would be public too, so --private is refused\nhint: push without --private to publish this version, or push it to a new private package (--name {name}_private --private)"
+        )
+    })
+}
+
 fn conflict(owner: &str, name: &str, version: &str) -> RegistryError {
     RegistryError::Conflict(format!(
         "{owner}/{name}@{version} exists; versions are immutable: bump the version in openenv.yaml (or pass --version) and push again"
@@ -616,3 +991,28 @@ fn conflict(owner: &str, name: &str, version: &str) -> RegistryError {
 
 /// Shared handle.
 pub type SharedRegistry = Arc<Registry>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_post_rate_limit_refills_over_a_minute() {
+        let limiter = RateLimiter::per_minute(30);
+        for _ in 0..30 {
+            limiter.take(1).unwrap();
+        }
+        let wait = limiter.take(1).unwrap_err();
+        assert!((1.9..=2.1).contains(&wait.as_secs_f64()), "{wait:?}");
+        limiter.take(2).unwrap();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        limiter.take(1).unwrap();
+        assert!(limiter.take(1).is_err());
+        // A long pause refills the burst, no more.
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        for _ in 0..30 {
+            limiter.take(1).unwrap();
+        }
+        assert!(limiter.take(1).is_err());
+    }
+}

@@ -1,14 +1,16 @@
 //! The registry's read-only web pages: the list with search (`/`) and an
 //! environment's page (`/{owner}/{name}`: README, versions with their validation,
 //! lineage, leaderboard). Rendered on the server with minijinja (auto-escaped); a
-//! README's Markdown is rendered with raw HTML shown as text, so a package cannot put
-//! script on the page.
+//! README's Markdown is rendered with raw HTML shown as text and with links and
+//! images kept only when they lead to http, https, mailto (links) or a relative
+//! address, so a package cannot put script on the page. Every response also carries
+//! a Content-Security-Policy that allows no script at all ([`security_headers`]).
 
 use std::sync::{Arc, LazyLock};
 
 use axum::Router;
 use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use minijinja::{Environment, context};
@@ -114,15 +116,77 @@ fn error_page(e: RegistryError) -> Response {
     page
 }
 
-/// Markdown to HTML; raw HTML in the source is shown as text.
-pub fn markdown(text: &str) -> String {
-    use pulldown_cmark::{Event, Options, Parser};
-    let parser = Parser::new_ext(text, Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH).map(
-        |event| match event {
-            Event::Html(raw) | Event::InlineHtml(raw) => Event::Text(raw),
-            other => other,
-        },
+/// What the pages may load: no script, no frames, no plugins; the inline style of
+/// [`BASE`], images of the hub and of https sites (README images), and the search
+/// form submitting to the hub.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' https:; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
+
+/// Adds the Content-Security-Policy, `X-Content-Type-Options: nosniff` and a
+/// referrer policy to a response (every response of the hub: pages, errors, API).
+pub async fn security_headers(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CONTENT_SECURITY_POLICY),
     );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
+    response
+}
+
+/// Whether a README link may lead to `url` (as pulldown-cmark parsed it: entities
+/// and escapes decoded): http, https and mailto, or an address without a scheme
+/// (relative, `#anchor`, `//host/...`). Browsers drop tabs and newlines anywhere in
+/// a URL and spaces and control characters around it, so this does first; a `:`
+/// before any `/`, `?` or `#` makes what precedes it a scheme, whatever its
+/// characters.
+fn allowed_url(url: &str, schemes: &[&str]) -> bool {
+    let cleaned: String = url
+        .chars()
+        .filter(|c| !matches!(c, '\t' | '\n' | '\r'))
+        .collect();
+    let cleaned = cleaned.trim_matches(|c: char| c <= ' ' || c.is_control());
+    let end = cleaned.find(['/', '?', '#']).unwrap_or(cleaned.len());
+    match cleaned[..end].split_once(':') {
+        None => true,
+        Some((scheme, _)) => schemes.iter().any(|s| scheme.eq_ignore_ascii_case(s)),
+    }
+}
+
+/// Schemes a README link may use.
+const LINK_SCHEMES: &[&str] = &["http", "https", "mailto"];
+/// Schemes a README image may load from.
+const IMAGE_SCHEMES: &[&str] = &["http", "https"];
+
+/// Markdown to HTML; raw HTML in the source is shown as text, and a link or image
+/// to any other place than [`allowed_url`] is rendered as its text alone.
+pub fn markdown(text: &str) -> String {
+    use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
+    // Whether each open link (image) was kept, so its end goes with it.
+    let (mut links, mut images) = (Vec::new(), Vec::new());
+    let parser = Parser::new_ext(text, Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH)
+        .filter_map(|event| match event {
+            Event::Html(raw) | Event::InlineHtml(raw) => Some(Event::Text(raw)),
+            Event::Start(Tag::Link { ref dest_url, .. }) => {
+                let keep = allowed_url(dest_url, LINK_SCHEMES);
+                links.push(keep);
+                keep.then_some(event)
+            }
+            Event::End(TagEnd::Link) => links.pop().unwrap_or(true).then_some(event),
+            Event::Start(Tag::Image { ref dest_url, .. }) => {
+                let keep = allowed_url(dest_url, IMAGE_SCHEMES);
+                images.push(keep);
+                keep.then_some(event)
+            }
+            Event::End(TagEnd::Image) => images.pop().unwrap_or(true).then_some(event),
+            other => Some(other),
+        });
     let mut html = String::new();
     pulldown_cmark::html::push_html(&mut html, parser);
     html
@@ -201,5 +265,54 @@ mod tests {
         assert!(html.contains("<h1>Title</h1>"));
         assert!(!html.contains("<script>") && !html.contains("<img"));
         assert!(html.contains("&lt;script&gt;"));
+    }
+
+    #[test]
+    fn readme_links_to_script_are_rendered_as_text() {
+        let hostile = [
+            "[a](javascript:alert(1))",
+            "[a](JaVaScRiPt:alert(1))",
+            "[a](&#106;avascript:alert(1))",
+            "[a](&#x6A;avascript&colon;alert(1))",
+            "[a](java&#x09;script:alert(1))",
+            "[a](<\u{1}javascript:alert(1)>)",
+            "[a](<  javascript:alert(1)>)",
+            "[a](vbscript:msgbox)",
+            "[a](data:text/html;base64,PHNjcmlwdD4=)",
+            "[a][1]\n\n[1]: javascript:alert(1)",
+            "[a][1]\n\n[1]: <java\nscript:alert(1)>",
+            "<javascript:alert(1)>",
+            "![a](javascript:alert(1))",
+            "![a](data:image/svg+xml;base64,PHN2Zz4=)",
+            "[![a](https://x.test/i.png)](javascript:alert(1))",
+        ];
+        for source in hostile {
+            let html = markdown(source);
+            let lower = html.to_lowercase();
+            assert!(
+                !lower.contains("href=") || lower.contains("href=\"https://"),
+                "{source:?} kept a link: {html}"
+            );
+            for bad in ["javascript", "vbscript", "data:"] {
+                assert!(
+                    !lower.contains(&format!("=\"{bad}")),
+                    "{source:?} kept {bad}: {html}"
+                );
+            }
+        }
+        // The text stays; safe links and images stay.
+        assert!(markdown("[click](javascript:x)").contains("click"));
+        let html = markdown(
+            "[a](https://x.test/) [b](docs/x.md) [c](#usage) [d](mailto:a@x.test) ![e](img/e.png)",
+        );
+        for kept in [
+            "href=\"https://x.test/\"",
+            "href=\"docs/x.md\"",
+            "href=\"#usage\"",
+            "href=\"mailto:a@x.test\"",
+            "src=\"img/e.png\"",
+        ] {
+            assert!(html.contains(kept), "{kept}: {html}");
+        }
     }
 }

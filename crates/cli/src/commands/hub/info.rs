@@ -1,5 +1,7 @@
 //! `agentstack hub info owner/name`.
 
+use agentstack_hub::api::escape_forbidden;
+
 use crate::Exit;
 use crate::args::HubRefArgs;
 use crate::settings;
@@ -23,7 +25,8 @@ pub async fn run(args: HubRefArgs) -> Result<(), Exit> {
         if info.private { " (private)" } else { "" }
     );
     if !info.description.is_empty() {
-        println!("  {}", info.description);
+        // Free text from the package: escaped, so it cannot drive the terminal.
+        println!("  {}", escape_forbidden(&info.description));
     }
     if let Some(p) = &info.parent {
         println!("  forked from {}@{}", p.package, p.version);
@@ -43,7 +46,12 @@ pub async fn run(args: HubRefArgs) -> Result<(), Exit> {
             v.version, v.size, v.files, v.validation.status, v.sha256
         );
         for c in &v.validation.checks {
-            println!("      {}: {} — {}", c.name, c.status, c.message);
+            println!(
+                "      {}: {} — {}",
+                c.name,
+                c.status,
+                escape_forbidden(&c.message)
+            );
         }
     }
     Ok(())

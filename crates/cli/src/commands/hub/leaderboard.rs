@@ -1,4 +1,7 @@
-//! `agentstack hub leaderboard owner/name[@version]`.
+//! `agentstack hub leaderboard owner/name[@version]`. Text from the hub is printed
+//! with control characters escaped, so a stored row cannot drive the terminal.
+
+use agentstack_hub::api::escape_forbidden;
 
 use crate::Exit;
 use crate::args::HubRefArgs;
@@ -16,7 +19,11 @@ pub async fn run(args: HubRefArgs) -> Result<(), Exit> {
         super::print_json(&board);
         return Ok(());
     }
-    println!("{}@{}", board.package, board.version);
+    println!(
+        "{}@{}",
+        escape_forbidden(&board.package),
+        escape_forbidden(&board.version)
+    );
     if board.entries.is_empty() {
         println!("  no results yet (post one with `agentstack eval ... --post`)");
         return Ok(());
@@ -29,13 +36,13 @@ pub async fn run(args: HubRefArgs) -> Result<(), Exit> {
         println!(
             "  {:>3}  {:<40} {:>7.3}  [{:.3}, {:.3}]   {:>8}  {:<16} {}",
             e.rank,
-            e.post.model,
+            escape_forbidden(&e.post.model),
             e.post.score,
             e.post.ci95[0],
             e.post.ci95[1],
             e.post.episodes,
-            e.post.harness,
-            e.user
+            escape_forbidden(&e.post.harness),
+            escape_forbidden(&e.user)
         );
     }
     Ok(())

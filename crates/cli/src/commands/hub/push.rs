@@ -22,8 +22,13 @@ pub async fn run(args: HubPushArgs) -> Result<(), Exit> {
         super::print_json(&pushed);
     } else {
         println!(
-            "pushed {}@{} ({} bytes, sha256 {}); validation: {}",
-            pushed.package, pushed.version, pushed.size, pushed.sha256, pushed.validation
+            "pushed {}@{}{} ({} bytes, sha256 {}); validation: {}",
+            pushed.package,
+            pushed.version,
+            if pushed.private { " (private)" } else { "" },
+            pushed.size,
+            pushed.sha256,
+            pushed.validation
         );
     }
     Ok(())

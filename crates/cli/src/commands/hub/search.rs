@@ -1,6 +1,6 @@
 //! `agentstack hub search [WORDS...] [--sort relevance|downloads|score]`.
 
-use agentstack_hub::api::{SearchQuery, SearchSort};
+use agentstack_hub::api::{SearchQuery, SearchSort, escape_forbidden};
 
 use crate::Exit;
 use crate::args::{HubSearchArgs, HubSort};
@@ -39,7 +39,7 @@ pub async fn run(args: HubSearchArgs) -> Result<(), Exit> {
             h.latest.unwrap_or_default(),
             h.downloads,
             h.best_score.map(|s| format!("{s:.3}")).unwrap_or_default(),
-            h.description
+            escape_forbidden(&h.description)
         );
     }
     Ok(())

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use agentstack_hub::blobs::Blobs;
 use agentstack_hub::db::Db;
+use agentstack_hub::package::UnpackLimits;
 use agentstack_hub::registry::{Limits, Registry};
 use agentstack_hub::validate::{Conformance, Lift, Validators};
 use agentstack_rl::config::TrainConfig;
@@ -166,8 +167,19 @@ pub async fn run(args: HubServeArgs) -> Result<(), Exit> {
             validators.push(Arc::new(lift));
         }
     }
+    if args.max_concurrent_uploads == 0 || args.max_posts_per_minute == 0 {
+        return Err(Exit::user(anyhow!(
+            "--max-concurrent-uploads and --max-posts-per-minute must be at least 1"
+        )));
+    }
     let limits = Limits {
         max_package_bytes: args.max_package_mib << 20,
+        unpack: UnpackLimits {
+            max_bytes: args.max_unpacked_mib << 20,
+            ..UnpackLimits::default()
+        },
+        max_concurrent_uploads: args.max_concurrent_uploads,
+        posts_per_minute: args.max_posts_per_minute,
         ..Limits::default()
     };
     let registry = Registry::with(db, blobs, limits, validators);

@@ -1,13 +1,19 @@
-//! `agentstack hub user create` and `hub token`: run on the hub's machine, against its
-//! database. A token is printed once; only its hash is stored.
+//! `agentstack hub user create` and `hub token create|list|revoke`. Creating runs on
+//! the hub's machine, against its database; a token is printed once and only its
+//! hash is stored. Listing and revoking work either way: with `--user` against the
+//! database (the operator, any user's tokens), else through the hub with your token
+//! (your own tokens only).
 
-use agentstack_hub::api;
-use agentstack_hub::auth::Token;
-use agentstack_hub::db::{Db, DbError};
+use agentstack_hub::api::{self, TokenInfo};
+use agentstack_hub::auth::{self, Token};
+use agentstack_hub::db::{Db, DbError, User};
 use anyhow::{Context, anyhow};
 
 use crate::Exit;
-use crate::args::{HubTokenArgs, HubUserCreateArgs};
+use crate::args::{
+    HubTokenAction, HubTokenArgs, HubTokenCreateArgs, HubTokenListArgs, HubTokenRevokeArgs,
+    HubUserCreateArgs,
+};
 use crate::settings;
 
 async fn open(flag: Option<&str>) -> anyhow::Result<Db> {
@@ -32,7 +38,7 @@ pub async fn create(args: HubUserCreateArgs) -> Result<(), Exit> {
         Err(e) => return Err(anyhow::Error::from(e).context("creating the user").into()),
     };
     let token = Token::generate();
-    db.add_token(user.id, &token.hash(), "first")
+    db.add_token(user.id, &token.hash(), "first", None)
         .await
         .context("storing the token")?;
     eprintln!(
@@ -43,24 +49,174 @@ pub async fn create(args: HubUserCreateArgs) -> Result<(), Exit> {
     Ok(())
 }
 
-/// `hub token --user NAME`.
+/// `hub token ...`.
 pub async fn token(args: HubTokenArgs) -> Result<(), Exit> {
-    let db = open(args.database.as_deref()).await?;
-    let user = db
-        .user(&args.user)
+    match args.action {
+        None => create_token(args.create).await,
+        Some(HubTokenAction::Create(create)) => create_token(create).await,
+        Some(HubTokenAction::List(list)) => list_tokens(list).await,
+        Some(HubTokenAction::Revoke(revoke)) => revoke_tokens(revoke).await,
+    }
+}
+
+/// The user called `name` in the database, as a user error when there is none.
+async fn existing_user(db: &Db, name: &str) -> Result<User, Exit> {
+    db.user(name)
         .await
         .context("looking up the user")?
         .ok_or_else(|| {
             Exit::user(anyhow!(
-                "no user '{}'\nhint: create one with `agentstack hub user create {}`",
-                args.user,
-                args.user
+                "no user '{name}'\nhint: create one with `agentstack hub user create {name}`"
             ))
-        })?;
+        })
+}
+
+/// `hub token [create] --user NAME [--expires-in 30d]`.
+async fn create_token(args: HubTokenCreateArgs) -> Result<(), Exit> {
+    let expires_at = match &args.expires_in {
+        Some(text) => {
+            let lifetime =
+                auth::parse_lifetime(text).map_err(|e| Exit::user(anyhow!("--expires-in: {e}")))?;
+            Some(agentstack_hub::db::now() + lifetime.as_secs() as i64)
+        }
+        None => None,
+    };
+    let db = open(args.database.as_deref()).await?;
+    let user = existing_user(&db, &args.user).await?;
     let token = Token::generate();
-    db.add_token(user.id, &token.hash(), &args.label)
+    let id = db
+        .add_token(user.id, &token.hash(), &args.label, expires_at)
         .await
         .context("storing the token")?;
+    let until = expires_at.map_or("never expires".to_owned(), |at| {
+        format!("expires at {}", time(at))
+    });
+    eprintln!(
+        "token {id} of {} ({until}; shown once, keep it secret):",
+        user.name
+    );
     println!("{}", token.expose());
     Ok(())
+}
+
+/// `hub token list [--user NAME]`.
+async fn list_tokens(args: HubTokenListArgs) -> Result<(), Exit> {
+    let list = match &args.user {
+        Some(name) => {
+            let db = open(args.database.as_deref()).await?;
+            let user = existing_user(&db, name).await?;
+            let rows = db.tokens(user.id).await.context("listing tokens")?;
+            api::TokenList {
+                user: user.name,
+                tokens: rows
+                    .into_iter()
+                    .map(|t| TokenInfo {
+                        id: t.id,
+                        label: t.label,
+                        created_at: t.created_at,
+                        expires_at: t.expires_at,
+                        revoked_at: t.revoked_at,
+                        current: false,
+                    })
+                    .collect(),
+            }
+        }
+        None => {
+            let client = settings::hub_client(args.client.hub.as_deref())?;
+            client.tokens().await.map_err(super::client_exit)?
+        }
+    };
+    if args.client.json {
+        super::print_json(&list);
+        return Ok(());
+    }
+    println!("tokens of {}", list.user);
+    println!(
+        "  {:>5}  {:<16} {:<20} {:<28}",
+        "id", "label", "created", "state"
+    );
+    let now = agentstack_hub::db::now();
+    for t in &list.tokens {
+        let state = match (t.revoked_at, t.expires_at) {
+            (Some(at), _) => format!("revoked {}", time(at)),
+            (None, Some(at)) if at <= now => format!("expired {}", time(at)),
+            (None, Some(at)) => format!("expires {}", time(at)),
+            (None, None) => "never expires".to_owned(),
+        };
+        println!(
+            "  {:>5}  {:<16} {:<20} {}{}",
+            t.id,
+            api::escape_forbidden(&t.label),
+            time(t.created_at),
+            state,
+            if t.current { "  (this one)" } else { "" }
+        );
+    }
+    Ok(())
+}
+
+/// `hub token revoke ID | --current | --user NAME (ID | --all)`.
+async fn revoke_tokens(args: HubTokenRevokeArgs) -> Result<(), Exit> {
+    let (user, revoked) = match &args.user {
+        Some(name) => {
+            let db = open(args.database.as_deref()).await?;
+            let user = existing_user(&db, name).await?;
+            let id = if args.all { None } else { args.id };
+            let n = db
+                .revoke_tokens(user.id, id)
+                .await
+                .context("revoking tokens")?;
+            if n == 0 && id.is_some() {
+                return Err(Exit::user(anyhow!(
+                    "{name} has no live token {}\nhint: `agentstack hub token list --user {name}` shows them",
+                    args.id.unwrap_or_default()
+                )));
+            }
+            (user.name, n)
+        }
+        None => {
+            let client = settings::hub_client(args.client.hub.as_deref())?;
+            let who = client.whoami().await.map_err(super::client_exit)?;
+            let id = if args.current { None } else { args.id };
+            client.revoke_token(id).await.map_err(super::client_exit)?;
+            (who, 1)
+        }
+    };
+    if args.client.json {
+        super::print_json(&serde_json::json!({"user": user, "revoked": revoked}));
+    } else {
+        println!("revoked {revoked} token(s) of {user}");
+    }
+    Ok(())
+}
+
+/// Unix seconds as `YYYY-MM-DD HH:MM UTC`.
+fn time(unix: i64) -> String {
+    let days = unix.div_euclid(86_400);
+    let seconds = unix.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
+        seconds / 3600,
+        seconds % 3600 / 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn times_print_as_utc_dates() {
+        assert_eq!(super::time(0), "1970-01-01 00:00 UTC");
+        assert_eq!(super::time(1_709_251_200), "2024-03-01 00:00 UTC");
+        assert_eq!(super::time(951_782_400 + 3_661), "2000-02-29 01:01 UTC");
+    }
 }
