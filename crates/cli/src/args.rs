@@ -991,6 +991,21 @@ pub struct ModelServeArgs {
     /// Turn off grammar-constrained decoding (response_format, constrained tool calls).
     #[arg(long)]
     pub no_constraints: bool,
+    /// Ask for this API key (`Authorization: Bearer KEY`) on every route but /health
+    /// (repeatable; the environment variable takes several, comma-separated, and keeps
+    /// them out of the process list).
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = crate::env_vars::AGENTSTACK_API_KEY,
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub api_keys: Vec<agentstack_model::server::ApiKey>,
+    /// Load adapters (POST /v1/adapters) only from files inside this directory: the
+    /// trainer's runs directory. Without it, loading adapters is refused.
+    #[arg(long, value_name = "DIR")]
+    pub adapter_dir: Option<PathBuf>,
 }
 
 /// `agentstack env ...`

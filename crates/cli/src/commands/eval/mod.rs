@@ -104,7 +104,13 @@ pub(crate) async fn open_model(
     threads: Option<usize>,
 ) -> anyhow::Result<ModelClient> {
     if reference.starts_with("http://") || reference.starts_with("https://") {
-        let api_key = std::env::var(api_key_env).ok().filter(|k| !k.is_empty());
+        // By default AGENTSTACK_API_KEY (what `model serve` asks for), then
+        // OPENAI_API_KEY; a variable named with --api-key-env alone.
+        let api_key = if api_key_env == agentstack_harness::model::OPENAI_API_KEY_ENV {
+            agentstack_harness::model::api_key_from_env()
+        } else {
+            std::env::var(api_key_env).ok().filter(|k| !k.is_empty())
+        };
         let base = reference.trim_end_matches('/');
         let name = match name {
             Some(name) => name.to_owned(),

@@ -1,7 +1,7 @@
 //! `agentstack model serve`: the OpenAI-compatible server.
 
 use std::io::Write;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use agentstack_model::constraint::ConstraintCompiler;
@@ -9,8 +9,8 @@ use agentstack_model::engine::{Engine, EngineConfig};
 use agentstack_model::server::{AppState, ServerConfig, serve};
 use anyhow::Context;
 
-use crate::Exit;
 use crate::args::ModelServeArgs;
+use crate::{Exit, env_vars};
 
 /// Runs the command.
 pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
@@ -27,6 +27,7 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
         )
     };
     let name = args.name.clone().unwrap_or_else(|| lm.info().name.clone());
+    let keyed = !args.api_keys.is_empty();
     let engine = Engine::start(
         lm,
         EngineConfig {
@@ -41,9 +42,28 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
         constraints,
         ServerConfig {
             model_name: name.clone(),
+            api_keys: args.api_keys,
+            adapter_dir: args.adapter_dir.clone(),
             ..ServerConfig::default()
         },
     );
+    if no_key_on_a_network(args.host, keyed) {
+        tracing::warn!(
+            host = %args.host,
+            "serving on a non-loopback address without an API key: anyone who can reach it can use the model and load adapters; set {} or --api-key",
+            env_vars::AGENTSTACK_API_KEY
+        );
+    }
+    match &args.adapter_dir {
+        Some(dir) if !dir.is_dir() => tracing::warn!(
+            dir = %dir.display(),
+            "the adapter directory does not exist (yet); adapter loads are refused until it does"
+        ),
+        Some(dir) => {
+            tracing::info!(dir = %dir.display(), "adapters load from inside this directory")
+        }
+        None => tracing::info!("adapter loading is off (no --adapter-dir)"),
+    }
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
         .with_context(|| format!("could not listen on {}:{}", args.host, args.port))?;
@@ -60,4 +80,33 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
         .await
         .context("serving")?;
     Ok(())
+}
+
+/// Whether a server on `host` without a key (`keyed` false) can be reached from other
+/// machines: then it warns at start.
+fn no_key_on_a_network(host: IpAddr, keyed: bool) -> bool {
+    !keyed && !host.is_loopback()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_keyless_server_off_loopback_is_warned_about() {
+        let any: IpAddr = "0.0.0.0".parse().unwrap();
+        assert!(no_key_on_a_network(any, false));
+        assert!(!no_key_on_a_network(any, true));
+        assert!(!no_key_on_a_network("127.0.0.1".parse().unwrap(), false));
+        assert!(!no_key_on_a_network("::1".parse().unwrap(), false));
+        assert!(no_key_on_a_network("::".parse().unwrap(), false));
+    }
+
+    #[test]
+    fn the_server_and_its_clients_read_the_same_variable() {
+        assert_eq!(
+            env_vars::AGENTSTACK_API_KEY,
+            agentstack_model::server::API_KEY_ENV
+        );
+    }
 }
