@@ -306,7 +306,7 @@ pub struct HubTokenArgs {
     pub action: Option<HubTokenAction>,
     /// The token to create when no subcommand is given.
     #[command(flatten)]
-    pub create: HubTokenCreateArgs,
+    pub create: Option<HubTokenCreateArgs>,
 }
 
 /// `hub token` subcommands.

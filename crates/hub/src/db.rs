@@ -281,18 +281,27 @@ fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
 /// Makes the SQLite database and its `-wal`, `-shm` and `-journal` files readable
 /// by this user only, creating the database file (empty: SQLite fills it) when
 /// missing. SQLite gives the files it creates later the database file's mode.
+///
+/// An existing database file is never opened here, only `chmod`ed: closing any
+/// descriptor of a SQLite file drops every POSIX lock this process holds on it,
+/// and another process would then take itself for the last user of the WAL.
 fn private_sqlite_files(db: &std::path::Path) -> Result<(), DbError> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let failed = |path: &std::path::Path| {
         let path = path.to_owned();
         move |source| DbError::Permissions { path, source }
     };
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
         .mode(PRIVATE_FILE_MODE)
         .open(db)
-        .map_err(failed(db))?;
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(failed(db)(e));
+        }
+        _ => {}
+    }
     for suffix in ["", "-wal", "-shm", "-journal"] {
         let mut name = db.as_os_str().to_owned();
         name.push(suffix);

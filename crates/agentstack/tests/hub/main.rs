@@ -3,7 +3,10 @@
 //! unless asked for, and `scripts/test` asks): push/pull byte-identical, racing pushes
 //! of one version, a kill mid-upload, a corrupted blob, tokens and namespaces, hostile
 //! packages, forks/search/leaderboards, validation in the sandbox, `env validate
-//! hub:...`, and the web page in headless Chromium.
+//! hub:...`, and the web page in headless Chromium; and the hub exposed to an
+//! attacker: refused pushes answered before their body, big pushes and gzip bombs
+//! that never sit in memory, token expiry and revocation, leaderboard text that
+//! cannot drive a terminal, README links that cannot run script, private files.
 
 #[path = "../interop/peers.rs"]
 mod peers;
@@ -320,6 +323,7 @@ on_both_databases!(
     pushes_need_the_namespace_owners_token,
     hostile_packages_are_rejected,
     forks_search_and_leaderboards,
+    tokens_expire_and_are_revoked,
 );
 
 async fn push_and_pull_round_trip_byte_identical(backend: Backend) {
@@ -1230,4 +1234,412 @@ async fn eval_on_a_hub_package_records_its_version_and_posts_to_its_leaderboard(
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--post needs --env hub:"));
+}
+
+/// The hub's peak resident memory so far, MiB (`VmHWM`).
+fn peak_rss_mib(hub: &Hub) -> u64 {
+    let pid = hub.child.as_ref().expect("the hub runs").id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kib >> 10
+}
+
+/// How long the hub may take to answer a request it refuses from its headers.
+const PROMPTLY: Duration = Duration::from_secs(5);
+/// The most memory the hub may reach while it receives and refuses big pushes: it
+/// streams them, so the packages' sizes (hundreds of MiB) never show here.
+const PEAK_RSS_LIMIT_MIB: u64 = 96;
+
+/// Sends the head of a `PUT` of `length` bytes and the first `sent` of them, then
+/// stalls: returns the connection.
+fn stalled_put(hub: &Hub, path: &str, token: Option<&str>, length: u64) -> std::net::TcpStream {
+    use std::io::Write;
+    let address = hub.url.strip_prefix("http://").unwrap();
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let head = format!(
+        "PUT /api/v1{path} HTTP/1.1\r\nHost: {address}\r\n{auth}Content-Type: application/gzip\r\nContent-Length: {length}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    // The start of the body; the server may have answered and closed already.
+    let _ = stream.write_all(&vec![0x1f; 16 << 10]);
+    stream
+}
+
+/// Reads a response's status and then waits for the server to close the
+/// connection, within [`PROMPTLY`] each.
+fn status_then_close(stream: &mut std::net::TcpStream) -> (u16, Duration) {
+    use std::io::Read;
+    let start = Instant::now();
+    stream.set_read_timeout(Some(PROMPTLY)).unwrap();
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    let status = loop {
+        let n = stream
+            .read(&mut buffer)
+            .expect("the hub answers without waiting for the body");
+        assert!(n > 0, "closed without an answer");
+        seen.extend_from_slice(&buffer[..n]);
+        let text = String::from_utf8_lossy(&seen);
+        if let Some(line) = text.lines().next().filter(|_| text.contains("\r\n")) {
+            break line.split(' ').nth(1).unwrap().parse().unwrap();
+        }
+    };
+    let answered = start.elapsed();
+    // Then the connection goes: the hub does not read a body nobody will use.
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("the connection stayed open after the answer: {e}"),
+        }
+    }
+    (status, answered)
+}
+
+#[test]
+fn an_unauthorized_big_push_is_answered_before_its_body_is_read() {
+    let hub = Hub::start(Backend::Sqlite);
+    hub.user("alice");
+    let bob = hub.user("bob");
+    let before = peak_rss_mib(&hub);
+    // Three 200 MB pushes at once (no token, or another user's namespace), each
+    // stalled after its first bytes.
+    let path = "/envs/alice/big/versions/1.0.0";
+    let mut streams: Vec<_> = [None, Some(bob.as_str()), None]
+        .into_iter()
+        .map(|token| (token, stalled_put(&hub, path, token, 200 << 20)))
+        .collect();
+    for (token, stream) in &mut streams {
+        let (status, answered) = status_then_close(stream);
+        let expected = if token.is_some() { 403 } else { 401 };
+        assert_eq!(status, expected);
+        eprintln!("answered {status} in {answered:?}");
+    }
+    let peak = peak_rss_mib(&hub);
+    eprintln!("hub peak RSS: {before} MiB before, {peak} MiB after");
+    assert!(peak < PEAK_RSS_LIMIT_MIB, "{peak} MiB");
+}
+
+/// Incompressible bytes, `len` of them.
+fn noise(len: usize) -> Vec<u8> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// A package whose manifest lists `files` files of `size` bytes of zeros (with a
+/// wrong hash): about 1 KiB of gzip per MiB it inflates to.
+fn manifest_bomb(files: usize, size: u64) -> Vec<u8> {
+    let manifest = serde_json::json!({
+        "format": 1,
+        "name": "bomb",
+        "files": (0..files).map(|i| serde_json::json!({
+            "path": format!("data/z{i}.bin"), "size": size, "sha256": "0".repeat(64), "executable": false
+        })).collect::<Vec<_>>(),
+    })
+    .to_string();
+    let mut raw = Vec::new();
+    {
+        let gz = flate2::write::GzEncoder::new(&mut raw, flate2::Compression::best());
+        let mut builder = tar::Builder::new(gz);
+        let mut append = |path: &str, size: u64, contents: &mut dyn std::io::Read| {
+            let mut header = tar::Header::new_ustar();
+            header.set_path(path).unwrap();
+            header.set_size(size);
+            header.set_mode(0o644);
+            header.set_cksum();
+            builder.append(&header, contents).unwrap();
+        };
+        append(
+            ".agentstack/manifest.json",
+            manifest.len() as u64,
+            &mut manifest.as_bytes(),
+        );
+        for i in 0..files {
+            append(
+                &format!("data/z{i}.bin"),
+                size,
+                &mut std::io::Read::take(std::io::repeat(0), size),
+            );
+        }
+        builder.into_inner().unwrap().finish().unwrap();
+    }
+    raw
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn big_pushes_and_gzip_bombs_never_sit_in_the_hubs_memory() {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    // Three pushes of 150 MiB at once: streamed to disk and refused (not a package).
+    let body = noise(150 << 20);
+    let pushes = (0..3).map(|i| {
+        let body = body.clone();
+        let hub = &hub;
+        let alice = &alice;
+        async move {
+            put(
+                hub,
+                Some(alice),
+                &format!("/envs/alice/big/versions/1.0.{i}"),
+                body,
+            )
+            .await
+        }
+    });
+    for (status, err) in futures_util::future::join_all(pushes).await {
+        assert_eq!(status, 422, "{err}");
+    }
+    drop(body);
+    // 448 MiB of zeros in 450 KiB, under the unpacked cap: checked as it inflates and
+    // refused at the first file's hash, never held.
+    let bomb = manifest_bomb(7, 64 << 20);
+    let compressed = bomb.len();
+    let start = Instant::now();
+    let (status, err) = put(&hub, Some(&alice), "/envs/alice/bomb/versions/1.0.0", bomb).await;
+    assert_eq!(status, 422, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not match"),
+        "{err}"
+    );
+    eprintln!(
+        "bomb of {compressed} bytes refused in {:?}",
+        start.elapsed()
+    );
+    // Over a lower unpacked cap, the same bomb is refused from its manifest.
+    let peak = peak_rss_mib(&hub);
+    eprintln!("hub peak RSS: {peak} MiB");
+    assert!(peak < PEAK_RSS_LIMIT_MIB, "{peak} MiB");
+    let staging = hub.blobs().join("staging");
+    assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+    let (ok, report) = hub.check();
+    assert!(ok, "{report}");
+    let small = Hub::start_with(Backend::Sqlite, &["--max-unpacked-mib", "64"]);
+    let alice = small.user("alice");
+    let (status, err) = put(
+        &small,
+        Some(&alice),
+        "/envs/alice/bomb/versions/1.0.0",
+        manifest_bomb(2, 48 << 20),
+    )
+    .await;
+    assert_eq!(status, 422, "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("67108864 bytes"),
+        "{err}"
+    );
+}
+
+async fn tokens_expire_and_are_revoked(backend: Backend) {
+    let hub = Hub::start(backend);
+    let alice = hub.user("alice");
+    let bob = hub.user("bob");
+    let db = hub.database.clone();
+    let create = |args: &[&str]| -> String {
+        let mut all = vec!["hub", "token"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--user", "alice", "--database", &db]);
+        hub.cli_ok(None, &all).trim().to_owned()
+    };
+    // An expired token is refused, saying so.
+    let brief = create(&["create", "--expires-in", "1s"]);
+    std::thread::sleep(Duration::from_millis(2100));
+    let out = hub.cli(Some(&brief), &["hub", "token", "list"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("token expired"));
+    // `hub token --user` (no subcommand) still creates one.
+    let laptop = create(&["--label", "laptop"]);
+    let list: Value =
+        serde_json::from_str(&hub.cli_ok(Some(&laptop), &["hub", "token", "list", "--json"]))
+            .unwrap();
+    let tokens = list["tokens"].as_array().unwrap();
+    assert_eq!(tokens.len(), 3);
+    let laptop_id = tokens[2]["id"].as_i64().unwrap();
+    assert_eq!(
+        (tokens[2]["label"].as_str(), tokens[2]["current"].as_bool()),
+        (Some("laptop"), Some(true))
+    );
+    assert!(tokens[1]["expires_at"].is_i64());
+    // Bob cannot revoke alice's token; alice revokes the one she is using.
+    let out = hub.cli(
+        Some(&bob),
+        &["hub", "token", "revoke", &laptop_id.to_string()],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    hub.cli_ok(Some(&laptop), &["hub", "token", "revoke", "--current"]);
+    let out = hub.cli(Some(&laptop), &["hub", "push", "."]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("revoked"));
+    let listed = hub.cli_ok(
+        None,
+        &["hub", "token", "list", "--user", "alice", "--database", &db],
+    );
+    assert!(
+        listed.contains("revoked") && listed.contains("expired"),
+        "{listed}"
+    );
+    // The operator revokes every token of a user.
+    hub.cli_ok(
+        None,
+        &[
+            "hub",
+            "token",
+            "revoke",
+            "--all",
+            "--user",
+            "alice",
+            "--database",
+            &db,
+        ],
+    );
+    let out = hub.cli(Some(&alice), &["hub", "token", "list"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("revoked"));
+    hub.cli_ok(Some(&bob), &["hub", "token", "list"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn leaderboards_print_stored_control_characters_escaped() {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "maze", "1.0.0", "# Maze\n");
+    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    // A row an older hub accepted: escape sequences that clear the screen and
+    // retitle the terminal, and a right-to-left override.
+    let db = agentstack_hub::db::Db::connect(&hub.database)
+        .await
+        .unwrap();
+    let package = db.package("alice", "maze").await.unwrap().unwrap();
+    let version = db.resolve(package.id, "1.0.0").await.unwrap().unwrap();
+    let user = db.user("alice").await.unwrap().unwrap();
+    db.post_result(
+        version.id,
+        user.id,
+        "evil\u{1b}[2J\u{1b}]0;pwned\u{7}",
+        0.5,
+        [0.4, 0.6],
+        3,
+        "h\u{202e}sah",
+        "{}",
+    )
+    .await
+    .unwrap();
+    let table = hub.cli_ok(None, &["hub", "leaderboard", "alice/maze"]);
+    assert!(
+        !table.contains('\u{1b}') && !table.contains('\u{7}') && !table.contains('\u{202e}'),
+        "{table:?}"
+    );
+    assert!(
+        table.contains("evil\\u{1b}[2J") && table.contains("h\\u{202e}sah"),
+        "{table}"
+    );
+    // New posts with control characters are refused.
+    let post = serde_json::json!({"model": "x\u{1b}[31m", "score": 0.5, "ci95": [0.4, 0.6], "episodes": 3, "harness": "h"});
+    let r = reqwest::Client::new()
+        .post(hub.api("/envs/alice/maze/versions/1.0.0/leaderboard"))
+        .bearer_auth(&alice)
+        .json(&post)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_package_page_runs_no_script_from_a_readme() {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(
+        src.path(),
+        "maze",
+        "1.0.0",
+        "# Maze\n\n[docs](&#106;avascript:alert(1)) [more][1] <script>alert(2)</script> [ok](https://example.test/)\n\n[1]: JAVASCRIPT:alert(3)\n",
+    );
+    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let page = reqwest::get(format!("{}/alice/maze", hub.url))
+        .await
+        .unwrap();
+    let csp = page.headers()["content-security-policy"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        csp.contains("default-src 'none'") && !csp.contains("script-src"),
+        "{csp}"
+    );
+    assert_eq!(page.headers()["x-content-type-options"], "nosniff");
+    let html = page.text().await.unwrap().to_lowercase();
+    assert!(
+        !html.contains("javascript:") && !html.contains("<script"),
+        "{html}"
+    );
+    assert!(
+        html.contains("href=\"https://example.test/\"") && html.contains("docs"),
+        "{html}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_hubs_files_are_readable_by_its_user_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "maze", "1.0.0", "# Maze\n");
+    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let files = |hub: &Hub| {
+        let mut out: Vec<PathBuf> = ["hub.db", "hub.db-wal", "hub.db-shm"]
+            .iter()
+            .map(|f| hub.home.path().join(f))
+            .filter(|p| p.exists())
+            .collect();
+        out.extend(walk_files(&hub.blobs()).into_iter().map(PathBuf::from));
+        out
+    };
+    let check = |hub: &Hub| {
+        assert_eq!(mode(&hub.blobs()), 0o700);
+        let files = files(hub);
+        assert!(files.len() >= 4, "{files:?}");
+        for file in files {
+            assert_eq!(mode(&file), 0o600, "{}", file.display());
+            // Every folder of the blob store is the hub user's alone.
+            for dir in file
+                .ancestors()
+                .skip(1)
+                .take_while(|d| d.starts_with(hub.blobs()))
+            {
+                assert_eq!(mode(dir), 0o700, "{}", dir.display());
+            }
+        }
+    };
+    check(&hub);
+    // A hub directory left open to all (an older hub) is tightened at start.
+    hub.kill();
+    for file in files(&hub) {
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    std::fs::set_permissions(hub.blobs(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    hub.spawn();
+    check(&hub);
 }

@@ -52,7 +52,12 @@ pub async fn create(args: HubUserCreateArgs) -> Result<(), Exit> {
 /// `hub token ...`.
 pub async fn token(args: HubTokenArgs) -> Result<(), Exit> {
     match args.action {
-        None => create_token(args.create).await,
+        None => match args.create {
+            Some(create) => create_token(create).await,
+            None => Err(Exit::user(anyhow!(
+                "`hub token` needs --user NAME (to create a token) or a subcommand: create, list, revoke"
+            ))),
+        },
         Some(HubTokenAction::Create(create)) => create_token(create).await,
         Some(HubTokenAction::List(list)) => list_tokens(list).await,
         Some(HubTokenAction::Revoke(revoke)) => revoke_tokens(revoke).await,
