@@ -4,7 +4,8 @@
 //!   metrics and the same adapters as a run never interrupted, synchronous and with
 //!   rollouts one step ahead;
 //! - adapters reach a separate `agentstack model serve` after every step (timed), and
-//!   requests there pick them by name;
+//!   requests there pick them by name; the server asks for an API key, which the
+//!   trainer sends, and loads adapters only from inside the runs directory;
 //! - bad configurations are refused with the key named.
 //!
 //! The first two need the model from `scripts/install-peers`, so they are `#[ignore]`d;
@@ -22,6 +23,9 @@ use std::time::{Duration, Instant};
 use peers::test_model;
 use processes::{Server, run_bounded};
 use serde_json::{Value, json};
+
+/// The API key the sync test's model server asks for (one of two) and its trainer sends.
+const SYNC_KEY: &str = "sync-test-key";
 
 /// The most one short training run may take on a busy 2-core machine.
 const TRAIN_LIMIT: Duration = Duration::from_secs(900);
@@ -106,12 +110,25 @@ fn metrics(runs: &Path, id: &str) -> Vec<Value> {
 
 /// One HTTP request; the status and the JSON body.
 fn http(method: reqwest::Method, url: &str, body: Option<Value>) -> (u16, Value) {
+    http_with(None, method, url, body)
+}
+
+/// [`http`] bearing the API key `key`.
+fn http_with(
+    key: Option<&str>,
+    method: reqwest::Method,
+    url: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async {
         let mut request = reqwest::Client::new().request(method, url);
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
         if let Some(body) = body {
             request = request.json(&body);
         }
@@ -194,13 +211,19 @@ fn a_killed_run_resumes_exactly_as_an_uninterrupted_run() {
 fn adapters_sync_to_a_model_serve_process() {
     let dir = tempfile::tempdir().unwrap();
     let runs = dir.path().join("runs");
+    // The server asks for a key (two accepted) and loads adapters only from the runs
+    // directory, which the trainer has not made yet; the trainer sends the second key,
+    // from the variable its [sync] names.
     let mut serve = agentstack();
     serve
         .args(["model", "serve", "--port", "0", "--threads", "1"])
-        .arg(test_model());
+        .arg(test_model())
+        .arg("--adapter-dir")
+        .arg(&runs)
+        .env("AGENTSTACK_API_KEY", format!("other-key,{SYNC_KEY}"));
     let mut server = Server::start(serve, Duration::from_secs(180));
     let extra = format!(
-        "\n[sync]\nservers = [\"{}\"]\nname = \"tuned\"\n",
+        "\n[sync]\nservers = [\"{}\"]\nname = \"tuned\"\napi_key_env = \"SYNC_TEST_KEY\"\n",
         server.url
     );
     // The echo environment rewards a reply by its length (0.1 a character, at most 1):
@@ -220,7 +243,11 @@ fn adapters_sync_to_a_model_serve_process() {
         .replace("max_tokens = 10", "max_tokens = 3\nsplit = \"\"");
     assert!(text.contains("env = \"echo\"") && text.contains("max_tokens = 3"));
     std::fs::write(&cfg, text).unwrap();
-    let finished = run_bounded(train(&cfg, &runs, "sync"), TRAIN_LIMIT);
+    let mut trainer = train(&cfg, &runs, "sync");
+    trainer
+        .env_remove("AGENTSTACK_API_KEY")
+        .env("SYNC_TEST_KEY", SYNC_KEY);
+    let finished = run_bounded(trainer, TRAIN_LIMIT);
     assert!(finished.success(), "{finished}\n{}", server.report());
     let lines: Vec<Value> = std::fs::read_to_string(runs.join("sync/metrics.jsonl"))
         .unwrap()
@@ -234,6 +261,35 @@ fn adapters_sync_to_a_model_serve_process() {
         lines.iter().any(|m| m["grad_norm"].as_f64().unwrap() > 0.0),
         "no step had a gradient: {lines:?}"
     );
+    let recorded = std::fs::read_to_string(runs.join("sync/config.json")).unwrap();
+    assert!(
+        recorded.contains("SYNC_TEST_KEY") && !recorded.contains(SYNC_KEY),
+        "{recorded}"
+    );
+    let adapters = format!("{}/v1/adapters", server.url);
+    let (status, refused) = http(reqwest::Method::GET, &adapters, None);
+    assert_eq!(status, 401, "{refused}");
+    let (status, refused) = http_with(
+        Some("wrong"),
+        reqwest::Method::POST,
+        &adapters,
+        Some(json!({"name": "x", "path": "/dev/zero"})),
+    );
+    assert_eq!(status, 401, "{refused}");
+    let http = |method, url: &str, body| http_with(Some(SYNC_KEY), method, url, body);
+    // A file outside the adapter directory is refused like a missing one.
+    for path in [cfg.clone(), runs.join("sync/missing.safetensors")] {
+        let (status, refused) = http(
+            reqwest::Method::POST,
+            &adapters,
+            Some(json!({"name": "x", "path": path})),
+        );
+        assert_eq!(status, 400, "{refused}");
+        assert_eq!(
+            refused["error"]["message"],
+            "`path` does not name a loadable adapter file inside the server's adapter directory"
+        );
+    }
     let (_, listed) = http(
         reqwest::Method::GET,
         &format!("{}/v1/adapters", server.url),
