@@ -1006,6 +1006,9 @@ pub struct ModelServeArgs {
     /// trainer's runs directory. Without it, loading adapters is refused.
     #[arg(long, value_name = "DIR")]
     pub adapter_dir: Option<PathBuf>,
+    /// Connection limits.
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
 }
 
 /// `agentstack env ...`

@@ -16,7 +16,6 @@ mod tokens;
 
 pub use auth::{API_KEY_ENV, ApiKey, EmptyApiKey};
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,6 +49,8 @@ pub struct ServerConfig {
     /// The directory `POST /v1/adapters` loads adapter files from (a path inside it,
     /// relative or absolute); none: loading adapters is refused.
     pub adapter_dir: Option<PathBuf>,
+    /// Connections open at once and the time to send a request head.
+    pub connections: agentstack_serve::Limits,
 }
 
 impl Default for ServerConfig {
@@ -61,6 +62,7 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(600),
             api_keys: Vec::new(),
             adapter_dir: None,
+            connections: agentstack_serve::Limits::default(),
         }
     }
 }
@@ -119,18 +121,15 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Binds and serves until `shutdown` resolves.
+/// Serves on `listener` until `shutdown` resolves, within
+/// [`ServerConfig::connections`].
 pub async fn serve(
     state: AppState,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        app(state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
+    let limits = state.config.connections;
+    agentstack_serve::serve(listener, app(state), limits, shutdown).await
 }
 
 async fn health(

@@ -759,6 +759,42 @@ async fn a_request_without_a_key_is_refused_before_its_body_is_read() {
     server.abort();
 }
 
+/// Regression (issue 19): a connection that never finished its request head was held
+/// open forever; now the server closes it after the header-read timeout, and an idle
+/// keep-alive connection too.
+#[tokio::test]
+async fn a_slow_request_head_is_closed_after_the_header_timeout() {
+    const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(300);
+    const GIVE_UP: std::time::Duration = std::time::Duration::from_secs(5);
+    let f = fixture();
+    let lm = Arc::new(LanguageModel::load(&f.gguf, WeightForm::Quantized).unwrap());
+    let state = AppState::new(
+        Engine::start(lm, EngineConfig::default()),
+        None,
+        ServerConfig {
+            connections: agentstack_serve::Limits {
+                header_read_timeout: HEADER_TIMEOUT,
+                ..agentstack_serve::Limits::default()
+            },
+            ..ServerConfig::default()
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let server = tokio::spawn(agentstack_model::server::serve(
+        state,
+        listener,
+        std::future::pending(),
+    ));
+    for partial in [&b"POST /v1/chat/completions HTTP/1.1\r\nhost: sl"[..], b""] {
+        let closed = agentstack_serve::probe::time_to_close(address, partial, GIVE_UP)
+            .await
+            .unwrap();
+        assert!(closed.is_some(), "held open after {partial:?}");
+    }
+    server.abort();
+}
+
 /// This process's resident memory in bytes.
 fn resident_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();

@@ -10,7 +10,7 @@ use agentstack_model::server::{AppState, ServerConfig, serve};
 use anyhow::Context;
 
 use crate::args::ModelServeArgs;
-use crate::{Exit, env_vars};
+use crate::{Exit, env_vars, settings};
 
 /// Runs the command.
 pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
@@ -44,6 +44,10 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
             model_name: name.clone(),
             api_keys: args.api_keys,
             adapter_dir: args.adapter_dir.clone(),
+            connections: settings::connection_limits(
+                &args.connections,
+                agentstack_serve::Limits::DEFAULT_MAX_CONNECTIONS,
+            ),
             ..ServerConfig::default()
         },
     );
