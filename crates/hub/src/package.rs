@@ -573,8 +573,16 @@ pub fn read_packed_from<R: Read>(
 /// Reads a packed package, checking every file against the manifest; returns the
 /// manifest and the files (within the default [`UnpackLimits`]).
 pub fn read_packed(bytes: &[u8]) -> Result<(Manifest, Files), PackageError> {
+    read_packed_within(bytes, &UnpackLimits::default())
+}
+
+/// [`read_packed`] within `limits`.
+pub fn read_packed_within(
+    bytes: &[u8],
+    limits: &UnpackLimits,
+) -> Result<(Manifest, Files), PackageError> {
     let mut files = Files::new();
-    let manifest = read_packed_from(bytes, &UnpackLimits::default(), |file, contents| {
+    let manifest = read_packed_from(bytes, limits, |file, contents| {
         // The size was checked against the limits; the bytes arrive as they inflate.
         let mut buffer = Vec::with_capacity(file.size.min(1 << 20) as usize);
         contents

@@ -352,20 +352,20 @@ pub async fn resume_validations(registry: Shared) {
     }
 }
 
-/// Serves `registry` on `listener` until `shutdown` resolves: collects what an
-/// interrupted push left, resumes pending validations, then answers requests.
+/// Serves `registry` on `listener` within `connections` until `shutdown` resolves:
+/// collects what an interrupted push left, resumes pending validations, then answers
+/// requests.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     registry: Shared,
+    connections: agentstack_serve::Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     if let Err(e) = registry.collect_garbage().await {
         tracing::error!(error = %e, "garbage collection at start failed");
     }
     resume_validations(registry.clone()).await;
-    axum::serve(listener, app(registry))
-        .with_graceful_shutdown(shutdown)
-        .await
+    agentstack_serve::serve(listener, app(registry), connections, shutdown).await
 }
 
 #[cfg(test)]
@@ -898,5 +898,48 @@ mod tests {
             );
             assert_eq!(headers[header::X_CONTENT_TYPE_OPTIONS], "nosniff", "{uri}");
         }
+    }
+}
+
+#[cfg(test)]
+mod connection_tests {
+    use std::time::Duration;
+
+    use crate::blobs::Blobs;
+    use crate::db::Db;
+    use crate::registry::{Limits, Registry};
+    use crate::validate::Validators;
+
+    /// Regression (issue 19): a connection that never finished its request head was held
+    /// open forever; now [`super::serve`] closes it after the header-read timeout.
+    #[tokio::test]
+    async fn a_slow_request_head_is_closed_after_the_header_timeout() {
+        const HEADER_TIMEOUT: Duration = Duration::from_millis(300);
+        const GIVE_UP: Duration = Duration::from_secs(5);
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::connect(&format!("sqlite://{}", dir.path().join("hub.db").display()))
+            .await
+            .unwrap();
+        let blobs = Blobs::local(&dir.path().join("blobs")).unwrap();
+        let registry = Registry::with(db, blobs, Limits::default(), Validators::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let connections = agentstack_serve::Limits {
+            header_read_timeout: HEADER_TIMEOUT,
+            ..agentstack_serve::Limits::default()
+        };
+        let server = tokio::spawn(super::serve(
+            listener,
+            std::sync::Arc::new(registry),
+            connections,
+            std::future::pending(),
+        ));
+        for partial in [&b"PUT /api/v1/envs/a/b/versions/1.0.0 HTTP/1.1\r\nhost: sl"[..], b""] {
+            let closed = agentstack_serve::probe::time_to_close(address, partial, GIVE_UP)
+                .await
+                .unwrap();
+            assert!(closed.is_some(), "held open after {partial:?}");
+        }
+        server.abort();
     }
 }

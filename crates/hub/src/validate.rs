@@ -118,7 +118,9 @@ async fn run_checks(registry: &Registry, version_id: i64) -> Vec<ValidationCheck
         Ok(b) => b,
         Err(e) => return vec![check("unpack", "failed", e.to_string())],
     };
-    let read = tokio::task::spawn_blocking(move || package::read_packed(&bytes)).await;
+    let limits = registry.limits.unpack;
+    let read =
+        tokio::task::spawn_blocking(move || package::read_packed_within(&bytes, &limits)).await;
     let (manifest, files) = match read {
         Ok(Ok(ok)) => ok,
         Ok(Err(e)) => return vec![check("unpack", "failed", e.to_string())],

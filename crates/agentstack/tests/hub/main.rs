@@ -1110,7 +1110,7 @@ async fn the_environment_page_shows_the_package_and_its_leaderboard_in_a_browser
         src.path(),
         "maze",
         "1.0.0",
-        "# Maze\n\nFind the **exit** of the grid.\n",
+        "# Maze\n\nFind the **exit** of the grid. [Click](&#106;avascript:alert(1))\n",
     );
     hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
     validation(&hub, "alice/maze", "1.0.0").await;
@@ -1160,6 +1160,8 @@ async fn the_environment_page_shows_the_package_and_its_leaderboard_in_a_browser
     ] {
         assert!(page.contains(needle), "the page lacks {needle:?}:\n{page}");
     }
+    // The README's script link is its text alone, under the page's CSP.
+    assert!(page.contains("Click") && !page.contains("javascript:"), "{page}");
     let index = dom(format!("{}/?q=grid", hub.url));
     assert!(index.contains("href=\"/alice/maze\""), "{index}");
 }
