@@ -254,6 +254,9 @@ pub struct HubServeArgs {
     /// Do not start pushed packages to check them (only the static checks run).
     #[arg(long)]
     pub no_conformance: bool,
+    /// Connection limits.
+    #[command(flatten)]
+    pub connections: ConnectionArgs,
     /// The Python that serves Python packages during validation (inside the sandbox:
     /// it must live under /usr or a --validate-read-only path).
     #[arg(long, default_value = "python3", value_name = "PATH")]

@@ -192,6 +192,10 @@ pub async fn run(args: HubServeArgs) -> Result<(), Exit> {
     agentstack_hub::server::serve(
         listener,
         Arc::new(registry),
+        settings::connection_limits(
+            &args.connections,
+            agentstack_serve::Limits::DEFAULT_MAX_CONNECTIONS,
+        ),
         crate::commands::env::serve::shutdown_signal(),
     )
     .await
