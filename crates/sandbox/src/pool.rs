@@ -432,17 +432,23 @@ async fn read_header<T: serde::de::DeserializeOwned>(
 /// systems, a copy) under a neutral name in a private temporary directory. A bind of
 /// the program itself would show its host path in the sandbox's `/proc/self/mountinfo`
 /// (a bind mount's root is the file's path within its file system); this shows only
-/// the temporary one. One link serves every sandbox of a pool, and goes with it.
+/// the temporary one. One link serves every sandbox of a pool, and goes with it; the
+/// links of processes that died without dropping their pool go at the next start.
 struct ExposedProgram {
     dir: PathBuf,
     path: PathBuf,
 }
 
+/// Names the directories of [`ExposedProgram`]: `<prefix><pid>-<pool>`.
+const EXPOSED_DIR_PREFIX: &str = "agentstack-exposed-";
+
 impl ExposedProgram {
     fn new(program: &Path) -> std::io::Result<Self> {
         static POOLS: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "agentstack-sandbox-{}-{}",
+        let temp = std::env::temp_dir();
+        remove_dead_processes_links(&temp);
+        let dir = temp.join(format!(
+            "{EXPOSED_DIR_PREFIX}{}-{}",
             std::process::id(),
             POOLS.fetch_add(1, Ordering::SeqCst)
         ));
@@ -457,6 +463,28 @@ impl ExposedProgram {
             std::fs::copy(program, &exposed.path)?;
         }
         Ok(exposed)
+    }
+}
+
+/// Removes the [`ExposedProgram`] directories under `temp` whose process is gone
+/// (killed, or exited without dropping its pool).
+fn remove_dead_processes_links(temp: &Path) {
+    let Ok(entries) = std::fs::read_dir(temp) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix(EXPOSED_DIR_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new("/proc").join(pid.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 
@@ -491,6 +519,33 @@ fn hint_for(step: &str, message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exposed_programs_are_linked_and_cleaned_up() {
+        let program = std::env::current_exe().unwrap();
+        let exposed = ExposedProgram::new(&program).unwrap();
+        let dir = exposed.dir.clone();
+        assert!(!exposed.path.starts_with(program.parent().unwrap()));
+        assert_eq!(
+            std::fs::read(&exposed.path).unwrap().len() as u64,
+            program.metadata().unwrap().len()
+        );
+        drop(exposed);
+        assert!(!dir.exists());
+        // A dead process's directory goes at the next start; a live one's stays.
+        let temp = std::env::temp_dir().join(format!("exposed-test-{}", std::process::id()));
+        // Beyond any pid_max: never alive.
+        let dead = temp.join(format!("{EXPOSED_DIR_PREFIX}999999999-0"));
+        let alive = temp.join(format!("{EXPOSED_DIR_PREFIX}{}-7", std::process::id()));
+        let other = temp.join("agentstack-sandbox-999999999");
+        for dir in [&dead, &alive, &other] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        remove_dead_processes_links(&temp);
+        let left = (dead.exists(), alive.exists(), other.exists());
+        let _ = std::fs::remove_dir_all(&temp);
+        assert_eq!(left, (false, true, true));
+    }
 
     #[test]
     fn refusals_say_what_to_change() {
