@@ -1098,7 +1098,9 @@ pub struct ConnectionArgs {
 fn positive_seconds(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(secs) if secs.is_finite() && secs > 0.0 && secs <= 86_400.0 => Ok(secs),
-        _ => Err(format!("`{text}` is not a number of seconds between 0 and 86400")),
+        _ => Err(format!(
+            "`{text}` is not a number of seconds between 0 and 86400"
+        )),
     }
 }
 

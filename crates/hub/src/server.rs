@@ -934,7 +934,10 @@ mod connection_tests {
             connections,
             std::future::pending(),
         ));
-        for partial in [&b"PUT /api/v1/envs/a/b/versions/1.0.0 HTTP/1.1\r\nhost: sl"[..], b""] {
+        for partial in [
+            &b"PUT /api/v1/envs/a/b/versions/1.0.0 HTTP/1.1\r\nhost: sl"[..],
+            b"",
+        ] {
             let closed = agentstack_serve::probe::time_to_close(address, partial, GIVE_UP)
                 .await
                 .unwrap();

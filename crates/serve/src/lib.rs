@@ -88,7 +88,10 @@ pub async fn serve(
     limits: Limits,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    assert!(limits.max_connections > 0, "max_connections must be at least 1");
+    assert!(
+        limits.max_connections > 0,
+        "max_connections must be at least 1"
+    );
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let mut http = http1::Builder::new();
     http.timer(TokioTimer::new())
@@ -292,7 +295,9 @@ mod tests {
     }
 
     /// A server on a free loopback port; dropping the sender stops it.
-    async fn start(limits: Limits) -> (SocketAddr, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    async fn start(
+        limits: Limits,
+    ) -> (SocketAddr, oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
@@ -346,14 +351,22 @@ mod tests {
             .await
             .unwrap()
             .expect("a slow request head must not hold the connection");
-        assert!(took >= SHORT / 2, "closed after {took:?}, before the timeout");
+        assert!(
+            took >= SHORT / 2,
+            "closed after {took:?}, before the timeout"
+        );
     }
 
     #[tokio::test]
     async fn a_silent_connection_is_closed_after_the_header_timeout() {
         let (addr, _stop, _) = start(short()).await;
-        let took = probe::time_to_close(addr, b"", SHORT + SLACK).await.unwrap();
-        assert!(took.is_some(), "a connection that sends nothing must be closed");
+        let took = probe::time_to_close(addr, b"", SHORT + SLACK)
+            .await
+            .unwrap();
+        assert!(
+            took.is_some(),
+            "a connection that sends nothing must be closed"
+        );
     }
 
     #[tokio::test]
@@ -367,7 +380,10 @@ mod tests {
         let start = Instant::now();
         let mut answer = Vec::new();
         let closed = tokio::time::timeout(SHORT + SLACK, stream.read_to_end(&mut answer)).await;
-        assert!(closed.is_ok(), "an idle keep-alive connection must be closed");
+        assert!(
+            closed.is_ok(),
+            "an idle keep-alive connection must be closed"
+        );
         assert!(String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 200"));
         assert!(start.elapsed() >= SHORT / 2);
     }
@@ -394,7 +410,10 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let third = tokio::spawn(async move { fetch(addr, "/").await });
         tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(!third.is_finished(), "a third connection was served past the cap of 2");
+        assert!(
+            !third.is_finished(),
+            "a third connection was served past the cap of 2"
+        );
         drop(held);
         let answer = tokio::time::timeout(SLACK, third)
             .await

@@ -1161,7 +1161,10 @@ async fn the_environment_page_shows_the_package_and_its_leaderboard_in_a_browser
         assert!(page.contains(needle), "the page lacks {needle:?}:\n{page}");
     }
     // The README's script link is its text alone, under the page's CSP.
-    assert!(page.contains("Click") && !page.contains("javascript:"), "{page}");
+    assert!(
+        page.contains("Click") && !page.contains("javascript:"),
+        "{page}"
+    );
     let index = dom(format!("{}/?q=grid", hub.url));
     assert!(index.contains("href=\"/alice/maze\""), "{index}");
 }

@@ -310,9 +310,11 @@ async fn a_websocket_session_outlives_the_header_timeout() {
         .unwrap();
     assert_eq!(reply(&mut ws).await["type"], "observation");
     tokio::time::sleep(HEADER_TIMEOUT * 3).await;
-    ws.send(Message::Text(r#"{"type":"step","data":{"amount":2}}"#.into()))
-        .await
-        .unwrap();
+    ws.send(Message::Text(
+        r#"{"type":"step","data":{"amount":2}}"#.into(),
+    ))
+    .await
+    .unwrap();
     let r = reply(&mut ws).await;
     assert_eq!(r["type"], "observation", "{r}");
 }
