@@ -145,7 +145,9 @@ pub struct Summary {
     pub reward_sd: f64,
     /// Standard error of the mean.
     pub stderr: f64,
-    /// 95% confidence interval of the mean (Student t).
+    /// 95% confidence interval of the mean: Wilson for 0/1 rewards, bootstrap
+    /// percentile otherwise; it never leaves the range of the rewards (see
+    /// [`stats::ci95`]).
     pub ci95: (f64, f64),
     /// Fraction of episodes at or above the success threshold.
     pub success_rate: f64,
