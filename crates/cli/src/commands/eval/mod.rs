@@ -140,11 +140,22 @@ async fn first_model(base: &str, api_key: Option<&str>) -> anyhow::Result<String
     if let Some(key) = api_key {
         request = request.bearer_auth(key);
     }
+    let hint = |e: &reqwest::Error| {
+        if e.status() == Some(reqwest::StatusCode::UNAUTHORIZED) {
+            "set AGENTSTACK_API_KEY (or the variable --api-key-env names) to the server's API key"
+        } else {
+            "pass --model-name"
+        }
+    };
     let reply: Value = request
         .send()
         .await
         .and_then(reqwest::Response::error_for_status)
-        .with_context(|| format!("could not list the models at {url}\nhint: pass --model-name"))?
+        .map_err(|e| {
+            let hint = hint(&e);
+            anyhow::Error::new(e)
+                .context(format!("could not list the models at {url}\nhint: {hint}"))
+        })?
         .json()
         .await
         .with_context(|| format!("{url} did not answer with JSON"))?;
