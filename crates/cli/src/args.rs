@@ -688,7 +688,8 @@ pub struct EvalRunArgs {
     /// model).
     #[arg(long)]
     pub model_name: Option<String>,
-    /// The environment variable holding the server's API key.
+    /// The environment variable holding the server's API key (by default
+    /// AGENTSTACK_API_KEY when set, else OPENAI_API_KEY).
     #[arg(long, default_value = "OPENAI_API_KEY")]
     pub api_key_env: String,
     /// Tasks to play.
