@@ -195,25 +195,12 @@ async fn revoke_tokens(args: HubTokenRevokeArgs) -> Result<(), Exit> {
     Ok(())
 }
 
-/// Unix seconds as `YYYY-MM-DD HH:MM UTC`.
+/// Unix seconds as `YYYY-MM-DD HH:MM UTC` (times before 1970 print as 1970).
 fn time(unix: i64) -> String {
-    let days = unix.div_euclid(86_400);
-    let seconds = unix.rem_euclid(86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
-        seconds / 3600,
-        seconds % 3600 / 60
-    )
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix.max(0).unsigned_abs());
+    // RFC 3339, e.g. 2024-03-01T00:00:00Z: the date, then the hour and minute.
+    let rfc3339 = humantime::format_rfc3339_seconds(at).to_string();
+    format!("{} {} UTC", &rfc3339[..10], &rfc3339[11..16])
 }
 
 #[cfg(test)]
