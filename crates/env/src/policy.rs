@@ -2,8 +2,10 @@
 //! tests (`agentstack env run`) and conformance checks.
 //!
 //! - [`Policy::Random`]: a random value that fits the schema (enums, ranges, required
-//!   fields), using hints from the last observation where they exist (a
-//!   `legal_columns` or `legal_actions` list is sampled from).
+//!   fields). When the last observation lists the legal moves (`legal_actions`,
+//!   `legal_moves`, `available_actions`, `valid_actions`, `legal_columns`), the action
+//!   field ([`action_field`]: `action`, `action_id`, or the one required integer or
+//!   enum field, as in OpenEnv's atari and openspiel) is drawn from that list.
 //! - [`Policy::Scripted`]: the same, deterministic: the first choice everywhere.
 
 use rand::Rng;
@@ -23,6 +25,18 @@ const WORDS: [&str; 8] = [
     "hello", "crane", "42", "slate", "world", "7", "agent", "stack",
 ];
 
+/// Observation fields that list the moves legal now, in the order they are looked for.
+pub const LEGAL_MOVE_LISTS: [&str; 5] = [
+    "legal_actions",
+    "legal_moves",
+    "available_actions",
+    "valid_actions",
+    "legal_columns",
+];
+
+/// Action fields that hold the move by name, in the order they are looked for.
+const ACTION_FIELD_NAMES: [&str; 2] = ["action", "action_id"];
+
 /// Chooses an action for `schema` given the last `observation`.
 pub fn choose(
     policy: Policy,
@@ -31,22 +45,97 @@ pub fn choose(
     rng: &mut impl Rng,
 ) -> Value {
     let mut action = value_for(policy, schema, schema, rng, 0);
-    // Hints: sample a legal move when the observation lists them.
-    for (hint, field) in [("legal_columns", "column"), ("legal_actions", "action")] {
-        if let (Some(Value::Array(options)), Some(obj)) =
-            (observation.get(hint), action.as_object_mut())
-            && obj.contains_key(field)
-        {
-            let pick = match policy {
-                Policy::Random => options.choose(rng).cloned(),
-                Policy::Scripted => options.first().cloned(),
-            };
-            if let Some(pick) = pick {
-                obj.insert(field.to_owned(), pick);
-            }
+    // A move the environment says is legal beats any value the schema allows.
+    if let Some((list, options)) = legal_moves(observation)
+        && let Some(field) = listed_field(schema, list).or_else(|| action_field(schema))
+        && let Some(obj) = action.as_object_mut()
+    {
+        let pick = match policy {
+            Policy::Random => options.choose(rng),
+            Policy::Scripted => options.first(),
+        };
+        if let Some(pick) = pick {
+            obj.insert(field, pick.clone());
         }
     }
     action
+}
+
+/// The first non-empty list of legal moves in `observation` (see [`LEGAL_MOVE_LISTS`]),
+/// with its name.
+pub fn legal_moves(observation: &Map<String, Value>) -> Option<(&'static str, &[Value])> {
+    LEGAL_MOVE_LISTS
+        .iter()
+        .find_map(|name| match observation.get(*name) {
+            Some(Value::Array(options)) if !options.is_empty() => Some((*name, options.as_slice())),
+            _ => None,
+        })
+}
+
+/// The action field a list of legal moves names: `legal_columns` fills `column`, when
+/// the schema has one.
+fn listed_field(schema: &Value, list: &str) -> Option<String> {
+    let noun = list.split_once('_')?.1;
+    let field = noun.strip_suffix('s').unwrap_or(noun);
+    resolve(schema, schema)
+        .pointer(&format!("/properties/{field}"))
+        .map(|_| field.to_owned())
+}
+
+/// The field of an action object that holds the move: `action` or `action_id` when the
+/// schema has one; otherwise the only required field that is an integer or an enum
+/// (connect four's `column`); otherwise the only required field. `None` when the
+/// schema is not an object or the move field is ambiguous.
+pub fn action_field(schema: &Value) -> Option<String> {
+    let object = resolve(schema, schema);
+    let Some(Value::Object(properties)) = object.get("properties") else {
+        return None;
+    };
+    if let Some(name) = ACTION_FIELD_NAMES
+        .iter()
+        .find(|name| properties.contains_key(**name))
+    {
+        return Some((*name).to_owned());
+    }
+    let required: Vec<&str> = object
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| {
+            r.iter()
+                .filter_map(Value::as_str)
+                .filter(|name| properties.contains_key(*name))
+                .collect()
+        })
+        .unwrap_or_default();
+    let choice_like: Vec<&str> = required
+        .iter()
+        .copied()
+        .filter(|name| is_integer_or_enum(schema, &properties[*name]))
+        .collect();
+    match (choice_like.as_slice(), required.as_slice()) {
+        ([only], _) | ([], [only]) => Some((*only).to_owned()),
+        _ => None,
+    }
+}
+
+/// Whether a property takes an integer or one of an enumeration (through `$ref`,
+/// and through `anyOf`/`oneOf` with `null`, as optional fields are written).
+fn is_integer_or_enum(root: &Value, property: &Value) -> bool {
+    let property = resolve(root, property);
+    if property.get("enum").is_some() {
+        return true;
+    }
+    match property.get("type") {
+        Some(Value::String(t)) => return t == "integer",
+        Some(Value::Array(ts)) => return ts.iter().any(|t| t == "integer"),
+        _ => {}
+    }
+    ["anyOf", "oneOf"].iter().any(|key| {
+        property
+            .get(*key)
+            .and_then(Value::as_array)
+            .is_some_and(|options| options.iter().any(|o| is_integer_or_enum(root, o)))
+    })
 }
 
 fn resolve<'a>(root: &'a Value, schema: &'a Value) -> &'a Value {
@@ -195,6 +284,82 @@ mod tests {
         assert_eq!(choose(Policy::Random, &schema, &obs, &mut rng)["column"], 4);
         let s = choose(Policy::Scripted, &schema, &Map::new(), &mut rng);
         assert_eq!(s, json!({"column":0,"mode":"a"}));
+    }
+
+    /// Regression (issue 20): OpenEnv's atari and openspiel name the move `action_id`
+    /// and list the legal ones in `legal_actions`; the random policy drew any integer
+    /// and atari stopped on "Invalid action_id".
+    #[test]
+    fn picks_legal_moves_whatever_the_action_field_is_called() {
+        let atari = json!({
+            "type":"object","required":["action_id"],
+            "properties":{"action_id":{"type":"integer","title":"Action Id"},
+                          "game_name":{"type":"string","default":"pong"},
+                          "metadata":{"type":"object"}}
+        });
+        let single_enum = json!({
+            "type":"object","required":["label","choice"],
+            "properties":{"label":{"type":"string"},"choice":{"$ref":"#/$defs/Choice"}},
+            "$defs":{"Choice":{"enum":["x","y","z"]}}
+        });
+        let single_string = json!({
+            "type":"object","required":["move"],"properties":{"move":{"type":"string"}}
+        });
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for (schema, list, legal, field) in [
+            (&atari, "legal_actions", json!([11, 17]), "action_id"),
+            (&atari, "available_actions", json!([13]), "action_id"),
+            (&atari, "valid_actions", json!([12, 14]), "action_id"),
+            (&single_enum, "legal_moves", json!(["y"]), "choice"),
+            (
+                &single_string,
+                "legal_moves",
+                json!(["e2e4", "d2d4"]),
+                "move",
+            ),
+        ] {
+            let observation = json!({ list: legal }).as_object().unwrap().clone();
+            for policy in [Policy::Random, Policy::Scripted] {
+                for _ in 0..20 {
+                    let action = choose(policy, schema, &observation, &mut rng);
+                    assert!(
+                        legal.as_array().unwrap().contains(&action[field]),
+                        "{policy:?} chose {action} from {list} {legal}"
+                    );
+                }
+            }
+        }
+        // An empty list (the game is over) is no hint.
+        let over = json!({"legal_actions": []}).as_object().unwrap().clone();
+        assert!(choose(Policy::Random, &atari, &over, &mut rng)["action_id"].is_i64());
+    }
+
+    #[test]
+    fn the_action_field_comes_from_the_schema() {
+        let field = |schema: Value| action_field(&schema);
+        assert_eq!(
+            field(
+                json!({"properties":{"action":{"type":"string"},"n":{"type":"integer"}},"required":["n"]})
+            ),
+            Some("action".into())
+        );
+        assert_eq!(
+            field(json!({"properties":{"column":{"type":"integer"}},"required":["column"]})),
+            Some("column".into())
+        );
+        // Optional fields written as anyOf with null still count as integers.
+        assert_eq!(
+            field(json!({"required":["a","b"],"properties":{
+                "a":{"type":"string"},"b":{"anyOf":[{"type":"integer"},{"type":"null"}]}}})),
+            Some("b".into())
+        );
+        // Two integer fields: ambiguous.
+        assert_eq!(
+            field(json!({"required":["x","y"],"properties":{
+                "x":{"type":"integer"},"y":{"type":"integer"}}})),
+            None
+        );
+        assert_eq!(field(json!({"type":"string"})), None);
     }
 }
 
