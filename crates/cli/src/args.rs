@@ -1023,6 +1023,14 @@ pub enum EnvCommand {
     /// Serve environments over the OpenEnv protocol (WebSocket, HTTP, MCP).
     Serve(ServeArgs),
     /// Drive episodes against an environment and print the rewards.
+    ///
+    /// An episode that fails (its reset, a step, or the connection) ends at its error,
+    /// which is printed with it (the `error` field with --json), and the other
+    /// episodes still run; the mean reward and its 95% CI are over the episodes that
+    /// did not fail.
+    ///
+    /// Exit status: 0 when every episode ran without error, 1 when any failed (or on
+    /// bad input), 2 on an internal error.
     Run(RunArgs),
     /// Check that a server speaks the OpenEnv protocol correctly.
     Validate(ValidateArgs),

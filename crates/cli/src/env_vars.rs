@@ -38,3 +38,10 @@ pub const AGENTSTACK_K8S_IMAGE: &str = "AGENTSTACK_K8S_IMAGE";
 
 /// The namespace `launch --infra k8s` uses (default: the context's, else `default`).
 pub const AGENTSTACK_K8S_NAMESPACE: &str = "AGENTSTACK_K8S_NAMESPACE";
+
+/// Set and not empty: no colour in log lines, even with `CLICOLOR_FORCE` (no-color.org).
+pub const NO_COLOR: &str = "NO_COLOR";
+
+/// Set and not `0`: colour in log lines even when stderr is not a terminal (unless
+/// `NO_COLOR` is set).
+pub const CLICOLOR_FORCE: &str = "CLICOLOR_FORCE";

@@ -10,6 +10,7 @@ pub mod commands;
 pub mod env_vars;
 pub mod settings;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -109,10 +110,33 @@ fn init_tracing(verbose: u8, quiet: bool) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env(env_vars::AGENTSTACK_LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let colour = log_colour(
+        std::env::var_os(env_vars::NO_COLOR).as_deref(),
+        std::env::var_os(env_vars::CLICOLOR_FORCE).as_deref(),
+        std::io::stderr().is_terminal(),
+    );
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .try_init();
+}
+
+/// Whether log lines are coloured: only on a terminal, so files and pipes get plain
+/// text; `NO_COLOR` (set, not empty) turns colour off everywhere, and otherwise
+/// `CLICOLOR_FORCE` (set, not `0`) turns it on everywhere.
+fn log_colour(
+    no_color: Option<&std::ffi::OsStr>,
+    force: Option<&std::ffi::OsStr>,
+    stderr_is_terminal: bool,
+) -> bool {
+    if no_color.is_some_and(|v| !v.is_empty()) {
+        return false;
+    }
+    if force.is_some_and(|v| !v.is_empty() && v != "0") {
+        return true;
+    }
+    stderr_is_terminal
 }
 
 /// Tells the compute libraries how many threads to use. Candle reads its thread count
@@ -128,5 +152,27 @@ fn set_compute_threads(threads: usize) {
     unsafe {
         std::env::set_var("RAYON_NUM_THREADS", &value);
         std::env::set_var("CANDLE_NUM_THREADS", &value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    use super::log_colour;
+
+    #[test]
+    fn colour_only_on_a_terminal_unless_asked() {
+        let set = |v: &'static str| Some(OsStr::new(v));
+        assert!(log_colour(None, None, true));
+        assert!(!log_colour(None, None, false));
+        assert!(!log_colour(set("1"), None, true));
+        assert!(
+            log_colour(set(""), None, true),
+            "an empty NO_COLOR is unset"
+        );
+        assert!(log_colour(None, set("1"), false));
+        assert!(!log_colour(None, set("0"), false));
+        assert!(!log_colour(set("1"), set("1"), true), "NO_COLOR wins");
     }
 }

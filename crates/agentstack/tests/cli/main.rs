@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use assert_cmd::cargo::CommandCargoExt;
 
+mod env_run;
+
 struct Output {
     code: i32,
     stdout: String,

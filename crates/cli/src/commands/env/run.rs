@@ -1,5 +1,9 @@
 //! `agentstack env run`: drive episodes with a simple policy and print the rewards.
 //! A smoke test for any environment URL, and the end-to-end demo on built-ins.
+//!
+//! An episode that fails (its reset, a step, or its connection) ends there with its
+//! error recorded; the other episodes still run, and the command exits 1 when any
+//! episode failed.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -32,6 +36,16 @@ pub struct EpisodeReport {
     pub done: bool,
     /// Wall time, seconds.
     pub seconds: f64,
+    /// Why the episode stopped early, when it failed (`null` when it did not).
+    pub error: Option<String>,
+}
+
+/// How far an episode got, kept when it fails part way.
+#[derive(Default)]
+struct Progress {
+    steps: usize,
+    total_reward: f64,
+    done: bool,
 }
 
 /// What every episode of a run shares.
@@ -45,7 +59,34 @@ struct Plan<'a> {
     max_steps: usize,
 }
 
-async fn episode(plan: &Plan<'_>, index: usize, seed: u64) -> anyhow::Result<EpisodeReport> {
+/// Plays one episode; a failure ends it and is recorded in the report.
+async fn episode(plan: &Plan<'_>, index: usize, seed: u64) -> EpisodeReport {
+    let started = Instant::now();
+    let mut progress = Progress::default();
+    let error = play(plan, index, seed, &mut progress)
+        .await
+        .err()
+        .map(|e| format!("{e:#}"));
+    if let Some(error) = &error {
+        tracing::warn!(episode = index, seed, "episode failed: {error}");
+    }
+    EpisodeReport {
+        episode: index,
+        seed,
+        steps: progress.steps,
+        total_reward: progress.total_reward,
+        done: progress.done,
+        seconds: started.elapsed().as_secs_f64(),
+        error,
+    }
+}
+
+async fn play(
+    plan: &Plan<'_>,
+    index: usize,
+    seed: u64,
+    progress: &mut Progress,
+) -> anyhow::Result<()> {
     let Plan {
         url,
         action_schema: schema,
@@ -54,8 +95,9 @@ async fn episode(plan: &Plan<'_>, index: usize, seed: u64) -> anyhow::Result<Epi
         options,
         max_steps,
     } = *plan;
-    let started = Instant::now();
-    let mut client = EnvClient::connect(url, ClientConfig::default()).await?;
+    let mut client = EnvClient::connect(url, ClientConfig::default())
+        .await
+        .context("connecting")?;
     let mut result = client
         .reset(ResetRequest {
             seed: Some(seed),
@@ -63,11 +105,9 @@ async fn episode(plan: &Plan<'_>, index: usize, seed: u64) -> anyhow::Result<Epi
             options: options.clone(),
         })
         .await
-        .with_context(|| format!("episode {index}: reset"))?;
+        .context("reset")?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut steps = 0;
-    let mut total = 0.0;
-    while !result.done && steps < max_steps {
+    while !result.done && progress.steps < max_steps {
         let action = match tools {
             Some(tools) => policy::choose_tool_call(policy, tools, &mut rng)
                 .ok_or_else(|| anyhow!("the environment takes tool calls but lists no tools"))?,
@@ -76,19 +116,17 @@ async fn episode(plan: &Plan<'_>, index: usize, seed: u64) -> anyhow::Result<Epi
         result = client
             .step(&action)
             .await
-            .with_context(|| format!("episode {index}: step {} with action {action}", steps + 1))?;
-        steps += 1;
-        total += result.reward.unwrap_or(0.0);
+            .with_context(|| format!("step {} with action {action}", progress.steps + 1))?;
+        progress.steps += 1;
+        progress.total_reward += result.reward.unwrap_or(0.0);
+        progress.done = result.done;
     }
-    client.close().await?;
-    Ok(EpisodeReport {
-        episode: index,
-        seed,
-        steps,
-        total_reward: total,
-        done: result.done,
-        seconds: started.elapsed().as_secs_f64(),
-    })
+    if let Err(e) = client.close().await {
+        // The episode is complete; a session that did not close cleanly is the
+        // server's to reap.
+        tracing::warn!(episode = index, "closing the session: {e}");
+    }
+    Ok(())
 }
 
 /// Lists an MCP environment's tools with a `list_tools` step on a session of its own.
@@ -178,19 +216,16 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
         })
         .buffer_unordered(args.concurrency.max(1))
         .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .await;
     bar.finish_and_clear();
     results.sort_by_key(|r| r.episode);
     let mut out = std::io::stdout().lock();
-    let mean = results.iter().map(|r| r.total_reward).sum::<f64>() / results.len() as f64;
-    let var = results
+    let rewards: Vec<f64> = results
         .iter()
-        .map(|r| (r.total_reward - mean).powi(2))
-        .sum::<f64>()
-        / (results.len().max(2) - 1) as f64;
-    let ci95 = 1.96 * (var / results.len() as f64).sqrt();
+        .filter(|r| r.error.is_none())
+        .map(|r| r.total_reward)
+        .collect();
+    let failed = results.len() - rewards.len();
     if args.json {
         for r in &results {
             writeln!(out, "{}", serde_json::to_string(r).context("JSON")?).context("stdout")?;
@@ -198,19 +233,39 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
     } else {
         writeln!(out, "episode  seed  steps  reward    done").context("stdout")?;
         for r in &results {
+            let done = if r.error.is_some() {
+                "failed".to_owned()
+            } else {
+                r.done.to_string()
+            };
             writeln!(
                 out,
-                "{:>7}  {:>4}  {:>5}  {:>8.3}  {}",
-                r.episode, r.seed, r.steps, r.total_reward, r.done
+                "{:>7}  {:>4}  {:>5}  {:>8.3}  {done}",
+                r.episode, r.seed, r.steps, r.total_reward
             )
             .context("stdout")?;
         }
-        writeln!(
-            out,
-            "mean reward {mean:.3} ± {ci95:.3} (95% CI) over {} episodes",
+        for r in &results {
+            if let Some(error) = &r.error {
+                writeln!(out, "episode {} failed: {error}", r.episode).context("stdout")?;
+            }
+        }
+        if !rewards.is_empty() {
+            let mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
+            let (low, high) = agentstack_harness::stats::ci95(&rewards);
+            writeln!(
+                out,
+                "mean reward {mean:.3} (95% CI [{low:.3}, {high:.3}]) over {} episodes",
+                rewards.len()
+            )
+            .context("stdout")?;
+        }
+    }
+    if failed > 0 {
+        return Err(Exit::user(anyhow!(
+            "{failed} of {} episodes failed (each ends at its error; the others ran to the end)",
             results.len()
-        )
-        .context("stdout")?;
+        )));
     }
     Ok(())
 }
