@@ -29,9 +29,12 @@ pub(crate) fn resolve(target: &str, python: &str) -> anyhow::Result<Target> {
     }
     let path = Path::new(target);
     if path.is_dir() {
-        if !path.join("openenv.yaml").is_file() {
+        // A package without openenv.yaml is served when it has server/app.py (several
+        // of OpenEnv's own environments ship none); the name and app are assumed and
+        // logged.
+        if !path.join("openenv.yaml").is_file() && !path.join("server/app.py").is_file() {
             bail!(
-                "{} is a directory without an openenv.yaml\nhint: serve an OpenEnv package directory, a built-in name ({}), or a quoted command line",
+                "{} is a directory with neither an openenv.yaml nor a server/app.py\nhint: serve an OpenEnv package directory, a built-in name ({}), or a quoted command line",
                 path.display(),
                 builtin_names()
             );

@@ -98,9 +98,19 @@ pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
             .iter()
             .filter(|c| c.status == Status::Pass)
             .count();
+        let warned = report
+            .checks
+            .iter()
+            .filter(|c| c.status == Status::Warn)
+            .count();
+        let warnings = match warned {
+            0 => String::new(),
+            1 => " (1 warning)".to_owned(),
+            n => format!(" ({n} warnings)"),
+        };
         writeln!(
             out,
-            "{}: {passed}/{} checks passed at {}",
+            "{}: {passed}/{} checks passed{warnings} at {}",
             if report.passed { "PASS" } else { "FAIL" },
             report.checks.len(),
             report.url
