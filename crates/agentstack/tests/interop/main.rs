@@ -9,6 +9,9 @@
 //!   `agentstack env serve <dir> --python <venv python>` and driven by
 //!   `agentstack env run` and `agentstack env validate`;
 //! - their client through our reverse proxy to their server;
+//! - packages of the shapes found in OpenEnv's own repository (no manifest,
+//!   package-relative imports, own episode ids, 500s that drop the connection,
+//!   refused WebSockets) hosted by `agentstack env serve` ([`foreign_envs`]);
 //! - the official `openai` Python client against `agentstack model serve` on the
 //!   SmolLM2 test model: chat, streaming, tools, JSON schema, logprobs, errors;
 //! - `agentstack env import` on small `verifiers` environments, the packages it
@@ -22,6 +25,7 @@
 //! cargo nextest run -p agentstack --test interop --run-ignored all
 //! ```
 
+mod foreign_envs;
 mod peers;
 mod processes;
 mod verifiers;
