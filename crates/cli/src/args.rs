@@ -1053,7 +1053,8 @@ pub struct ListArgs {
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// What to serve: built-in names (several are served from one process, each under
-    /// /<name>, the first also at /), or one package directory (with an openenv.yaml),
+    /// /<name>, the first also at /), or one package directory (with an openenv.yaml,
+    /// or at least server/app.py),
     /// or one hub package (hub:owner/name[@version], pulled and checked first), or one
     /// command line (quoted, e.g. "python server.py --port {port}").
     #[arg(required = true, value_name = "NAME|PATH|hub:REF|COMMAND")]
