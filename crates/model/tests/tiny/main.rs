@@ -737,13 +737,7 @@ async fn a_request_without_a_key_is_refused_before_its_body_is_read() {
         assert!(!polled.load(Ordering::SeqCst), "{uri}: the body was read");
     }
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let server = tokio::spawn(agentstack_model::server::serve(
-        state,
-        listener,
-        std::future::pending(),
-    ));
+    let (address, server) = serve_on_loopback(state).await;
     let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
     socket
         .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 10000000000\r\n\r\n{\"messages\": [")
@@ -757,6 +751,23 @@ async fn a_request_without_a_key_is_refused_before_its_body_is_read() {
     let answer = String::from_utf8_lossy(&answer[..n]);
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
     server.abort();
+}
+
+/// Serves `state` on a free loopback port until the returned task is aborted.
+async fn serve_on_loopback(
+    state: AppState,
+) -> (
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let server = tokio::spawn(agentstack_model::server::serve(
+        state,
+        listener,
+        std::future::pending(),
+    ));
+    (address, server)
 }
 
 /// Regression (issue 19): a connection that never finished its request head was held
@@ -779,13 +790,7 @@ async fn a_slow_request_head_is_closed_after_the_header_timeout() {
             ..ServerConfig::default()
         },
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let server = tokio::spawn(agentstack_model::server::serve(
-        state,
-        listener,
-        std::future::pending(),
-    ));
+    let (address, server) = serve_on_loopback(state).await;
     for partial in [&b"POST /v1/chat/completions HTTP/1.1\r\nhost: sl"[..], b""] {
         let closed = agentstack_serve::probe::time_to_close(address, partial, GIVE_UP)
             .await
