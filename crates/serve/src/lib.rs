@@ -14,6 +14,9 @@
 //!
 //! Handlers see the peer's address as axum's `ConnectInfo<SocketAddr>`.
 //!
+//! [`auth`] is the API-key check the servers that change state or read files put in
+//! front of every route but `/health`.
+//!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
 //! use agentstack_serve::{Limits, serve};
@@ -42,6 +45,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tower::ServiceExt;
+
+pub mod auth;
 
 /// What one client may hold of a server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

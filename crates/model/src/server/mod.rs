@@ -10,11 +10,12 @@
 //! LoRA adapters only from files inside [`ServerConfig::adapter_dir`].
 
 mod adapters;
-mod auth;
 mod openai;
 mod tokens;
 
-pub use auth::{API_KEY_ENV, ApiKey, EmptyApiKey};
+pub use agentstack_serve::auth::{API_KEY_ENV, ApiKey, EmptyApiKey};
+
+use agentstack_serve::auth::{KeyGuard, Refusal};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -95,8 +96,8 @@ impl AppState {
 /// key before anything else (the body is not read without one).
 pub fn app(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
-    let keys: Arc<[ApiKey]> = state.config.api_keys.clone().into();
-    Router::new()
+    let guard = KeyGuard::new(state.config.api_keys.clone(), refuse);
+    let router = Router::new()
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(openai::chat_completions))
@@ -114,11 +115,13 @@ pub fn app(state: AppState) -> Router {
         )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(axum::middleware::from_fn_with_state(
-            keys,
-            auth::require_api_key,
-        ))
-        .with_state(state)
+        .with_state(state);
+    guard.wrap(router)
+}
+
+/// The 401 of a request without a valid API key, in OpenAI's shape.
+fn refuse(refusal: Refusal) -> Response {
+    ApiError::unauthorized(refusal.message()).into_response()
 }
 
 /// Serves on `listener` until `shutdown` resolves, within
