@@ -1080,6 +1080,19 @@ pub struct ServeArgs {
     /// Production mode: no stateless /reset, /step, /state routes.
     #[arg(long)]
     pub production: bool,
+    /// Ask for this API key (`Authorization: Bearer KEY`) on every route but /health:
+    /// HTTP, the /ws and /mcp WebSockets, and a foreign environment behind the proxy
+    /// (repeatable; the environment variable takes several, comma-separated, and keeps
+    /// them out of the process list). Clients (`env run`, `env validate`, `eval`,
+    /// `train`) send the first key of AGENTSTACK_API_KEY.
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = crate::env_vars::AGENTSTACK_API_KEY,
+        hide_env_values = true,
+        value_delimiter = ','
+    )]
+    pub api_keys: Vec<agentstack_env::server::ApiKey>,
     /// Connection limits.
     #[command(flatten)]
     pub connections: ConnectionArgs,

@@ -56,7 +56,14 @@ pub fn server_config(args: &ServeArgs) -> ServerConfig {
         simulation: !args.production,
         header_read_timeout: limits.header_read_timeout,
         max_connections: limits.max_connections,
+        api_keys: args.api_keys.clone(),
     }
+}
+
+/// Whether a server on `host` without a key (`keyed` false) can be reached from other
+/// machines: then it warns at start.
+pub fn no_key_on_a_network(host: std::net::IpAddr, keyed: bool) -> bool {
+    !keyed && !host.is_loopback()
 }
 
 /// The data directory: `AGENTSTACK_HOME`, else `$XDG_DATA_HOME/agentstack`, else
@@ -168,4 +175,29 @@ pub fn hub_database(flag: Option<&str>) -> String {
                 .filter(|v| !v.is_empty())
         })
         .unwrap_or_else(|| format!("sqlite://{}", data_dir().join("hub.db").display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+
+    #[test]
+    fn only_a_keyless_server_off_loopback_is_warned_about() {
+        let any: IpAddr = "0.0.0.0".parse().unwrap();
+        assert!(no_key_on_a_network(any, false));
+        assert!(!no_key_on_a_network(any, true));
+        assert!(!no_key_on_a_network("127.0.0.1".parse().unwrap(), false));
+        assert!(!no_key_on_a_network("::1".parse().unwrap(), false));
+        assert!(no_key_on_a_network("::".parse().unwrap(), false));
+    }
+
+    #[test]
+    fn env_serve_and_its_clients_read_the_same_variable() {
+        assert_eq!(
+            env_vars::AGENTSTACK_API_KEY,
+            agentstack_env::server::API_KEY_ENV
+        );
+    }
 }

@@ -32,6 +32,8 @@ pub(crate) enum ApiError {
     Validation(Vec<ValidationIssue>),
     /// 400 with a message.
     BadRequest(String),
+    /// 401: the request bears no valid API key.
+    Unauthorized(&'static str),
     /// 404 with a message.
     NotFound(String),
     /// 501: the environment lacks the feature.
@@ -50,6 +52,7 @@ impl IntoResponse for ApiError {
                 ErrorDetail::issues(issues),
             ),
             ApiError::BadRequest(m) => (StatusCode::BAD_REQUEST, ErrorDetail::message(m)),
+            ApiError::Unauthorized(m) => (StatusCode::UNAUTHORIZED, ErrorDetail::message(m)),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, ErrorDetail::message(m)),
             ApiError::NotImplemented(m) => (StatusCode::NOT_IMPLEMENTED, ErrorDetail::message(m)),
             ApiError::Execution(m) => {
@@ -254,6 +257,12 @@ async fn step_raw(
 async fn state_route(State(ctx): State<EnvCtx>) -> Result<Response, ApiError> {
     let env = ctx.fresh()?;
     Ok(json(&env.state()?))
+}
+
+/// The 401 of a request without a valid API key, as `{"detail": "..."}` like the
+/// server's other errors (and FastAPI's, which OpenEnv clients know).
+pub(crate) fn unauthorized(refusal: agentstack_serve::auth::Refusal) -> Response {
+    ApiError::Unauthorized(refusal.message()).into_response()
 }
 
 pub(crate) async fn not_found() -> Response {

@@ -12,6 +12,14 @@
 //! idle longer than [`ServerConfig::idle_timeout`] are reaped, attached or not),
 //! connections ([`ServerConfig::max_connections`]) and the time to send a request head
 //! ([`ServerConfig::header_read_timeout`]).
+//!
+//! With API keys in [`ServerConfig::api_keys`], every route but `/health` (and each
+//! environment's `/{name}/health`) needs `Authorization: Bearer KEY`: the HTTP routes,
+//! the `/ws` and `/mcp` WebSocket upgrades, MCP over HTTP, the Task API and, for a
+//! foreign environment, everything the proxy forwards. The key is checked before a
+//! body is read or a WebSocket accepted; a request without it gets 401 with
+//! `{"detail": "..."}` (the shape of the server's other errors), and the key is taken
+//! off a request before a handler, or a foreign server behind the proxy, sees it.
 
 mod http;
 mod mcp;
@@ -23,6 +31,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use agentstack_serve::auth::{API_KEY_ENV, ApiKey};
+
+use agentstack_serve::auth::KeyGuard;
 use axum::Router;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -58,6 +69,9 @@ pub struct ServerConfig {
     /// Most connections open at once (each WebSocket session holds one for its life);
     /// past it, new connections wait until one closes.
     pub max_connections: usize,
+    /// Keys a request must bear one of (`Authorization: Bearer KEY`) on every route but
+    /// `/health`; none: no key is asked for. Redacted in `Debug`.
+    pub api_keys: Vec<ApiKey>,
 }
 
 /// Connections the default [`ServerConfig`] keeps beside its sessions' WebSockets,
@@ -77,6 +91,7 @@ impl Default for ServerConfig {
             simulation: true,
             header_read_timeout: agentstack_serve::Limits::DEFAULT_HEADER_READ_TIMEOUT,
             max_connections: 16_384 + HTTP_CONNECTIONS,
+            api_keys: Vec::new(),
         }
     }
 }
@@ -214,7 +229,10 @@ impl Server {
             .await
             .map_err(|source| ServerError::Bind { addr, source })?;
         let (tx, rx) = watch::channel(false);
-        let app = crate::foreign::proxy_router(upstream, config.max_body_bytes);
+        let app = key_guard(&config, &[]).wrap(crate::foreign::proxy_router(
+            upstream,
+            config.max_body_bytes,
+        ));
         let state = Arc::new(AppState {
             sessions: Sessions::new(config.max_sessions),
             config,
@@ -314,16 +332,26 @@ async fn reap_loop(state: Arc<AppState>) {
     }
 }
 
-/// Builds the whole service for `state`.
+/// Builds the whole service for `state`, behind its API keys when it has any.
 pub(crate) fn app(state: Arc<AppState>) -> Router {
     let mut router = http::task_routes(state.clone()).merge(http::env_routes(state.clone(), 0));
     for index in 0..state.envs.len() {
         let name = state.envs[index].name().to_owned();
         router = router.nest(&format!("/{name}"), http::env_routes(state.clone(), index));
     }
-    router
+    let router = router
         .fallback(http::not_found)
         .layer(axum::extract::DefaultBodyLimit::max(
             state.config.max_body_bytes,
-        ))
+        ));
+    key_guard(&state.config, &state.envs).wrap(router)
+}
+
+/// The key check of a server with `config` serving `envs`: `/health` and each
+/// environment's `/{name}/health` stay open for readiness probes.
+fn key_guard(config: &ServerConfig, envs: &[EnvSpec]) -> KeyGuard {
+    envs.iter().fold(
+        KeyGuard::new(config.api_keys.clone(), http::unauthorized),
+        |guard, env| guard.open_path(format!("/{}/health", env.name())),
+    )
 }

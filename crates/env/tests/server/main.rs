@@ -1,4 +1,6 @@
-//! The server over real sockets: protocol, bad input, bounds, sessions.
+//! The server over real sockets: protocol, bad input, bounds, sessions, API keys.
+
+mod api_keys;
 
 use std::sync::Arc;
 use std::time::Duration;

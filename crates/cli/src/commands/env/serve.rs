@@ -1,5 +1,9 @@
 //! `agentstack env serve`: built-in environments in one process, or one foreign
 //! environment (an OpenEnv package or a command line) behind our address.
+//!
+//! With `--api-key` (or `AGENTSTACK_API_KEY`, comma-separated) every route but
+//! `/health` asks for one of the keys, the foreign environment's included; without a
+//! key, serving off loopback is warned about. Keys are never logged.
 
 use std::io::Write;
 use std::path::Path;
@@ -12,7 +16,7 @@ use anyhow::{Context, anyhow, bail};
 
 use crate::Exit;
 use crate::args::ServeArgs;
-use crate::settings;
+use crate::{env_vars, settings};
 
 /// What one target names.
 pub(crate) enum Target {
@@ -114,6 +118,18 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
     let python = settings::python(args.python.as_deref());
     let config = settings::server_config(&args);
     raise_open_file_limit(config.max_connections);
+    if settings::no_key_on_a_network(args.host, !config.api_keys.is_empty()) {
+        tracing::warn!(
+            host = %args.host,
+            "serving on a non-loopback address without an API key: anyone who can reach it can open sessions and run the environments (a foreign package's code among them); set {} or --api-key",
+            env_vars::AGENTSTACK_API_KEY
+        );
+    } else if !config.api_keys.is_empty() {
+        tracing::info!(
+            keys = config.api_keys.len(),
+            "every route but /health asks for an API key"
+        );
+    }
     let mut targets = Vec::new();
     for target in &args.targets {
         let target = crate::commands::hub::pull_target(target).await?;

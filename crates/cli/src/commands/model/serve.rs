@@ -1,7 +1,7 @@
 //! `agentstack model serve`: the OpenAI-compatible server.
 
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use agentstack_model::constraint::ConstraintCompiler;
@@ -51,7 +51,7 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
             ..ServerConfig::default()
         },
     );
-    if no_key_on_a_network(args.host, keyed) {
+    if settings::no_key_on_a_network(args.host, keyed) {
         tracing::warn!(
             host = %args.host,
             "serving on a non-loopback address without an API key: anyone who can reach it can use the model and load adapters; set {} or --api-key",
@@ -86,25 +86,9 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
     Ok(())
 }
 
-/// Whether a server on `host` without a key (`keyed` false) can be reached from other
-/// machines: then it warns at start.
-fn no_key_on_a_network(host: IpAddr, keyed: bool) -> bool {
-    !keyed && !host.is_loopback()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_a_keyless_server_off_loopback_is_warned_about() {
-        let any: IpAddr = "0.0.0.0".parse().unwrap();
-        assert!(no_key_on_a_network(any, false));
-        assert!(!no_key_on_a_network(any, true));
-        assert!(!no_key_on_a_network("127.0.0.1".parse().unwrap(), false));
-        assert!(!no_key_on_a_network("::1".parse().unwrap(), false));
-        assert!(no_key_on_a_network("::".parse().unwrap(), false));
-    }
 
     #[test]
     fn the_server_and_its_clients_read_the_same_variable() {
