@@ -622,7 +622,8 @@ pub struct TrainArgs {
     /// Override the configuration's teacher (`[distill] teacher`; `train distill`).
     #[arg(long)]
     pub teacher: Option<PathBuf>,
-    /// Override the configuration's environment (e.g. an env server's URL).
+    /// Override the configuration's environment (e.g. an env server's URL, sent the
+    /// first key of AGENTSTACK_API_KEY).
     #[arg(long)]
     pub env: Option<String>,
     /// Also push the adapters to this `model serve` after every step (repeatable).
@@ -676,8 +677,9 @@ pub struct CompareArgs {
 /// `eval` (a run).
 #[derive(Debug, Args)]
 pub struct EvalRunArgs {
-    /// A built-in environment, an OpenEnv server URL, a package directory, a hub
-    /// package (hub:owner/name[@version]), or a quoted command line that serves one.
+    /// A built-in environment, an OpenEnv server URL (sent the first key of
+    /// AGENTSTACK_API_KEY), a package directory, a hub package
+    /// (hub:owner/name[@version]), or a quoted command line that serves one.
     #[arg(long, value_name = "ENV", required = true)]
     pub env: Option<String>,
     /// A model reference or GGUF file (run in process), or the base URL of an
@@ -1139,7 +1141,8 @@ pub enum PolicyArg {
 /// `env run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// A built-in environment name (served in-process) or a server URL.
+    /// A built-in environment name (served in-process) or a server URL (sent the first
+    /// key of AGENTSTACK_API_KEY, for a server started with --api-key).
     #[arg(value_name = "NAME|URL")]
     pub target: String,
     /// Number of episodes.
@@ -1169,7 +1172,8 @@ pub struct RunArgs {
 #[derive(Debug, Args)]
 pub struct ValidateArgs {
     /// A server URL, a built-in environment name, a package directory, or a hub
-    /// package (hub:owner/name[@version]).
+    /// package (hub:owner/name[@version]). A URL gets the first key of
+    /// AGENTSTACK_API_KEY, for a server started with --api-key.
     #[arg(value_name = "URL|NAME|PATH|hub:REF")]
     pub target: String,
     /// Print the report as JSON.

@@ -20,10 +20,11 @@ pub const AGENTSTACK_HUB_TOKEN: &str = "AGENTSTACK_HUB_TOKEN";
 /// The database `hub serve` keeps its metadata in (`sqlite:///…` or `postgres://…`).
 pub const AGENTSTACK_HUB_DATABASE_URL: &str = "AGENTSTACK_HUB_DATABASE_URL";
 
-/// API keys `model serve` asks for (`Authorization: Bearer KEY` on every route but
-/// `/health`; several, comma-separated). Clients send the first: the trainer's adapter
-/// pushes (unless `[sync] api_key_env` names another variable) and `eval --model URL`
-/// (before `OPENAI_API_KEY`).
+/// API keys `model serve` and `env serve` ask for (`Authorization: Bearer KEY` on every
+/// route but `/health`; several, comma-separated). Clients send the first: the
+/// trainer's adapter pushes (unless `[sync] api_key_env` names another variable),
+/// `eval --model URL` (before `OPENAI_API_KEY`), and whatever opens an environment by
+/// URL (`env run`, `env validate`, `eval --env URL`, `train` with an env URL).
 pub const AGENTSTACK_API_KEY: &str = "AGENTSTACK_API_KEY";
 
 /// The Ray Jobs API `launch --infra ray` submits to (default `http://127.0.0.1:8265`).

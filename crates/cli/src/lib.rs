@@ -14,6 +14,8 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// An error that carries its exit code.
 #[derive(Debug)]
@@ -119,7 +121,18 @@ fn init_tracing(verbose: u8, quiet: bool) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(colour)
+        .finish()
+        .with(tracing_subscriber::filter::filter_fn(holds_no_secret))
         .try_init();
+}
+
+/// Whether an event may be logged, whatever the filter asks for. tungstenite logs a
+/// WebSocket client's whole handshake request at TRACE, and with it the
+/// `Authorization` header that carries an API key (`env run`, `eval` against a server
+/// started with `--api-key`): those events are never logged.
+fn holds_no_secret(metadata: &tracing::Metadata<'_>) -> bool {
+    !(*metadata.level() == tracing::Level::TRACE
+        && metadata.target().starts_with("tungstenite::handshake"))
 }
 
 /// Whether log lines are coloured: only on a terminal, so files and pipes get plain

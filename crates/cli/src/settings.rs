@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use agentstack_env::client::{ApiKey, ClientConfig};
 use agentstack_env::server::ServerConfig;
 
 use agentstack_serve::Limits;
@@ -57,6 +58,17 @@ pub fn server_config(args: &ServeArgs) -> ServerConfig {
         header_read_timeout: limits.header_read_timeout,
         max_connections: limits.max_connections,
         api_keys: args.api_keys.clone(),
+    }
+}
+
+/// The client settings for an environment opened by URL: the first key of
+/// `AGENTSTACK_API_KEY`, when it holds one, for a server started with keys.
+pub fn env_client() -> ClientConfig {
+    ClientConfig {
+        api_key: std::env::var(env_vars::AGENTSTACK_API_KEY)
+            .ok()
+            .and_then(|list| ApiKey::first_of_list(&list)),
+        ..ClientConfig::default()
     }
 }
 

@@ -4,6 +4,11 @@
 //! Every call has a time limit; a server error frame becomes
 //! [`ClientError::Server`] with the server's code and message. Clients never
 //! reconnect silently: a broken session is an error the caller sees.
+//!
+//! A server started with API keys (`agentstack env serve --api-key`) asks for one on
+//! every route but `/health`: [`ClientConfig::api_key`] is sent as `Authorization:
+//! Bearer KEY` on HTTP requests and WebSocket upgrades, and a 401 becomes
+//! [`ClientError::Unauthorized`], which says to set `AGENTSTACK_API_KEY`.
 
 use std::marker::PhantomData;
 use std::time::Duration;
@@ -20,12 +25,15 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
+pub use agentstack_serve::auth::{API_KEY_ENV, ApiKey};
+
 use crate::tasks::TaskList;
 
-/// Time and size limits of a client.
+/// Time and size limits of a client, and the key it sends.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// Longest wait to open a connection.
@@ -34,15 +42,19 @@ pub struct ClientConfig {
     pub message_timeout: Duration,
     /// Largest message accepted from the server, bytes.
     pub max_message_bytes: usize,
+    /// The API key sent as `Authorization: Bearer KEY` on HTTP requests and WebSocket
+    /// upgrades, for a server started with keys; none: no header. Redacted in `Debug`.
+    pub api_key: Option<ApiKey>,
 }
 
 impl Default for ClientConfig {
-    /// The Python client's defaults: 10 s to connect, 60 s per message, 100 MB.
+    /// The Python client's defaults: 10 s to connect, 60 s per message, 100 MB; no key.
     fn default() -> Self {
         Self {
             connect_timeout: Duration::from_secs(10),
             message_timeout: Duration::from_secs(60),
             max_message_bytes: 100 * 1024 * 1024,
+            api_key: None,
         }
     }
 }
@@ -90,6 +102,18 @@ pub enum ClientError {
         /// Why.
         #[source]
         source: reqwest::Error,
+    },
+    /// The server asked for an API key (HTTP 401): none was sent, or the one sent is
+    /// not one of its keys.
+    #[error(
+        "{url} answered 401 Unauthorized: {}\nhint: set {API_KEY_ENV} to one of the server's keys (those `agentstack env serve` was given with --api-key or {API_KEY_ENV})",
+        if *key_sent { "the API key sent is not one of the server's" } else { "the server needs an API key" }
+    )]
+    Unauthorized {
+        /// The URL.
+        url: String,
+        /// Whether a key was sent.
+        key_sent: bool,
     },
     /// An HTTP call got a non-success status.
     #[error("HTTP {status} from {url}: {body}")]
@@ -152,16 +176,37 @@ impl EnvClient {
         let mut ws_config = WebSocketConfig::default();
         ws_config.max_message_size = Some(config.max_message_bytes);
         ws_config.max_frame_size = Some(config.max_message_bytes);
-        let connecting = tokio_tungstenite::connect_async_with_config(&url, Some(ws_config), true);
+        let connect_error = |e| ClientError::Connect {
+            url: url.clone(),
+            source: Box::new(e),
+        };
+        let mut request = url.as_str().into_client_request().map_err(connect_error)?;
+        if let Some(key) = &config.api_key {
+            let mut value: reqwest::header::HeaderValue =
+                format!("Bearer {}", key.expose()).parse().map_err(|_| {
+                    ClientError::Protocol("the API key is not a valid header value".into())
+                })?;
+            value.set_sensitive(true);
+            request.headers_mut().insert("authorization", value);
+        }
+        let connecting =
+            tokio_tungstenite::connect_async_with_config(request, Some(ws_config), true);
         let (socket, _) = tokio::time::timeout(config.connect_timeout, connecting)
             .await
             .map_err(|_| ClientError::Timeout {
                 what: "connecting",
                 after: config.connect_timeout,
             })?
-            .map_err(|e| ClientError::Connect {
-                url: url.clone(),
-                source: Box::new(e),
+            .map_err(|e| match e {
+                tokio_tungstenite::tungstenite::Error::Http(response)
+                    if response.status() == reqwest::StatusCode::UNAUTHORIZED =>
+                {
+                    ClientError::Unauthorized {
+                        url: url.clone(),
+                        key_sent: config.api_key.is_some(),
+                    }
+                }
+                e => connect_error(e),
             })?;
         Ok(Self {
             socket,
@@ -364,10 +409,19 @@ pub struct HttpClient {
     base: String,
     http: reqwest::Client,
     next_rpc_id: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    api_key: Option<ApiKey>,
 }
 
 impl HttpClient {
-    /// A client for the server at `base_url`, with `timeout` per request.
+    /// A client for the server at `base_url` with `config`'s key and its message
+    /// timeout per request.
+    pub fn from_config(base_url: &str, config: &ClientConfig) -> Result<Self, ClientError> {
+        let mut client = Self::new(base_url, config.message_timeout)?;
+        client.api_key = config.api_key.clone();
+        Ok(client)
+    }
+
+    /// A client for the server at `base_url`, with `timeout` per request and no key.
     pub fn new(base_url: &str, timeout: Duration) -> Result<Self, ClientError> {
         let base = route_url(base_url, "", false)?;
         let http = reqwest::Client::builder()
@@ -381,6 +435,7 @@ impl HttpClient {
             base,
             http,
             next_rpc_id: std::sync::Arc::new(std::sync::atomic::AtomicI64::new(1)),
+            api_key: None,
         })
     }
 
@@ -389,14 +444,16 @@ impl HttpClient {
         &self.base
     }
 
-    /// GETs `route` and returns the status and JSON body (`Null` if not JSON).
+    /// GETs `route` and returns the status and JSON body (`Null` if not JSON); a 401
+    /// is [`ClientError::Unauthorized`].
     pub async fn get_json(&self, route: &str) -> Result<(u16, Value), ClientError> {
         let url = format!("{}{route}", self.base);
         let request = self.http.get(&url);
-        Self::send(url, request).await
+        self.send(url, request).await
     }
 
-    /// POSTs `body` (raw text) to `route` and returns the status and JSON body.
+    /// POSTs `body` (raw text) to `route` and returns the status and JSON body; a 401
+    /// is [`ClientError::Unauthorized`].
     pub async fn post_json(&self, route: &str, body: String) -> Result<(u16, Value), ClientError> {
         let url = format!("{}{route}", self.base);
         let request = self
@@ -404,20 +461,31 @@ impl HttpClient {
             .post(&url)
             .header("content-type", "application/json")
             .body(body);
-        Self::send(url, request).await
+        self.send(url, request).await
     }
 
-    /// Sends `request` and returns the status and JSON body (`Null` if not JSON).
+    /// Sends `request` with the key and returns the status and JSON body (`Null` if
+    /// not JSON).
     async fn send(
+        &self,
         url: String,
-        request: reqwest::RequestBuilder,
+        mut request: reqwest::RequestBuilder,
     ) -> Result<(u16, Value), ClientError> {
+        if let Some(key) = &self.api_key {
+            request = request.bearer_auth(key.expose());
+        }
         let http_error = |source| ClientError::Http {
             url: url.clone(),
             source,
         };
         let response = request.send().await.map_err(http_error)?;
         let status = response.status().as_u16();
+        if response.status() == reqwest::StatusCode::UNAUTHORIZED {
+            return Err(ClientError::Unauthorized {
+                url,
+                key_sent: self.api_key.is_some(),
+            });
+        }
         let text = response.text().await.map_err(http_error)?;
         Ok((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
     }

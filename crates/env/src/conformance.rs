@@ -61,6 +61,8 @@ pub struct Options {
     pub steps: usize,
     /// Time limit per request.
     pub timeout: Duration,
+    /// The API key to send, for a server started with keys.
+    pub api_key: Option<crate::client::ApiKey>,
 }
 
 impl Default for Options {
@@ -69,6 +71,7 @@ impl Default for Options {
             reward_range: None,
             steps: 5,
             timeout: Duration::from_secs(30),
+            api_key: None,
         }
     }
 }
@@ -78,20 +81,28 @@ impl Options {
     fn client_config(&self) -> ClientConfig {
         ClientConfig {
             message_timeout: self.timeout,
+            api_key: self.api_key.clone(),
             ..ClientConfig::default()
         }
     }
 }
 
-/// The server could not be reached at all.
+/// Why the checks could not run.
 #[derive(Debug, thiserror::Error)]
-#[error("could not reach {url}")]
-pub struct Unreachable {
-    /// The URL.
-    pub url: String,
-    /// Why.
-    #[source]
-    pub source: ClientError,
+pub enum ValidateError {
+    /// The server could not be reached at all.
+    #[error("could not reach {url}")]
+    Unreachable {
+        /// The URL.
+        url: String,
+        /// Why.
+        #[source]
+        source: ClientError,
+    },
+    /// The server asks for an API key, and none or a wrong one was given
+    /// ([`ClientError::Unauthorized`]): its routes cannot be checked.
+    #[error(transparent)]
+    Unauthorized(ClientError),
 }
 
 struct Checks(Vec<Check>);
@@ -115,22 +126,22 @@ fn is_str(v: &Value, key: &str) -> bool {
 }
 
 /// Runs every check against the server at `url`.
-pub async fn validate(url: &str, options: &Options) -> Result<Report, Unreachable> {
-    let http = HttpClient::new(url, options.timeout).map_err(|source| Unreachable {
+pub async fn validate(url: &str, options: &Options) -> Result<Report, ValidateError> {
+    let unreachable = |source| ValidateError::Unreachable {
         url: url.to_owned(),
         source,
-    })?;
+    };
+    let http = HttpClient::from_config(url, &options.client_config()).map_err(unreachable)?;
     let mut checks = Checks(Vec::new());
 
     // openenv validate --url's six checks.
-    let health = http
-        .get_json("/health")
-        .await
-        .map_err(|source| Unreachable {
-            url: url.to_owned(),
-            source,
-        })?;
-    let openapi = http.get_json("/openapi.json").await.ok();
+    let health = http.get_json("/health").await.map_err(unreachable)?;
+    // `/health` answers without a key; the first route that needs one says whether
+    // the key (or its absence) is accepted.
+    let openapi = match http.get_json("/openapi.json").await {
+        Err(e @ ClientError::Unauthorized { .. }) => return Err(ValidateError::Unauthorized(e)),
+        answer => answer.ok(),
+    };
     checks.expect(
         "openapi_version_available",
         openapi

@@ -69,9 +69,10 @@ impl EnvHandle {
     }
 
     /// An OpenEnv server at `url` (`http://host:port`); reads `/metadata`, `/schema`,
-    /// the MCP tool list and the task list, when the server has the Task API.
+    /// the MCP tool list and the task list, when the server has the Task API. Every
+    /// request and session bears `client`'s API key, when it has one.
     pub async fn remote(url: &str, client: ClientConfig) -> Result<Self, EnvError> {
-        let http = HttpClient::new(url, client.message_timeout)?;
+        let http = HttpClient::from_config(url, &client)?;
         let metadata = http.metadata().await?;
         let schema = http.schema().await?;
         let tasks = http
@@ -296,5 +297,61 @@ fn tool_text(result: &Value) -> String {
             .unwrap_or_default()
     } else {
         texts.join("\n")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agentstack_env::client::ApiKey;
+    use agentstack_env::server::{Server, ServerConfig};
+
+    use super::*;
+
+    /// Regression: `eval --env URL` and `train` could not open an environment served
+    /// with API keys. The key in the client settings goes with the handle's reads
+    /// (`/metadata`, `/schema`, the Task API, the tool probe) and with every session;
+    /// without it, opening fails with the client's 401.
+    #[tokio::test]
+    async fn a_remote_environment_with_keys_opens_with_the_key() {
+        let key = ApiKey::new("harness-key").unwrap();
+        let server = Server::bind(
+            ServerConfig {
+                api_keys: vec![key.clone()],
+                ..ServerConfig::default()
+            },
+            vec![agentstack_envs::find("echo").unwrap()],
+        )
+        .await
+        .unwrap();
+        let url = server.url();
+        let handle = server.handle();
+        tokio::spawn(server.serve());
+
+        let refused = EnvHandle::remote(&url, ClientConfig::default()).await;
+        assert!(
+            matches!(
+                refused,
+                Err(EnvError::Client(ClientError::Unauthorized {
+                    key_sent: false,
+                    ..
+                }))
+            ),
+            "{refused:?}"
+        );
+        let client = ClientConfig {
+            api_key: Some(key),
+            ..ClientConfig::default()
+        };
+        let env = EnvHandle::remote(&url, client).await.unwrap();
+        assert_eq!(env.name(), "echo");
+        let mut session = env.open().await.unwrap();
+        session.reset(ResetRequest::default()).await.unwrap();
+        let outcome = session
+            .step(&serde_json::json!({"message": "hi"}))
+            .await
+            .unwrap();
+        assert!(matches!(outcome, StepOutcome::Applied(_)), "{outcome:?}");
+        session.close().await;
+        handle.shutdown();
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use assert_cmd::cargo::CommandCargoExt;
 
+mod env_keys;
 mod env_run;
 
 struct Output {

@@ -2,6 +2,7 @@
 //! checked before a body is read or a WebSocket accepted; the same in front of a
 //! foreign environment's proxy.
 
+use agentstack_env::client::EnvPool;
 use agentstack_env::server::ApiKey;
 use reqwest::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -269,5 +270,103 @@ async fn api_keys_guard_a_proxied_foreign_environment() {
         (status, seen),
         (StatusCode::OK, json!("None")),
         "the foreign server saw the key"
+    );
+}
+
+/// The client settings bearing `key`.
+fn client_with(key: Option<&str>) -> ClientConfig {
+    ClientConfig {
+        api_key: key.map(|k| ApiKey::new(k).unwrap()),
+        ..ClientConfig::default()
+    }
+}
+
+/// Regression: the Rust client could not reach a server with keys. With
+/// [`ClientConfig::api_key`] it sends the key on HTTP requests and the WebSocket
+/// upgrade; without it, or with a wrong one, it fails with
+/// [`ClientError::Unauthorized`], whose message says to set `AGENTSTACK_API_KEY`.
+#[tokio::test]
+async fn the_client_sends_its_key_and_explains_a_401() {
+    let server = start(keyed_config()).await;
+    for key in [None, Some("wrong-key")] {
+        let config = client_with(key);
+        let error = EnvClient::connect(&server.url, config.clone())
+            .await
+            .err()
+            .expect("a session without the key");
+        let ClientError::Unauthorized { key_sent, .. } = &error else {
+            panic!("expected Unauthorized, got {error:?}");
+        };
+        assert_eq!(*key_sent, key.is_some());
+        let message = error.to_string();
+        assert!(message.contains("AGENTSTACK_API_KEY"), "{message}");
+        assert!(message.contains("401"), "{message}");
+        let http = HttpClient::from_config(&server.url, &config).unwrap();
+        let error = http.metadata().await.unwrap_err();
+        assert!(
+            matches!(error, ClientError::Unauthorized { key_sent, .. } if key_sent == key.is_some()),
+            "{error:?}"
+        );
+        let error = http.mcp(method::TOOLS_LIST, Map::new()).await.unwrap_err();
+        assert!(
+            matches!(error, ClientError::Unauthorized { .. }),
+            "{error:?}"
+        );
+        let error = http.task_list("counter").await.unwrap_err();
+        assert!(
+            matches!(error, ClientError::Unauthorized { .. }),
+            "a 401 is not 'no task list': {error:?}"
+        );
+        assert!(http.health().await.is_ok(), "/health needs no key");
+    }
+
+    let config = client_with(Some(KEYS[1]));
+    assert!(!format!("{config:?}").contains(KEYS[1]), "{config:?}");
+    let http = HttpClient::from_config(&server.url, &config).unwrap();
+    assert_eq!(http.metadata().await.unwrap().name, "counter");
+    assert!(http.task_list("counter").await.unwrap().is_some());
+    let mut client = EnvClient::connect(&server.url, config.clone())
+        .await
+        .unwrap();
+    client
+        .reset(ResetRequest {
+            seed: Some(2),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let step = client.step(&json!({"amount": 3})).await.unwrap();
+    assert_eq!(step.observation["total"], 5);
+    client.close().await.unwrap();
+    let mut pool = EnvPool::connect(&server.url, 3, 2, config).await.unwrap();
+    assert_eq!(pool.clients().len(), 3);
+    pool.close().await.unwrap();
+}
+
+/// `env validate` against a server with keys: with the key every check passes; without
+/// it the checks do not run and the error is the client's 401.
+#[tokio::test]
+async fn conformance_checks_a_server_with_keys() {
+    use agentstack_env::conformance::{Options, ValidateError, validate};
+
+    let server = start(keyed_config()).await;
+    let options = Options {
+        api_key: Some(ApiKey::new(KEYS[0]).unwrap()),
+        ..Options::default()
+    };
+    let report = validate(&server.url, &options).await.unwrap();
+    assert!(report.passed, "{:#?}", report.checks);
+    let error = validate(&server.url, &Options::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            ValidateError::Unauthorized(ClientError::Unauthorized {
+                key_sent: false,
+                ..
+            })
+        ),
+        "{error:?}"
     );
 }

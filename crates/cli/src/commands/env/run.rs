@@ -3,7 +3,7 @@
 //!
 //! An episode that fails (its reset, a step, or its connection) ends there with its
 //! error recorded; the other episodes still run, and the command exits 1 when any
-//! episode failed.
+//! episode failed. A server reached by URL gets the first key of `AGENTSTACK_API_KEY`.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -51,6 +51,8 @@ struct Progress {
 /// What every episode of a run shares.
 struct Plan<'a> {
     url: &'a str,
+    /// The client settings (the API key of a server reached by URL).
+    client: &'a ClientConfig,
     action_schema: &'a Value,
     /// The tools, for environments driven by tool calls.
     tools: Option<&'a [StepTool]>,
@@ -89,13 +91,14 @@ async fn play(
 ) -> anyhow::Result<()> {
     let Plan {
         url,
+        client: config,
         action_schema: schema,
         tools,
         policy,
         options,
         max_steps,
     } = *plan;
-    let mut client = EnvClient::connect(url, ClientConfig::default())
+    let mut client = EnvClient::connect(url, config.clone())
         .await
         .context("connecting")?;
     let mut result = client
@@ -130,8 +133,8 @@ async fn play(
 }
 
 /// Lists an MCP environment's tools with a `list_tools` step on a session of its own.
-async fn list_tools(url: &str) -> anyhow::Result<Vec<StepTool>> {
-    let mut client = EnvClient::connect(url, ClientConfig::default()).await?;
+async fn list_tools(url: &str, config: &ClientConfig) -> anyhow::Result<Vec<StepTool>> {
+    let mut client = EnvClient::connect(url, config.clone()).await?;
     let reply = client
         .step(&serde_json::json!({"type": "list_tools"}))
         .await
@@ -158,7 +161,9 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
     if args.episodes == 0 {
         return Err(Exit::user(anyhow!("--episodes must be at least 1")));
     }
-    // Built-ins are served in-process so the episodes go through the real protocol.
+    // Built-ins are served in-process so the episodes go through the real protocol; a
+    // server reached by URL gets the first key of AGENTSTACK_API_KEY.
+    let mut client = ClientConfig::default();
     let (url, _server) = if let Some(spec) = agentstack_envs::find(&args.target) {
         let server = Server::bind(ServerConfig::default(), vec![spec])
             .await
@@ -168,6 +173,7 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
         tokio::spawn(server.serve());
         (url, Some(handle))
     } else if args.target.starts_with("http://") || args.target.starts_with("https://") {
+        client = crate::settings::env_client();
         (args.target.clone(), None)
     } else {
         return Err(Exit::user(anyhow!(
@@ -176,7 +182,14 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
             super::serve::builtin_names()
         )));
     };
-    let http = HttpClient::new(&url, Duration::from_secs(10)).context("server URL")?;
+    let http = HttpClient::from_config(
+        &url,
+        &ClientConfig {
+            message_timeout: Duration::from_secs(10),
+            ..client.clone()
+        },
+    )
+    .context("server URL")?;
     let schema = http
         .schema()
         .await
@@ -194,12 +207,13 @@ pub async fn run(args: RunArgs) -> Result<(), Exit> {
     }
     // MCP environments (OpenEnv's CallToolAction) are driven through their tools.
     let tools = if policy::is_tool_call_schema(&schema.action) {
-        Some(list_tools(&url).await?)
+        Some(list_tools(&url, &client).await?)
     } else {
         None
     };
     let plan = Plan {
         url: &url,
+        client: &client,
         action_schema: &schema.action,
         tools: tools.as_deref(),
         policy,

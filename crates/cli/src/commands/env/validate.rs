@@ -1,11 +1,12 @@
 //! `agentstack env validate`: OpenEnv's URL checks plus real protocol conformance.
-//! Exit 0 pass, 1 fail, 2 could not run.
+//! Exit 0 pass, 1 fail (or a server that refuses the API key: it sends the first key
+//! of `AGENTSTACK_API_KEY`), 2 could not run.
 
 use std::io::Write;
 use std::path::Path;
 use std::time::Duration;
 
-use agentstack_env::conformance::{self, Options, Status};
+use agentstack_env::conformance::{self, Options, Status, ValidateError};
 use agentstack_env::foreign::{ForeignCommand, ForeignEnv};
 use agentstack_env::server::{Server, ServerConfig};
 use anyhow::{Context, anyhow};
@@ -42,6 +43,8 @@ pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
         .await
         .map_err(could_not_run)?;
     let url = if target.starts_with("http://") || target.starts_with("https://") {
+        // A server started with keys gets the first key of AGENTSTACK_API_KEY.
+        options.api_key = settings::env_client().api_key;
         target.clone()
     } else if let Some(spec) = agentstack_envs::find(&target) {
         options.reward_range = Some(spec.info().reward_range);
@@ -74,7 +77,11 @@ pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
     };
     let report = conformance::validate(&url, &options)
         .await
-        .map_err(|e| could_not_run(e.into()))?;
+        .map_err(|e| match e {
+            // The user can fix this one: a key.
+            ValidateError::Unauthorized(_) => Exit::user(e.into()),
+            ValidateError::Unreachable { .. } => could_not_run(e.into()),
+        })?;
     let mut out = std::io::stdout().lock();
     if args.json {
         writeln!(

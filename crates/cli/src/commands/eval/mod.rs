@@ -64,10 +64,11 @@ async fn post_summary(summary: &Summary) -> Result<(), Exit> {
 }
 
 /// Opens an environment reference (a `hub:` reference is pulled by the caller and
-/// passed as its directory).
+/// passed as its directory). A server reached by URL gets the first key of
+/// `AGENTSTACK_API_KEY`, when it is set.
 pub(crate) async fn open_env(reference: &str, python: Option<&str>) -> anyhow::Result<OpenedEnv> {
     if reference.starts_with("http://") || reference.starts_with("https://") {
-        let handle = EnvHandle::remote(reference, ClientConfig::default())
+        let handle = EnvHandle::remote(reference, settings::env_client())
             .await
             .with_context(|| format!("could not open the environment at {reference}"))?;
         return Ok(OpenedEnv {
