@@ -3,7 +3,8 @@
 //! - their clients against our server: `agentstack env serve echo arithmetic
 //!   connect_four word_guess` driven by the scripts in `tests/interop/` with
 //!   `openenv` 0.10.0 (`GenericEnvClient` sync and async, `MCPToolClient`) and
-//!   `openenv-core` 0.3.0, and `openenv validate --url`;
+//!   `openenv-core` 0.3.0, and `openenv validate --url`; `GenericEnvClient` with an
+//!   API key (`headers=`) against a server started with one;
 //! - our client against their servers: the package `openenv init` generates and an
 //!   MCP echo package (`tests/interop/fixtures/mcp_echo_env`), served by
 //!   `agentstack env serve <dir> --python <venv python>` and driven by
@@ -175,6 +176,30 @@ fn generic_client_0_10_sync_and_async() {
     let python = openenv_python();
     let mut server = serve_builtins();
     run_client_script(&python, "client_generic.py", &mut server, &[]);
+}
+
+/// Regression: `env serve` had no API keys. Started with one, it refuses the real
+/// client's WebSocket with 401 until the client sends `headers={"Authorization":
+/// "Bearer KEY"}` (its own way to send a token); then an episode runs.
+#[test]
+#[ignore = "needs the OpenEnv venvs from scripts/install-peers"]
+fn generic_client_0_10_sends_an_api_key() {
+    let python = openenv_python();
+    let key = "interop-key-1618";
+    let mut command = agentstack();
+    command
+        .args(["env", "serve", "echo", "--port", "0"])
+        .env("AGENTSTACK_API_KEY", format!("{key},interop-other-key"));
+    let mut server = Server::start(command, SERVER_READY);
+    let mut script = python_command(&python);
+    script
+        .current_dir(interop_dir())
+        .arg(interop_dir().join("client_api_key.py"))
+        .arg(&server.url)
+        .env("AGENTSTACK_API_KEY", key);
+    let finished = run_bounded(script, PEER_COMMAND_LIMIT);
+    assert_success(&finished, &mut server, "client_api_key.py");
+    println!("{}", finished.stdout);
 }
 
 #[test]
