@@ -1,6 +1,8 @@
 //! The environment runtime: the [`Environment`] trait, an OpenEnv-compatible server
 //! ([`server`]), a client ([`client`]), and hosting of foreign OpenEnv servers as
-//! child processes ([`foreign`]).
+//! child processes ([`foreign`]). A server can ask for API keys
+//! ([`server::ServerConfig::api_keys`]); the client sends one
+//! ([`client::ClientConfig::api_key`]).
 //!
 //! ```no_run
 //! # async fn demo(spec: agentstack_env::EnvSpec) -> Result<(), Box<dyn std::error::Error>> {
