@@ -40,7 +40,7 @@ pub enum ModelError {
         source: reqwest::Error,
     },
     /// The server answered with an error status.
-    #[error("{url} answered HTTP {status}: {body}")]
+    #[error("{url} answered HTTP {status}: {body}{hint}")]
     Status {
         /// Where.
         url: String,
@@ -48,6 +48,8 @@ pub enum ModelError {
         status: u16,
         /// The body (an OpenAI-shaped error, usually).
         body: String,
+        /// What to change, when it is clear (empty, or a line starting with a newline).
+        hint: String,
     },
     /// The server's answer is not a chat completion.
     #[error("{url} sent a reply that is not a chat completion: {message}")]
@@ -467,10 +469,16 @@ impl OpenAiModel {
             source,
         })?;
         if !status.is_success() {
+            let hint = if status == reqwest::StatusCode::NOT_FOUND && !url.contains("/v1/") {
+                "\nhint: an OpenAI-compatible base URL usually ends in /v1 (for `agentstack model serve`: http://HOST:PORT/v1)".to_owned()
+            } else {
+                String::new()
+            };
             return Err(ModelError::Status {
                 url,
                 status: status.as_u16(),
                 body: text.chars().take(2000).collect(),
+                hint,
             });
         }
         let reply: Value = serde_json::from_str(&text).map_err(|e| ModelError::Reply {
@@ -616,5 +624,58 @@ mod tests {
         assert_eq!(reply.text, "ok");
         let head = server.await.unwrap();
         assert!(head.contains("authorization: bearer s3cret\r\n"), "{head}");
+    }
+
+    /// A base URL without `/v1` (a 404 from `model serve` at `/chat/completions`) gets
+    /// a hint that says to add it; a 404 under `/v1/` does not.
+    #[tokio::test]
+    async fn a_404_outside_v1_hints_at_the_base_url() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            for _ in 0..2 {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let (mut buf, mut got) = (vec![0u8; 8192], Vec::new());
+                while !String::from_utf8_lossy(&got).contains("\r\n\r\n") {
+                    let n = socket.read(&mut buf).await.unwrap();
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let body = r#"{"error":{"message":"no route"}}"#;
+                let reply = format!(
+                    "HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                socket.write_all(reply.as_bytes()).await.unwrap();
+            }
+        });
+        let request = ChatRequest {
+            messages: vec![],
+            tools: vec![],
+            json_schema: None,
+            sampling: Sampling::default(),
+            seed: 0,
+        };
+        let error = |base: String| {
+            let request = request.clone();
+            async move {
+                ModelClient::openai(&base, "m", None, Duration::from_secs(10))
+                    .chat(&request)
+                    .await
+                    .unwrap_err()
+                    .to_string()
+            }
+        };
+        let without = error(format!("http://{addr}")).await;
+        assert!(without.contains("answered HTTP 404"), "{without}");
+        assert!(
+            without.contains("hint: an OpenAI-compatible base URL usually ends in /v1"),
+            "{without}"
+        );
+        let with = error(format!("http://{addr}/v1")).await;
+        assert!(
+            with.contains("answered HTTP 404") && !with.contains("hint:"),
+            "{with}"
+        );
     }
 }

