@@ -503,7 +503,7 @@ fn hint_for(step: &str, message: &str) -> String {
     let dev_only = "for development only, `--unsafe-no-isolation` runs commands without isolation";
     if step.contains("namespaces") {
         format!(
-            "this kernel refuses unprivileged user namespaces ({message}). Allow them: `sysctl -w user.max_user_namespaces=15000`, `sysctl -w kernel.unprivileged_userns_clone=1` (Debian), or `sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 24.04+); inside a container, run it with user namespaces allowed (e.g. a seccomp profile that permits unshare). {dev_only}"
+            "this kernel refuses unprivileged user namespaces ({message}). Allow them: `sysctl -w user.max_user_namespaces=15000`, `sysctl -w kernel.unprivileged_userns_clone=1` (Debian), or `sysctl -w kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 24.04+); inside a container, run it with user namespaces allowed (e.g. a seccomp profile that permits unshare); a chroot cannot create them at all (the kernel refuses a process whose root is not its mount namespace's): use a container or `unshare --mount` with `pivot_root`. {dev_only}"
         )
     } else if step.contains("unprivileged") || step.contains("groups") {
         format!(
