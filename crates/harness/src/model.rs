@@ -587,6 +587,18 @@ mod tests {
         assert_eq!(from(None, None), None);
     }
 
+    /// A request with no messages: what the canned servers below answer does not depend
+    /// on it.
+    fn empty_request() -> ChatRequest {
+        ChatRequest {
+            messages: vec![],
+            tools: vec![],
+            json_schema: None,
+            sampling: Sampling::default(),
+            seed: 0,
+        }
+    }
+
     /// The key is sent as a bearer token and is not in the client's `Debug` output.
     #[tokio::test]
     async fn the_openai_client_sends_its_key_as_a_bearer_token() {
@@ -613,14 +625,7 @@ mod tests {
         let client =
             ModelClient::openai(&base, "m", Some("s3cret".into()), Duration::from_secs(10));
         assert!(!format!("{client:?}").contains("s3cret"));
-        let request = ChatRequest {
-            messages: vec![],
-            tools: vec![],
-            json_schema: None,
-            sampling: Sampling::default(),
-            seed: 0,
-        };
-        let reply = client.chat(&request).await.unwrap();
+        let reply = client.chat(&empty_request()).await.unwrap();
         assert_eq!(reply.text, "ok");
         let head = server.await.unwrap();
         assert!(head.contains("authorization: bearer s3cret\r\n"), "{head}");
@@ -649,22 +654,12 @@ mod tests {
                 socket.write_all(reply.as_bytes()).await.unwrap();
             }
         });
-        let request = ChatRequest {
-            messages: vec![],
-            tools: vec![],
-            json_schema: None,
-            sampling: Sampling::default(),
-            seed: 0,
-        };
-        let error = |base: String| {
-            let request = request.clone();
-            async move {
-                ModelClient::openai(&base, "m", None, Duration::from_secs(10))
-                    .chat(&request)
-                    .await
-                    .unwrap_err()
-                    .to_string()
-            }
+        let error = |base: String| async move {
+            ModelClient::openai(&base, "m", None, Duration::from_secs(10))
+                .chat(&empty_request())
+                .await
+                .unwrap_err()
+                .to_string()
         };
         let without = error(format!("http://{addr}")).await;
         assert!(without.contains("answered HTTP 404"), "{without}");
