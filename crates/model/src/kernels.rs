@@ -7,6 +7,12 @@
 //! `ggml_vec_dot_q8_0_q8_0`): per block `d_w·d_a·Σ q_w·q_a (+ m_w·s_a)`. AVX2 when the CPU
 //! has it, scalar otherwise. Rows of the weight are split across rayon's threads.
 //!
+//! The K-quants Q4_K and Q6_K (super-blocks of 256 with integer sub-block scales: what
+//! Q4_K_M files hold) take activations quantized per 256 values with an f32 scale and
+//! the sum of every 16 quants, as ggml's Q8_K. Within a super-block every sum is then an
+//! integer, exact in any order, and the float arithmetic is one step per super-block
+//! shared by the scalar, AVX2 and AVX-512 kernels, so all give the same bits.
+//!
 //! Every output element is computed by one thread in one fixed order, whatever the
 //! number of rows in the batch: a sequence's logits do not depend on what it was
 //! batched with, and scoring a whole sequence in one pass gives bit-identical
@@ -21,6 +27,10 @@ use rayon::prelude::*;
 use crate::error::{ModelError, Result};
 
 const QK: usize = 32;
+/// Values per K-quant super-block.
+const QK_K: usize = 256;
+/// Activation sums per super-block: one per 16 values.
+const K_SUMS: usize = QK_K / 16;
 /// Activation rows handled together, so each unpacked weight block is used several times.
 const ROW_TILE: usize = 4;
 
@@ -74,6 +84,24 @@ pub enum QuantKind {
     Q4_1,
     /// 8-bit with a scale per block of 32; activations as Q8_0.
     Q8_0,
+    /// Q4_K: super-blocks of 256 (`d`, `dmin`), 8 sub-blocks of 32 with 6-bit scales
+    /// and minimums, 4-bit quants; activations as Q8_K.
+    Q4K,
+    /// Q6_K: super-blocks of 256 (`d`), 16 sub-blocks of 16 with 8-bit scales, 6-bit
+    /// quants; activations as Q8_K.
+    Q6K,
+}
+
+/// How activations are quantized for a kind: weights whose kinds share it share one
+/// quantized copy of the input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ActFormat {
+    /// Blocks of 32, f16-rounded scale and sum.
+    Q8_1,
+    /// Blocks of 32, f16-rounded scale.
+    Q8_0,
+    /// Blocks of 256, f32 scale, sums of 16.
+    Q8K,
 }
 
 impl QuantKind {
@@ -82,14 +110,36 @@ impl QuantKind {
         match dtype {
             GgmlDType::Q4_1 => Some(Self::Q4_1),
             GgmlDType::Q8_0 => Some(Self::Q8_0),
+            GgmlDType::Q4K => Some(Self::Q4K),
+            GgmlDType::Q6K => Some(Self::Q6K),
             _ => None,
         }
     }
 
+    /// Values per block (super-block for the K-quants).
+    fn block_len(self) -> usize {
+        match self {
+            Self::Q4_1 | Self::Q8_0 => QK,
+            Self::Q4K | Self::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes of quants per block.
     fn quant_bytes(self) -> usize {
         match self {
             Self::Q4_1 => 16,
             Self::Q8_0 => 32,
+            Self::Q4K => 128,
+            // 128 bytes of low 4 bits, then 64 of high 2 bits (the file's order).
+            Self::Q6K => 192,
+        }
+    }
+
+    fn act_format(self) -> ActFormat {
+        match self {
+            Self::Q4_1 => ActFormat::Q8_1,
+            Self::Q8_0 => ActFormat::Q8_0,
+            Self::Q4K | Self::Q6K => ActFormat::Q8K,
         }
     }
 }
@@ -102,22 +152,32 @@ pub struct FastLinear {
     in_features: usize,
     /// Q4_1: 16 bytes per block, values j (low nibble) and j + 16 (high nibble).
     /// Q8_0: 32 signed bytes per block.
+    /// Q4_K: 128 bytes per super-block, as in the file: bytes `32i..32i + 32` hold
+    /// sub-block `2i` in their low nibbles and sub-block `2i + 1` in their high ones.
+    /// Q6_K: 192 bytes per super-block, as in the file (low 4 bits, then high 2 bits).
     quants: Vec<u8>,
+    /// `d` per block (super-block).
     scales: Vec<f32>,
-    /// Q4_1 only.
+    /// Q4_1: `m` per block. Q4_K: `dmin` per super-block.
     mins: Vec<f32>,
+    /// K-quants only, 16 bytes per super-block. Q4_K: the 8 sub-block scales, then the
+    /// 8 minimums, unpacked from 6 bits. Q6_K: the 16 signed scales.
+    sub_scales: Vec<u8>,
 }
 
-/// Activations of one row quantized to 8 bits per value (Q8_1 or Q8_0).
+/// Activations of one row quantized to 8 bits per value (Q8_1, Q8_0 or Q8_K).
 struct ActRow {
     qs: Vec<i8>,
+    /// Scale per block (super-block for Q8_K).
     d: Vec<f32>,
     /// `d · Σq` per block (Q8_1 only).
     s: Vec<f32>,
+    /// `Σq` per 16 values (Q8_K only).
+    sums: Vec<i16>,
 }
 
 impl FastLinear {
-    /// Takes a Q4_1 or Q8_0 tensor `[out, in]`.
+    /// Takes a Q4_1, Q8_0, Q4_K or Q6_K tensor `[out, in]`.
     pub fn from_qtensor(q: &QTensor) -> Result<Self> {
         let (out_features, in_features) = q.shape().dims2()?;
         let bad = |reason: String| ModelError::BadTensor {
@@ -125,13 +185,14 @@ impl FastLinear {
             reason,
         };
         let kind = QuantKind::of(q.dtype()).ok_or_else(|| bad("no kernel for this type".into()))?;
-        if in_features % QK != 0 {
+        let block_len = kind.block_len();
+        if in_features % block_len != 0 {
             return Err(bad(format!(
-                "row length {in_features} is not a multiple of {QK}"
+                "row length {in_features} is not a multiple of {block_len}"
             )));
         }
         let data = q.data()?;
-        let blocks = out_features * in_features / QK;
+        let blocks = out_features * in_features / block_len;
         let block_bytes = q.dtype().type_size();
         if data.len() != blocks * block_bytes {
             return Err(bad(format!("{} bytes for {blocks} blocks", data.len())));
@@ -140,14 +201,34 @@ impl FastLinear {
         let mut quants = Vec::with_capacity(blocks * qb);
         let mut scales = Vec::with_capacity(blocks);
         let mut mins = Vec::new();
+        let mut sub_scales = Vec::new();
+        let half_at =
+            |block: &[u8], i: usize| f16::from_le_bytes([block[i], block[i + 1]]).to_f32();
         for block in data.chunks_exact(block_bytes) {
-            scales.push(f16::from_le_bytes([block[0], block[1]]).to_f32());
             match kind {
                 QuantKind::Q4_1 => {
-                    mins.push(f16::from_le_bytes([block[2], block[3]]).to_f32());
+                    scales.push(half_at(block, 0));
+                    mins.push(half_at(block, 2));
                     quants.extend_from_slice(&block[4..20]);
                 }
-                QuantKind::Q8_0 => quants.extend_from_slice(&block[2..34]),
+                QuantKind::Q8_0 => {
+                    scales.push(half_at(block, 0));
+                    quants.extend_from_slice(&block[2..34]);
+                }
+                // d, dmin, 12 bytes of packed scales and minimums, 128 of quants.
+                QuantKind::Q4K => {
+                    scales.push(half_at(block, 0));
+                    mins.push(half_at(block, 2));
+                    let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
+                    sub_scales.extend_from_slice(&unpack_q4k_scales(packed));
+                    quants.extend_from_slice(&block[16..144]);
+                }
+                // 128 bytes of low bits, 64 of high bits, 16 scales, d.
+                QuantKind::Q6K => {
+                    quants.extend_from_slice(&block[..192]);
+                    sub_scales.extend_from_slice(&block[192..208]);
+                    scales.push(half_at(block, 208));
+                }
             }
         }
         Ok(Self {
@@ -157,6 +238,7 @@ impl FastLinear {
             quants,
             scales,
             mins,
+            sub_scales,
         })
     }
 
@@ -172,45 +254,61 @@ impl FastLinear {
 
     /// Rows `ids` of the weight as f32 (an embedding lookup).
     pub fn rows(&self, ids: &[u32]) -> Vec<f32> {
-        let nb = self.in_features / QK;
+        let nb = self.in_features / self.kind.block_len();
         let mut out = Vec::with_capacity(ids.len() * self.in_features);
         for &id in ids {
             let first = id as usize * nb;
             for b in first..first + nb {
-                out.extend_from_slice(&self.dequantize_block(b));
+                self.dequantize_block(b, &mut out);
             }
         }
         out
     }
 
-    fn dequantize_block(&self, b: usize) -> [f32; QK] {
+    /// Appends block `b` as f32, with the arithmetic of ggml's dequantization.
+    fn dequantize_block(&self, b: usize, out: &mut Vec<f32>) {
         let qb = self.kind.quant_bytes();
         let q = &self.quants[b * qb..(b + 1) * qb];
         let d = self.scales[b];
-        let mut out = [0f32; QK];
         match self.kind {
             QuantKind::Q4_1 => {
                 let m = self.mins[b];
+                let mut block = [0f32; QK];
                 for (j, &byte) in q.iter().enumerate() {
-                    out[j] = d * f32::from(byte & 0x0F) + m;
-                    out[j + 16] = d * f32::from(byte >> 4) + m;
+                    block[j] = d * f32::from(byte & 0x0F) + m;
+                    block[j + 16] = d * f32::from(byte >> 4) + m;
+                }
+                out.extend_from_slice(&block);
+            }
+            QuantKind::Q8_0 => out.extend(q.iter().map(|&byte| d * f32::from(byte as i8))),
+            QuantKind::Q4K => {
+                let sub = &self.sub_scales[b * 16..(b + 1) * 16];
+                let dmin = self.mins[b];
+                for (i, bytes) in q.chunks_exact(32).enumerate() {
+                    let (j, k) = (2 * i, 2 * i + 1);
+                    let (d1, m1) = (d * f32::from(sub[j]), dmin * f32::from(sub[8 + j]));
+                    let (d2, m2) = (d * f32::from(sub[k]), dmin * f32::from(sub[8 + k]));
+                    out.extend(bytes.iter().map(|&byte| d1 * f32::from(byte & 0x0F) - m1));
+                    out.extend(bytes.iter().map(|&byte| d2 * f32::from(byte >> 4) - m2));
                 }
             }
-            QuantKind::Q8_0 => {
-                for (o, &byte) in out.iter_mut().zip(q) {
-                    *o = d * f32::from(byte as i8);
-                }
+            QuantKind::Q6K => {
+                let sub = &self.sub_scales[b * 16..(b + 1) * 16];
+                let (low, high) = q.split_at(128);
+                out.extend((0..QK_K).map(|i| {
+                    let v = i32::from(q6k_value(low, high, i)) - 32;
+                    d * f32::from(sub[i / 16] as i8) * v as f32
+                }));
             }
         }
-        out
     }
 
     /// The weight as f32 `[out, in]`.
     pub fn dequantize(&self) -> Result<Tensor> {
         let blocks = self.scales.len();
-        let mut values = Vec::with_capacity(blocks * QK);
+        let mut values = Vec::with_capacity(self.out_features * self.in_features);
         for b in 0..blocks {
-            values.extend_from_slice(&self.dequantize_block(b));
+            self.dequantize_block(b, &mut values);
         }
         Ok(Tensor::from_vec(
             values,
@@ -230,10 +328,9 @@ impl FastLinear {
         let Some(first) = weights.first() else {
             return Ok(Vec::new());
         };
-        if weights
-            .iter()
-            .any(|w| w.kind != first.kind || w.in_features != first.in_features)
-        {
+        if weights.iter().any(|w| {
+            w.kind.act_format() != first.kind.act_format() || w.in_features != first.in_features
+        }) {
             return weights.iter().map(|w| w.forward(x)).collect();
         }
         let x = x.contiguous()?;
@@ -253,9 +350,13 @@ impl FastLinear {
     }
 
     fn quantize(&self, x: &[f32]) -> Vec<ActRow> {
-        let with_sums = self.kind == QuantKind::Q4_1;
+        let format = self.kind.act_format();
         x.chunks_exact(self.in_features)
-            .map(|r| quantize_row(r, with_sums))
+            .map(|r| match format {
+                ActFormat::Q8_1 => quantize_row(r, true),
+                ActFormat::Q8_0 => quantize_row(r, false),
+                ActFormat::Q8K => quantize_row_k(r),
+            })
             .collect()
     }
 
@@ -323,16 +424,13 @@ impl FastLinear {
     }
 
     fn weight_row(&self, o: usize) -> WeightRow<'_> {
-        let nb = self.in_features / QK;
+        let nb = self.in_features / self.kind.block_len();
         let qb = self.kind.quant_bytes();
         WeightRow {
             quants: &self.quants[o * nb * qb..(o + 1) * nb * qb],
             scales: &self.scales[o * nb..(o + 1) * nb],
-            mins: if self.mins.is_empty() {
-                &[]
-            } else {
-                &self.mins[o * nb..(o + 1) * nb]
-            },
+            mins: row_part(&self.mins, o, nb),
+            sub_scales: row_part(&self.sub_scales, o, nb * 16),
         }
     }
 
@@ -388,6 +486,44 @@ struct WeightRow<'a> {
     quants: &'a [u8],
     scales: &'a [f32],
     mins: &'a [f32],
+    sub_scales: &'a [u8],
+}
+
+/// Row `o`'s `per_row` values of a per-block array, or nothing for an array the kind
+/// does not use.
+fn row_part<T>(values: &[T], o: usize, per_row: usize) -> &[T] {
+    if values.is_empty() {
+        &[]
+    } else {
+        &values[o * per_row..(o + 1) * per_row]
+    }
+}
+
+/// Q4_K's 12 bytes of 6-bit values unpacked: the 8 sub-block scales, then the 8
+/// minimums. Sub-blocks 0–3 keep theirs in the low 6 bits of bytes 0–3 (scales) and
+/// 4–7 (minimums); sub-blocks 4–7 take 4 low bits from a nibble of bytes 8–11 and 2
+/// high bits from the top of bytes 0–3 (scales) or 4–7 (minimums).
+fn unpack_q4k_scales(p: &[u8; 12]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for j in 0..4 {
+        out[j] = p[j] & 63;
+        out[8 + j] = p[j + 4] & 63;
+        out[4 + j] = (p[j + 8] & 0x0F) | ((p[j] >> 6) << 4);
+        out[12 + j] = (p[j + 8] >> 4) | ((p[j + 4] >> 6) << 4);
+    }
+    out
+}
+
+/// Value `i` (0..256) of a Q6_K super-block as unsigned 6 bits (the weight is this
+/// minus 32). Each half of 128 values uses 64 bytes of `low` and 32 of `high`: value
+/// `32q + l` of a half (quarter `q`) takes the low or high nibble of low byte
+/// `l + 32·(q mod 2)` and bits `2q..2q + 2` of high byte `l`.
+#[inline]
+fn q6k_value(low: &[u8], high: &[u8], i: usize) -> u8 {
+    let (half, quarter, l) = (i / 128, i % 128 / 32, i % 32);
+    let byte = low[64 * half + 32 * (quarter % 2) + l];
+    let nibble = if quarter < 2 { byte & 0x0F } else { byte >> 4 };
+    nibble | (((high[32 * half + l] >> (2 * quarter)) & 3) << 4)
 }
 
 /// ggml's `quantize_row_q8_1` / `quantize_row_q8_0`, AVX2 flavour: scale `127/amax`,
@@ -413,7 +549,43 @@ fn quantize_row(x: &[f32], with_sums: bool) -> ActRow {
             s.push(f16::from_f32(scale * sum as f32).to_f32());
         }
     }
-    ActRow { qs, d, s }
+    ActRow {
+        qs,
+        d,
+        s,
+        sums: Vec::new(),
+    }
+}
+
+/// Activations for the K-quants, as ggml's Q8_K: per 256 values one scale `amax/127`
+/// (round half to even), kept in f32 (it is never stored in a file, unlike Q8_0's), and
+/// the sum of every 16 quants. One scale per super-block keeps a super-block's whole
+/// product in integers, with two float multiplications per 256 values.
+fn quantize_row_k(x: &[f32]) -> ActRow {
+    let nb = x.len() / QK_K;
+    let mut qs = Vec::with_capacity(x.len());
+    let mut d = Vec::with_capacity(nb);
+    let mut sums = Vec::with_capacity(nb * K_SUMS);
+    for block in x.chunks_exact(QK_K) {
+        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        for group in block.chunks_exact(16) {
+            let mut sum = 0i16;
+            for &v in group {
+                let q = round_ties_even(v * inv) as i8;
+                sum += i16::from(q);
+                qs.push(q);
+            }
+            sums.push(sum);
+        }
+        d.push(amax / 127.0);
+    }
+    ActRow {
+        qs,
+        d,
+        s: Vec::new(),
+        sums,
+    }
 }
 
 /// Round half to even for |x| ≤ 2²², as `_mm256_round_ps(_MM_ROUND_NEAREST)` does:
@@ -472,34 +644,104 @@ fn mins_dot(mins: &[f32], sums: &[f32]) -> f32 {
 
 fn dot_tile_scalar(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
     for (row, dst) in rows.iter().zip(out.iter_mut()) {
-        // Two accumulators (even and odd blocks), as the SIMD kernels.
-        let mut acc = [0f32; 2];
-        for b in 0..w.scales.len() {
-            let q = &row.qs[b * QK..b * QK + QK];
-            let mut sumi = 0i32;
-            match kind {
-                QuantKind::Q4_1 => {
-                    let nib = &w.quants[b * 16..b * 16 + 16];
-                    for j in 0..16 {
-                        sumi += i32::from(nib[j] & 0x0F) * i32::from(q[j])
-                            + i32::from(nib[j] >> 4) * i32::from(q[j + 16]);
-                    }
-                }
-                QuantKind::Q8_0 => {
-                    let wq = &w.quants[b * 32..b * 32 + 32];
-                    for j in 0..32 {
-                        sumi += i32::from(wq[j] as i8) * i32::from(q[j]);
-                    }
+        *dst = match kind {
+            QuantKind::Q4_1 | QuantKind::Q8_0 => dot_blocks_scalar(kind, w, row),
+            QuantKind::Q4K => dot_q4k_scalar(w, row),
+            QuantKind::Q6K => dot_q6k_scalar(w, row),
+        };
+    }
+}
+
+/// One super-block's step of a Q4_K product, shared by every kernel so that all give
+/// the same bits: `isum = Σ_j scale_j·Σ q_w·q_a` and `msum = Σ_j min_j·Σ q_a` over the
+/// sub-blocks are exact integers.
+#[inline(always)]
+fn q4k_step(acc: f32, d: f32, dmin: f32, da: f32, isum: i32, msum: i32) -> f32 {
+    acc + ((d * da) * isum as f32 - (dmin * da) * msum as f32)
+}
+
+/// One super-block's step of a Q6_K product: `isum = Σ_g scale_g·Σ (q_w − 32)·q_a`,
+/// an exact integer.
+#[inline(always)]
+fn q6k_step(acc: f32, d: f32, da: f32, isum: i32) -> f32 {
+    acc + (d * da) * isum as f32
+}
+
+fn dot_q4k_scalar(w: &WeightRow<'_>, row: &ActRow) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..w.scales.len() {
+        let q = &w.quants[b * 128..(b + 1) * 128];
+        let a = &row.qs[b * QK_K..(b + 1) * QK_K];
+        let sub = &w.sub_scales[b * 16..(b + 1) * 16];
+        let sums = &row.sums[b * K_SUMS..(b + 1) * K_SUMS];
+        let mut isum = 0i32;
+        for (i, bytes) in q.chunks_exact(32).enumerate() {
+            let (mut lo, mut hi) = (0i32, 0i32);
+            for (l, &byte) in bytes.iter().enumerate() {
+                lo += i32::from(byte & 0x0F) * i32::from(a[64 * i + l]);
+                hi += i32::from(byte >> 4) * i32::from(a[64 * i + 32 + l]);
+            }
+            isum += i32::from(sub[2 * i]) * lo + i32::from(sub[2 * i + 1]) * hi;
+        }
+        let mut msum = 0i32;
+        for j in 0..8 {
+            msum += i32::from(sub[8 + j]) * (i32::from(sums[2 * j]) + i32::from(sums[2 * j + 1]));
+        }
+        acc = q4k_step(acc, w.scales[b], w.mins[b], row.d[b], isum, msum);
+    }
+    acc
+}
+
+fn dot_q6k_scalar(w: &WeightRow<'_>, row: &ActRow) -> f32 {
+    let mut acc = 0f32;
+    for b in 0..w.scales.len() {
+        let (low, high) = w.quants[b * 192..(b + 1) * 192].split_at(128);
+        let a = &row.qs[b * QK_K..(b + 1) * QK_K];
+        let sub = &w.sub_scales[b * 16..(b + 1) * 16];
+        let sums = &row.sums[b * K_SUMS..(b + 1) * K_SUMS];
+        let mut isum = 0i32;
+        for g in 0..16 {
+            let mut dot = 0i32;
+            for (i, &x) in a.iter().enumerate().skip(16 * g).take(16) {
+                dot += i32::from(q6k_value(low, high, i)) * i32::from(x);
+            }
+            isum += i32::from(sub[g] as i8) * (dot - 32 * i32::from(sums[g]));
+        }
+        acc = q6k_step(acc, w.scales[b], row.d[b], isum);
+    }
+    acc
+}
+
+/// A Q4_1 or Q8_0 weight row against one activation row.
+fn dot_blocks_scalar(kind: QuantKind, w: &WeightRow<'_>, row: &ActRow) -> f32 {
+    // Two accumulators (even and odd blocks), as the SIMD kernels.
+    let mut acc = [0f32; 2];
+    for b in 0..w.scales.len() {
+        let q = &row.qs[b * QK..b * QK + QK];
+        let mut sumi = 0i32;
+        match kind {
+            QuantKind::Q4_1 => {
+                let nib = &w.quants[b * 16..b * 16 + 16];
+                for j in 0..16 {
+                    sumi += i32::from(nib[j] & 0x0F) * i32::from(q[j])
+                        + i32::from(nib[j] >> 4) * i32::from(q[j + 16]);
                 }
             }
-            acc[b % 2] += sumi as f32 * (w.scales[b] * row.d[b]);
+            QuantKind::Q8_0 => {
+                let wq = &w.quants[b * 32..b * 32 + 32];
+                for j in 0..32 {
+                    sumi += i32::from(wq[j] as i8) * i32::from(q[j]);
+                }
+            }
+            QuantKind::Q4K | QuantKind::Q6K => unreachable!("K-quants have their own kernels"),
         }
-        let mut sum = acc[0] + acc[1];
-        if kind == QuantKind::Q4_1 {
-            sum += mins_dot(w.mins, &row.s);
-        }
-        *dst = sum;
+        acc[b % 2] += sumi as f32 * (w.scales[b] * row.d[b]);
     }
+    let mut sum = acc[0] + acc[1];
+    if kind == QuantKind::Q4_1 {
+        sum += mins_dot(w.mins, &row.s);
+    }
+    sum
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -510,7 +752,7 @@ fn dot_tile_scalar(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mu
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{ActRow, QK, QuantKind, ROW_TILE, WeightRow};
+    use super::{ActRow, K_SUMS, QK, QK_K, QuantKind, ROW_TILE, WeightRow, q4k_step, q6k_step};
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn hsum(v: __m256) -> f32 {
@@ -543,6 +785,14 @@ mod avx2 {
                 (QuantKind::Q8_0, 2) => rows_q8_0::<2>(w, rows, out),
                 (QuantKind::Q8_0, 3) => rows_q8_0::<3>(w, rows, out),
                 (QuantKind::Q8_0, _) => rows_q8_0::<4>(w, rows, out),
+                (QuantKind::Q4K, 1) => rows_q4k::<1>(w, rows, out),
+                (QuantKind::Q4K, 2) => rows_q4k::<2>(w, rows, out),
+                (QuantKind::Q4K, 3) => rows_q4k::<3>(w, rows, out),
+                (QuantKind::Q4K, _) => rows_q4k::<4>(w, rows, out),
+                (QuantKind::Q6K, 1) => rows_q6k::<1>(w, rows, out),
+                (QuantKind::Q6K, 2) => rows_q6k::<2>(w, rows, out),
+                (QuantKind::Q6K, 3) => rows_q6k::<3>(w, rows, out),
+                (QuantKind::Q6K, _) => rows_q6k::<4>(w, rows, out),
             }
         }
         if kind == QuantKind::Q4_1 {
@@ -550,6 +800,199 @@ mod avx2 {
                 out[r] += mins_dot(w.mins, &rows[r].s);
             }
         }
+    }
+
+    /// The sums of `a`'s and of `b`'s 8 lanes, in one reduction. Integer adds wrap, so
+    /// any order gives the exact sum whenever it fits in an `i32`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) fn hsum2_epi32(a: __m256i, b: __m256i) -> (i32, i32) {
+        // [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+        let t = _mm256_hadd_epi32(a, b);
+        let s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+        let u = _mm_hadd_epi32(s, s);
+        (_mm_cvtsi128_si32(u), _mm_extract_epi32::<1>(u))
+    }
+
+    /// The sum of the 8 lanes (exact whenever it fits, as [`hsum2_epi32`]).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) fn hsum_epi32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// Q4_K × Q8_K for `R` activation rows. A super-block's sums are integers (no byte
+    /// product pair saturates: 2·15·128 < 2¹⁵), then one float step per super-block
+    /// shared with the scalar kernel ([`q4k_step`]): the scalar kernel's bits.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_q4k<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let nb = w.scales.len();
+        assert!(
+            w.quants.len() >= nb * 128
+                && w.sub_scales.len() >= nb * 16
+                && w.mins.len() >= nb
+                && rows.len() >= R
+                && out.len() >= R
+        );
+        for row in &rows[..R] {
+            assert!(
+                row.qs.len() >= nb * QK_K && row.d.len() >= nb && row.sums.len() >= nb * K_SUMS
+            );
+        }
+        let low = _mm256_set1_epi8(0x0F);
+        // Minimum j (byte 8 + j) twice: once per 16-value activation sum of sub-block j.
+        let twice = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+        let mut acc = [0f32; R];
+        for b in 0..nb {
+            let sub = &w.sub_scales[b * 16..(b + 1) * 16];
+            let mut isum = [_mm256_setzero_si256(); R];
+            for i in 0..4 {
+                // SAFETY: b < nb, and the asserts cover nb super-blocks of every buffer.
+                let packed =
+                    unsafe { _mm256_loadu_si256(w.quants.as_ptr().add(b * 128 + i * 32).cast()) };
+                let lo = _mm256_and_si256(packed, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), low);
+                let s_lo = _mm256_set1_epi16(i16::from(sub[2 * i]));
+                let s_hi = _mm256_set1_epi16(i16::from(sub[2 * i + 1]));
+                for r in 0..R {
+                    // SAFETY: as above.
+                    let (a_lo, a_hi) = unsafe {
+                        let a = rows[r].qs.as_ptr().add(b * QK_K + i * 64);
+                        (
+                            _mm256_loadu_si256(a.cast()),
+                            _mm256_loadu_si256(a.add(32).cast()),
+                        )
+                    };
+                    let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a_lo), s_lo);
+                    let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a_hi), s_hi);
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(p_lo, p_hi));
+                }
+            }
+            // SAFETY: `sub` holds 16 bytes.
+            let packed_sub = unsafe { _mm_loadu_si128(sub.as_ptr().cast()) };
+            let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(packed_sub, twice));
+            for r in 0..R {
+                // SAFETY: as above.
+                let sums =
+                    unsafe { _mm256_loadu_si256(rows[r].sums.as_ptr().add(b * K_SUMS).cast()) };
+                let (i, m) = hsum2_epi32(isum[r], _mm256_madd_epi16(mins, sums));
+                acc[r] = q4k_step(acc[r], w.scales[b], w.mins[b], rows[r].d[b], i, m);
+            }
+        }
+        out[..R].copy_from_slice(&acc);
+    }
+
+    /// `_mm_shuffle_epi8` masks `[2p; 8] ++ [2p + 1; 8]`: the scales of Q6_K's 16-value
+    /// groups `2p` and `2p + 1`, one per 16-bit product lane of 32 values.
+    const PAIR_MASKS: [[u8; 16]; 8] = {
+        let mut m = [[0u8; 16]; 8];
+        let mut p = 0;
+        while p < 8 {
+            let mut i = 0;
+            while i < 16 {
+                m[p][i] = (2 * p + i / 8) as u8;
+                i += 1;
+            }
+            p += 1;
+        }
+        m
+    };
+
+    /// Q6_K × Q8_K for `R` activation rows, arranged as [`rows_q4k`]: the weights as
+    /// unsigned 6 bits (no byte product pair saturates: 2·63·128 < 2¹⁵), the −32 offset
+    /// taken off once per super-block from the activation sums, one float step per
+    /// super-block shared with the scalar kernel ([`q6k_step`]).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_q6k<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let nb = w.scales.len();
+        assert!(
+            w.quants.len() >= nb * 192
+                && w.sub_scales.len() >= nb * 16
+                && rows.len() >= R
+                && out.len() >= R
+        );
+        for row in &rows[..R] {
+            assert!(
+                row.qs.len() >= nb * QK_K && row.d.len() >= nb && row.sums.len() >= nb * K_SUMS
+            );
+        }
+        let low = _mm256_set1_epi8(0x0F);
+        let bits01 = _mm256_set1_epi8(0x03);
+        let bits23 = _mm256_set1_epi8(0x0C);
+        let bits45 = _mm256_set1_epi8(0x30);
+        let bits67 = _mm256_set1_epi8(0xC0u8 as i8);
+        let mut acc = [0f32; R];
+        for b in 0..nb {
+            // SAFETY: b < nb, and the asserts cover nb super-blocks of every buffer.
+            let scales = unsafe { _mm_loadu_si128(w.sub_scales.as_ptr().add(b * 16).cast()) };
+            let mut isum = [_mm256_setzero_si256(); R];
+            for h in 0..2 {
+                // SAFETY: as above.
+                let (l0, l1, high) = unsafe {
+                    let q = w.quants.as_ptr().add(b * 192);
+                    (
+                        _mm256_loadu_si256(q.add(h * 64).cast()),
+                        _mm256_loadu_si256(q.add(h * 64 + 32).cast()),
+                        _mm256_loadu_si256(q.add(128 + h * 32).cast()),
+                    )
+                };
+                // The half's four quarters of 32 values, in order. The 16-bit shifts
+                // move only bits that the masks keep within their byte.
+                let quarters = [
+                    _mm256_or_si256(
+                        _mm256_and_si256(l0, low),
+                        _mm256_slli_epi16::<4>(_mm256_and_si256(high, bits01)),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(l1, low),
+                        _mm256_slli_epi16::<2>(_mm256_and_si256(high, bits23)),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(l0), low),
+                        _mm256_and_si256(high, bits45),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(l1), low),
+                        _mm256_srli_epi16::<2>(_mm256_and_si256(high, bits67)),
+                    ),
+                ];
+                for (k, &q) in quarters.iter().enumerate() {
+                    // SAFETY: the table has 8 masks of 16 bytes; 4h + k < 8.
+                    let mask = unsafe { _mm_loadu_si128(PAIR_MASKS[4 * h + k].as_ptr().cast()) };
+                    let s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, mask));
+                    for r in 0..R {
+                        // SAFETY: b < nb, as above.
+                        let a = unsafe {
+                            _mm256_loadu_si256(
+                                rows[r].qs.as_ptr().add(b * QK_K + h * 128 + k * 32).cast(),
+                            )
+                        };
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, a), s);
+                        isum[r] = _mm256_add_epi32(isum[r], p);
+                    }
+                }
+            }
+            let s = _mm256_cvtepi8_epi16(scales);
+            for r in 0..R {
+                // SAFETY: as above.
+                let sums =
+                    unsafe { _mm256_loadu_si256(rows[r].sums.as_ptr().add(b * K_SUMS).cast()) };
+                // 32·Σ_g scale_g·Σ q_a: the offset of every weight.
+                let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(s, sums));
+                let total = hsum_epi32(_mm256_sub_epi32(isum[r], offset));
+                acc[r] = q6k_step(acc[r], w.scales[b], rows[r].d[b], total);
+            }
+        }
+        out[..R].copy_from_slice(&acc);
     }
 
     /// `Σ q_w·q_a` of one block as 8 f32 lanes: `wq` unsigned (Q4_1 nibbles), `aq` signed.
@@ -638,6 +1081,17 @@ mod avx2 {
             match kind {
                 QuantKind::Q4_1 => weights4_kind::<true>(ws, row, out),
                 QuantKind::Q8_0 => weights4_kind::<false>(ws, row, out),
+                // One weight row at a time (nothing shared across weights yet).
+                QuantKind::Q4K | QuantKind::Q6K => {
+                    for (w, dst) in ws.iter().zip(out.iter_mut()) {
+                        dot_tile(
+                            kind,
+                            w,
+                            std::slice::from_ref(row),
+                            std::slice::from_mut(dst),
+                        );
+                    }
+                }
             }
         }
         if kind == QuantKind::Q4_1 {
@@ -803,6 +1257,9 @@ mod avx2 {
 /// block in the low half, odd block in the high half: the AVX2 kernels' two
 /// accumulators side by side) and `vpdpbusd` for the byte products. No byte product sum
 /// saturates in either, so every output is bit-identical to the AVX2 kernels' (tested).
+/// The K-quant kernels hold two sub-blocks (or quarters) per register; their sums are
+/// exact integers and their float step is the shared one, so they too give the AVX2
+/// and scalar kernels' bits (tested).
 #[cfg(target_arch = "x86_64")]
 #[expect(
     unsafe_code,
@@ -811,8 +1268,8 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::avx2::hsum;
-    use super::{ActRow, QK, QuantKind, ROW_TILE, WeightRow};
+    use super::avx2::{hsum, hsum_epi32, hsum2_epi32};
+    use super::{ActRow, K_SUMS, QK, QK_K, QuantKind, ROW_TILE, WeightRow, q4k_step, q6k_step};
 
     /// Two blocks' `Σ q_w·q_a` as 16 f32 lanes (the low 8 for the first block), each
     /// lane the sum of the same four byte products as the AVX2 kernels' lanes.
@@ -944,6 +1401,14 @@ mod avx512 {
         // SAFETY (all arms): the CPU has the features this function requires.
         unsafe {
             match (kind, n) {
+                (QuantKind::Q4K, 1) => rows_q4k::<1>(w, rows, out),
+                (QuantKind::Q4K, 2) => rows_q4k::<2>(w, rows, out),
+                (QuantKind::Q4K, 3) => rows_q4k::<3>(w, rows, out),
+                (QuantKind::Q4K, _) => rows_q4k::<4>(w, rows, out),
+                (QuantKind::Q6K, 1) => rows_q6k::<1>(w, rows, out),
+                (QuantKind::Q6K, 2) => rows_q6k::<2>(w, rows, out),
+                (QuantKind::Q6K, 3) => rows_q6k::<3>(w, rows, out),
+                (QuantKind::Q6K, _) => rows_q6k::<4>(w, rows, out),
                 (QuantKind::Q4_1, 1) => rows_kind::<true, 1>(w, rows, out),
                 (QuantKind::Q4_1, 2) => rows_kind::<true, 2>(w, rows, out),
                 (QuantKind::Q4_1, 3) => rows_kind::<true, 3>(w, rows, out),
@@ -1026,6 +1491,201 @@ mod avx512 {
         }
     }
 
+    /// Indices for `_mm512_permutexvar_epi16`: Q4_K chunk `c`'s two sub-block scales,
+    /// `[2c; 16] ++ [2c + 1; 16]`, one per 16-bit product lane.
+    const Q4K_SCALE_LANES: [[i16; 32]; 4] = {
+        let mut m = [[0i16; 32]; 4];
+        let mut c = 0;
+        while c < 4 {
+            let mut i = 0;
+            while i < 32 {
+                m[c][i] = (2 * c + i / 16) as i16;
+                i += 1;
+            }
+            c += 1;
+        }
+        m
+    };
+
+    /// Indices for `_mm512_permutexvar_epi16`: Q6_K's 16-value groups `4j..4j + 4`,
+    /// each over 8 product lanes.
+    const Q6K_SCALE_LANES: [[i16; 32]; 4] = {
+        let mut m = [[0i16; 32]; 4];
+        let mut j = 0;
+        while j < 4 {
+            let mut i = 0;
+            while i < 32 {
+                m[j][i] = (4 * j + i / 8) as i16;
+                i += 1;
+            }
+            j += 1;
+        }
+        m
+    };
+
+    /// Sixteen 16-bit values (in a 256-bit register) spread over 32 lanes by `lanes`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn spread(values: __m256i, lanes: &[i16; 32]) -> __m512i {
+        // SAFETY: `lanes` holds 32 readable i16 values.
+        let idx = unsafe { _mm512_loadu_si512(lanes.as_ptr().cast()) };
+        _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(values))
+    }
+
+    /// `[x; 16] ++ [y; 16]`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn halves(x: i16, y: i16) -> __m512i {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(x)),
+            _mm256_set1_epi16(y),
+        )
+    }
+
+    /// The 16 lanes folded to 8 (exact: integer adds).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn fold(v: __m512i) -> __m256i {
+        _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+    }
+
+    /// Q4_K × Q8_K for `R` activation rows: `avx2::rows_q4k` with a chunk's two
+    /// sub-blocks in one register. The integer sums are exact in any arrangement, and
+    /// the float step is the shared one: the AVX2 and scalar kernels' bits.
+    ///
+    /// # Safety
+    /// As [`dot_tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn rows_q4k<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let nb = w.scales.len();
+        assert!(
+            w.quants.len() >= nb * 128
+                && w.sub_scales.len() >= nb * 16
+                && w.mins.len() >= nb
+                && rows.len() >= R
+                && out.len() >= R
+        );
+        for row in &rows[..R] {
+            assert!(
+                row.qs.len() >= nb * QK_K && row.d.len() >= nb && row.sums.len() >= nb * K_SUMS
+            );
+        }
+        let low = _mm512_set1_epi8(0x0F);
+        // Low nibbles in the first 32 bytes, high nibbles in the last 32.
+        let shifts = halves(0, 4);
+        let twice = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+        let mut acc = [0f32; R];
+        for b in 0..nb {
+            // SAFETY: b < nb, and the asserts cover nb super-blocks of every buffer.
+            let sub = unsafe { _mm_loadu_si128(w.sub_scales.as_ptr().add(b * 16).cast()) };
+            let scales = _mm256_cvtepu8_epi16(sub);
+            let mut isum = [_mm512_setzero_si512(); R];
+            for (c, lanes) in Q4K_SCALE_LANES.iter().enumerate() {
+                // SAFETY: as above.
+                let packed =
+                    unsafe { _mm256_loadu_si256(w.quants.as_ptr().add(b * 128 + c * 32).cast()) };
+                let q = _mm512_and_si512(
+                    _mm512_srlv_epi16(_mm512_broadcast_i64x4(packed), shifts),
+                    low,
+                );
+                let s = spread(scales, lanes);
+                for r in 0..R {
+                    // SAFETY: as above.
+                    let a = unsafe {
+                        _mm512_loadu_si512(rows[r].qs.as_ptr().add(b * QK_K + c * 64).cast())
+                    };
+                    let p = _mm512_madd_epi16(_mm512_maddubs_epi16(q, a), s);
+                    isum[r] = _mm512_add_epi32(isum[r], p);
+                }
+            }
+            let mins = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sub, twice));
+            for r in 0..R {
+                // SAFETY: as above.
+                let sums =
+                    unsafe { _mm256_loadu_si256(rows[r].sums.as_ptr().add(b * K_SUMS).cast()) };
+                let (i, m) = hsum2_epi32(fold(isum[r]), _mm256_madd_epi16(mins, sums));
+                acc[r] = q4k_step(acc[r], w.scales[b], w.mins[b], rows[r].d[b], i, m);
+            }
+        }
+        out[..R].copy_from_slice(&acc);
+    }
+
+    /// Q6_K × Q8_K for `R` activation rows: `avx2::rows_q6k` with two quarters of a
+    /// half in one register (exact integer sums, the shared float step).
+    ///
+    /// # Safety
+    /// As [`dot_tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn rows_q6k<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
+        let nb = w.scales.len();
+        assert!(
+            w.quants.len() >= nb * 192
+                && w.sub_scales.len() >= nb * 16
+                && rows.len() >= R
+                && out.len() >= R
+        );
+        for row in &rows[..R] {
+            assert!(
+                row.qs.len() >= nb * QK_K && row.d.len() >= nb && row.sums.len() >= nb * K_SUMS
+            );
+        }
+        let low = _mm512_set1_epi8(0x0F);
+        let bits45 = _mm512_set1_epi8(0x30);
+        // Quarters 0 | 1 take high bits 0–1 | 2–3 of each high byte, moved to bits 4–5;
+        // quarters 2 | 3 take bits 4–5 | 6–7.
+        let up = halves(4, 2);
+        let down = halves(0, 2);
+        let mut acc = [0f32; R];
+        for b in 0..nb {
+            // SAFETY: b < nb, and the asserts cover nb super-blocks of every buffer.
+            let sc = unsafe { _mm_loadu_si128(w.sub_scales.as_ptr().add(b * 16).cast()) };
+            let scales = _mm256_cvtepi8_epi16(sc);
+            let mut isum = [_mm512_setzero_si512(); R];
+            for h in 0..2 {
+                // SAFETY: as above.
+                let (l, high) = unsafe {
+                    let q = w.quants.as_ptr().add(b * 192);
+                    (
+                        _mm512_loadu_si512(q.add(h * 64).cast()),
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(q.add(128 + h * 32).cast())),
+                    )
+                };
+                let pairs = [
+                    _mm512_or_si512(
+                        _mm512_and_si512(l, low),
+                        _mm512_and_si512(_mm512_sllv_epi16(high, up), bits45),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(l), low),
+                        _mm512_and_si512(_mm512_srlv_epi16(high, down), bits45),
+                    ),
+                ];
+                for (j, &q) in pairs.iter().enumerate() {
+                    let s = spread(scales, &Q6K_SCALE_LANES[2 * h + j]);
+                    for r in 0..R {
+                        // SAFETY: as above.
+                        let a = unsafe {
+                            _mm512_loadu_si512(
+                                rows[r].qs.as_ptr().add(b * QK_K + h * 128 + j * 64).cast(),
+                            )
+                        };
+                        let p = _mm512_madd_epi16(_mm512_maddubs_epi16(q, a), s);
+                        isum[r] = _mm512_add_epi32(isum[r], p);
+                    }
+                }
+            }
+            for r in 0..R {
+                // SAFETY: as above.
+                let sums =
+                    unsafe { _mm256_loadu_si256(rows[r].sums.as_ptr().add(b * K_SUMS).cast()) };
+                let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(scales, sums));
+                let total = hsum_epi32(_mm256_sub_epi32(fold(isum[r]), offset));
+                acc[r] = q6k_step(acc[r], w.scales[b], rows[r].d[b], total);
+            }
+        }
+        out[..R].copy_from_slice(&acc);
+    }
+
     /// Four weight rows against one activation row: the arithmetic of
     /// `avx2::weights4`.
     ///
@@ -1043,6 +1703,17 @@ mod avx512 {
             match kind {
                 QuantKind::Q4_1 => weights4_kind::<true>(ws, row, out),
                 QuantKind::Q8_0 => weights4_kind::<false>(ws, row, out),
+                // One weight row at a time (nothing shared across weights yet).
+                QuantKind::Q4K | QuantKind::Q6K => {
+                    for (w, dst) in ws.iter().zip(out.iter_mut()) {
+                        dot_tile(
+                            kind,
+                            w,
+                            std::slice::from_ref(row),
+                            std::slice::from_mut(dst),
+                        );
+                    }
+                }
             }
         }
         if kind == QuantKind::Q4_1 {
@@ -1273,27 +1944,274 @@ mod tests {
         }
     }
 
+    /// Dequantization, whole or by rows (embedding lookups), gives candle's values: the
+    /// same arithmetic in the same order.
     #[test]
     fn dequantize_matches_candle() {
         let device = Device::Cpu;
-        let w = Tensor::randn(0f32, 1.0, (8, 64), &device).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q4_1).unwrap();
-        let ours: Vec<f32> = FastLinear::from_qtensor(&q)
-            .unwrap()
-            .dequantize()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let theirs: Vec<f32> = q
-            .dequantize(&device)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        assert_eq!(ours, theirs);
+        for (dtype, width) in [
+            (GgmlDType::Q4_1, 64),
+            (GgmlDType::Q8_0, 64),
+            (GgmlDType::Q4K, 512),
+            (GgmlDType::Q6K, 512),
+        ] {
+            let w = Tensor::randn(0f32, 1.0, (8, width), &device).unwrap();
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let fast = FastLinear::from_qtensor(&q).unwrap();
+            let ours: Vec<f32> = fast
+                .dequantize()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let theirs: Vec<f32> = q
+                .dequantize(&device)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(ours, theirs, "{dtype:?}");
+            let rows = fast.rows(&[5, 2]);
+            assert_eq!(rows[..width], theirs[5 * width..6 * width], "{dtype:?}");
+            assert_eq!(rows[width..], theirs[2 * width..3 * width], "{dtype:?}");
+        }
+    }
+
+    const K_KINDS: [GgmlDType; 2] = [GgmlDType::Q4K, GgmlDType::Q6K];
+
+    /// Kernel against `x'·Wᵀ` summed in f64, `W` dequantized by candle and `x'` the
+    /// activations after their 8-bit quantization: the same numbers summed in another
+    /// order and rounded to f32, as a fraction of `Σ |w·x'|`.
+    const K_KERNEL_TOLERANCE: f64 = 1e-5;
+
+    /// Q4_K and Q6_K weights quantized by candle: each output equals the product with
+    /// candle's dequantized weight, to rounding once the activations are quantized, and
+    /// within the quantization's bound (each activation off by at most half its
+    /// super-block's step) of the product with the f32 activations. One to six rows,
+    /// one and three super-blocks.
+    #[test]
+    fn k_quants_match_the_dequantized_product() {
+        let device = Device::Cpu;
+        for dtype in K_KINDS {
+            for (out, superblocks) in [(5, 1), (9, 3)] {
+                let k = superblocks * QK_K;
+                let w = Tensor::randn(0f32, 1.0, (out, k), &device).unwrap();
+                let q = QTensor::quantize(&w, dtype).unwrap();
+                let weights: Vec<f32> = q
+                    .dequantize(&device)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let fast = FastLinear::from_qtensor(&q).unwrap();
+                for n in [1, 3, 4, 6] {
+                    let x = Tensor::randn(0f32, 1.0, (n, k), &device).unwrap();
+                    let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+                    let got: Vec<f32> = fast
+                        .forward(&x)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    for (r, xr) in xs.chunks_exact(k).enumerate() {
+                        let act = quantize_row_k(xr);
+                        let step = |i: usize| f64::from(act.d[i / QK_K]);
+                        let xq: Vec<f64> = (0..k).map(|i| step(i) * f64::from(act.qs[i])).collect();
+                        for (o, wr) in weights.chunks_exact(k).enumerate() {
+                            let g = f64::from(got[r * out + o]);
+                            let at = format!(
+                                "{dtype:?}, {superblocks} super-blocks, row {r}/{n}, output {o}"
+                            );
+                            let wide = |x: &[f64]| -> (f64, f64) {
+                                wr.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| {
+                                    (s + f64::from(w) * x, a + (f64::from(w) * x).abs())
+                                })
+                            };
+                            let (exact, size) = wide(&xq);
+                            assert!(
+                                (g - exact).abs() <= K_KERNEL_TOLERANCE * size,
+                                "{at}: {g} vs {exact}"
+                            );
+                            let xf: Vec<f64> = xr.iter().map(|&v| f64::from(v)).collect();
+                            let (plain, _) = wide(&xf);
+                            let bound: f64 = wr
+                                .iter()
+                                .enumerate()
+                                .map(|(i, &w)| f64::from(w).abs() * step(i) / 2.0)
+                                .sum();
+                            assert!(
+                                (g - plain).abs() <= bound * 1.001 + K_KERNEL_TOLERANCE * size,
+                                "{at}: {g} vs {plain} (bound {bound})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The K-quants' AVX2 and AVX-512 kernels give the scalar kernels' bits: one to
+    /// four activation rows, the four-weight decoding path, odd and even super-block
+    /// counts, and extremes (all quant bits set or clear, the largest and smallest
+    /// sub-block scales and minimums, activations of ±127 and a super-block of zeros).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn k_quant_simd_kernels_equal_the_scalar_ones() {
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        let avx512 = detected_simd() >= Simd::Avx512Vnni;
+        if !avx512 {
+            eprintln!("AVX-512 kernels skipped: this CPU has no AVX-512 VNNI");
+        }
+        let device = Device::Cpu;
+        for dtype in K_KINDS {
+            for superblocks in [1, 2, 3, 5] {
+                let k = superblocks * QK_K;
+                let w = Tensor::randn(0f32, 1.0, (4, k), &device).unwrap();
+                let mut fast =
+                    FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap();
+                let qb = fast.kind.quant_bytes();
+                let row_bytes = superblocks * qb;
+                // Weight row 0, first super-block: a pattern of extreme bytes and scales.
+                for (i, q) in fast.quants[..qb].iter_mut().enumerate() {
+                    *q = [0x00, 0xFF, 0x0F, 0xF0, 0x3C][i % 5];
+                }
+                let (big, small): (u8, u8) = if dtype == GgmlDType::Q4K {
+                    (63, 0)
+                } else {
+                    (0x7F, 0x80)
+                };
+                for (i, s) in fast.sub_scales[..16].iter_mut().enumerate() {
+                    *s = [big, small, big, 1][i % 4];
+                }
+                // Weight row 1, first super-block: every quant and scale at its largest
+                // (Q6_K: scales −128), the largest sums.
+                fast.quants[row_bytes..row_bytes + qb].fill(0xFF);
+                let sub_row = superblocks * 16;
+                fast.sub_scales[sub_row..sub_row + 16].fill(if dtype == GgmlDType::Q4K {
+                    63
+                } else {
+                    0x80
+                });
+                let mut x: Vec<f32> = (0..k * 4)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                    .collect();
+                // Activation row 0: all +127 in its first super-block; row 1: zeros;
+                // row 2: ±127.
+                x[..QK_K].fill(2.5);
+                x[k..k + QK_K].fill(0.0);
+                for (i, v) in x[2 * k..2 * k + QK_K].iter_mut().enumerate() {
+                    *v = if i % 3 == 0 { -1.0 } else { 1.0 };
+                }
+                let rows: Vec<ActRow> = x.chunks_exact(k).map(quantize_row_k).collect();
+                assert_eq!(rows[0].qs[..QK_K], [127; QK_K]);
+                for o in 0..4 {
+                    for n in 1..=4 {
+                        let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
+                        #[expect(unsafe_code, reason = "the features were checked above")]
+                        // SAFETY: detected_simd() found AVX2 and FMA.
+                        unsafe {
+                            avx2::dot_tile(fast.kind, &fast.weight_row(o), &rows[..n], &mut a[..n]);
+                        }
+                        dot_tile_scalar(fast.kind, &fast.weight_row(o), &rows[..n], &mut b[..n]);
+                        assert_eq!(
+                            a.map(f32::to_bits),
+                            b.map(f32::to_bits),
+                            "{dtype:?}, {superblocks} super-blocks, weight row {o}, {n} rows"
+                        );
+                        if avx512 {
+                            let mut c = [0f32; 4];
+                            #[expect(unsafe_code, reason = "the features were checked above")]
+                            // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
+                            unsafe {
+                                avx512::dot_tile(
+                                    fast.kind,
+                                    &fast.weight_row(o),
+                                    &rows[..n],
+                                    &mut c[..n],
+                                );
+                            }
+                            assert_eq!(
+                                c.map(f32::to_bits),
+                                b.map(f32::to_bits),
+                                "AVX-512: {dtype:?}, {superblocks} super-blocks, weight row {o}, {n} rows"
+                            );
+                        }
+                    }
+                }
+                let ws = [0, 1, 2, 3].map(|o| fast.weight_row(o));
+                for row in &rows {
+                    let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
+                    #[expect(unsafe_code, reason = "the features were checked above")]
+                    // SAFETY: detected_simd() found AVX2 and FMA.
+                    unsafe {
+                        avx2::weights4(fast.kind, &ws, row, &mut a);
+                    }
+                    for (w, dst) in ws.iter().zip(b.iter_mut()) {
+                        dot_tile_scalar(
+                            fast.kind,
+                            w,
+                            std::slice::from_ref(row),
+                            std::slice::from_mut(dst),
+                        );
+                    }
+                    assert_eq!(
+                        a.map(f32::to_bits),
+                        b.map(f32::to_bits),
+                        "{dtype:?}, {superblocks} super-blocks, four weights"
+                    );
+                    if avx512 {
+                        let mut c = [0f32; 4];
+                        #[expect(unsafe_code, reason = "the features were checked above")]
+                        // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
+                        unsafe {
+                            avx512::weights4(fast.kind, &ws, row, &mut c);
+                        }
+                        assert_eq!(
+                            c.map(f32::to_bits),
+                            b.map(f32::to_bits),
+                            "AVX-512: {dtype:?}, {superblocks} super-blocks, four weights"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 6-bit scale unpacking of Q4_K against its definition bit by bit, for every
+    /// value of every byte position.
+    #[test]
+    fn q4k_scales_unpack_to_six_bits() {
+        for byte in 0..=255u8 {
+            for pos in 0..12 {
+                let mut packed = [0u8; 12];
+                packed[pos] = byte;
+                let u = unpack_q4k_scales(&packed);
+                // Bit b of 6-bit value v (scales 0..8, minimums 8..16).
+                let bit = |v: usize, b: usize| (u[v] >> b) & 1;
+                for bitpos in 0..8 {
+                    let set = (byte >> bitpos) & 1;
+                    // Where ggml's layout puts bit `bitpos` of byte `pos`.
+                    let (v, b) = match (pos, bitpos) {
+                        (0..=3, 0..=5) => (pos, bitpos),
+                        (0..=3, _) => (4 + pos, bitpos - 2),
+                        (4..=7, 0..=5) => (8 + pos - 4, bitpos),
+                        (4..=7, _) => (12 + pos - 4, bitpos - 2),
+                        (_, 0..=3) => (pos - 4, bitpos),
+                        (_, _) => (pos + 4, bitpos - 4),
+                    };
+                    assert_eq!(bit(v, b), set, "byte {pos} bit {bitpos}");
+                }
+                let total: u32 = u.iter().map(|v| v.count_ones()).sum();
+                assert_eq!(total, byte.count_ones(), "byte {pos}");
+            }
+        }
     }
 
     #[test]
@@ -1314,6 +2232,7 @@ mod tests {
                 quants: &fast.quants,
                 scales: &fast.scales,
                 mins: &fast.mins,
+                sub_scales: &fast.sub_scales,
             };
             let (mut a, mut b) = ([0f32; 3], [0f32; 3]);
             dot_tile(fast.kind, &w, &rows, &mut a);
@@ -1357,7 +2276,12 @@ mod tests {
     #[test]
     fn rows_do_not_depend_on_the_batch() {
         let device = Device::Cpu;
-        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        for dtype in [
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
             // 67 outputs: the four-at-a-time decode path plus a remainder.
             let w = Tensor::randn(0f32, 1.0, (67, 256), &device).unwrap();
             let fast = FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap();

@@ -26,8 +26,8 @@ use crate::kernels::{self, FastLinear, QuantKind};
 /// How the weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightForm {
-    /// GGUF blocks as stored (Q4_1 goes through this crate's SIMD kernel; other types
-    /// through candle's); fused kernels without gradients.
+    /// GGUF blocks as stored (Q4_1, Q8_0, Q4_K and Q6_K go through this crate's SIMD
+    /// kernels; other types through candle's); fused kernels without gradients.
     Quantized,
     /// Dequantized to this float type; differentiable operations only.
     Dense(DType),
@@ -43,7 +43,7 @@ pub enum Linear {
         /// Optional bias, `[out]`.
         bias: Option<Tensor>,
     },
-    /// This crate's kernels (Q4_1, Q8_0): batch-invariant, SIMD.
+    /// This crate's kernels (Q4_1, Q8_0, Q4_K, Q6_K): batch-invariant, SIMD.
     Fast {
         /// The weight.
         weight: Arc<FastLinear>,
@@ -1228,5 +1228,39 @@ mod tests {
         let [qm, vm] = Linear::forward_many([&q, &v], &x).unwrap();
         assert_eq!(rows(&qm), got);
         assert_eq!(rows(&vm), rows(&v.forward(&x).unwrap()));
+    }
+
+    /// Q4_K and Q6_K weights (what Q4_K_M files hold) load as this crate's kernels, not
+    /// candle's matmul, with the file's values; layers of the two types side by side
+    /// (as q/k and v in a Q4_K_M layer) share one quantized input and give each
+    /// layer's own bits.
+    #[test]
+    fn k_quant_weights_load_as_fast_layers() {
+        let device = Device::Cpu;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("k.gguf");
+        let (out, inp) = (12, 512);
+        let w = Tensor::randn(0f32, 1.0, (out, inp), &device).unwrap();
+        let tensors = [
+            ("q4k.weight", QTensor::quantize(&w, GgmlDType::Q4K).unwrap()),
+            ("q6k.weight", QTensor::quantize(&w, GgmlDType::Q6K).unwrap()),
+        ];
+        let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+        let mut f = std::fs::File::create(&path).unwrap();
+        candle_core::quantized::gguf_file::write(&mut f, &[], &refs).unwrap();
+        drop(f);
+        let mut file = GgufFile::open(&path).unwrap();
+        let layers = ["q4k", "q6k"].map(|name| {
+            linear_from(&mut file, name, WeightForm::Quantized, (out, inp), false).unwrap()
+        });
+        for (layer, (name, q)) in layers.iter().zip(&tensors) {
+            assert!(matches!(layer, Linear::Fast { .. }), "{name}");
+            let want = q.dequantize(&device).unwrap();
+            assert_eq!(rows(&layer.dense_weight().unwrap()), rows(&want), "{name}");
+        }
+        let x = Tensor::randn(0f32, 1.0, (3, inp), &device).unwrap();
+        let [a, b] = Linear::forward_many([&layers[0], &layers[1]], &x).unwrap();
+        assert_eq!(rows(&a), rows(&layers[0].forward(&x).unwrap()));
+        assert_eq!(rows(&b), rows(&layers[1].forward(&x).unwrap()));
     }
 }
