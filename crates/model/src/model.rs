@@ -445,9 +445,9 @@ fn linear_from(
 ///
 /// Q4_K and Q6_K have kernels too (bit-identical across instruction sets, tested), but
 /// measured on a 2048×2048 weight they are still slower than candle's matmul (Q4_K
-/// decode 0.5–0.8×, prefill of both 0.35–0.57×; Q6_K decode 1.05–1.76×), and candle's
-/// CPU matmul computes each activation row on its own, so it is batch-invariant as
-/// well. They join the inference path once they are faster (issue 21).
+/// decode 0.5–0.8×, prefill of both 0.35–0.57×; Q6_K decode 1.05–1.76×). They join
+/// the inference path once they are faster (issue 21); whether candle's matmul is
+/// batch-invariant on these types has not been checked.
 fn on_fast_path(dtype: candle_core::quantized::GgmlDType) -> bool {
     matches!(
         QuantKind::of(dtype),
