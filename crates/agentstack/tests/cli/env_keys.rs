@@ -3,7 +3,7 @@
 //! in any log, even at the most verbose level. (`eval --env URL` and `train` open their
 //! environment through the harness, whose own test covers the key.)
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -90,12 +90,7 @@ impl Served {
             .spawn()
             .unwrap();
         let log = read_all(child.stderr.take().unwrap());
-        let first = BufReader::new(child.stdout.take().unwrap())
-            .lines()
-            .next()
-            .unwrap()
-            .unwrap();
-        let url = first.trim_start_matches("listening on ").to_owned();
+        let url = super::listening_url(&mut child);
         Self { child, url, log }
     }
 

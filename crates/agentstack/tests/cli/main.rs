@@ -15,6 +15,15 @@ struct Output {
     stderr: String,
 }
 
+/// The URL a server started with `--port 0` prints first on stdout (`listening on URL`).
+fn listening_url(child: &mut std::process::Child) -> String {
+    let first = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    first.trim_start_matches("listening on ").to_owned()
+}
 fn agentstack(args: &[&str]) -> Output {
     let home = tempfile::tempdir().unwrap();
     let out = Command::cargo_bin("agentstack")
@@ -283,15 +292,7 @@ fn abandoned_sessions_release_their_memory() {
         .spawn()
         .unwrap();
     let pid = child.id();
-    let first = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .next()
-        .unwrap()
-        .unwrap();
-    let ws = first
-        .trim_start_matches("listening on ")
-        .replace("http://", "ws://")
-        + "/ws";
+    let ws = listening_url(&mut child).replace("http://", "ws://") + "/ws";
     let rt = tokio::runtime::Runtime::new().unwrap();
     let open_and_abandon = |count: usize| {
         rt.block_on(async {
@@ -359,12 +360,7 @@ fn serve_survives_its_stdout_closing() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let first = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .next()
-        .unwrap()
-        .unwrap();
-    let url = first.trim_start_matches("listening on ").to_owned();
+    let url = listening_url(&mut child);
     std::thread::sleep(Duration::from_millis(300));
     assert!(child.try_wait().unwrap().is_none(), "the server exited");
     let out = agentstack(&["env", "run", &format!("{url}/echo"), "-n", "1"]);
