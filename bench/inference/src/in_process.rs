@@ -4,7 +4,8 @@
 //! first start, so each thread count runs in a child: this binary again, with the
 //! hidden `__measure` subcommand and `RAYON_NUM_THREADS`/`CANDLE_NUM_THREADS` set.
 //! The child prints one JSON line of results on stdout and draws its progress on
-//! stderr.
+//! stderr. A model our runtime cannot load is an outcome, not a failure: the child
+//! says so in its line (`{"cannot_load": ...}`) and the benchmark goes on.
 //!
 //! What llama-bench does, and so what we do (llama.cpp 0c1e570, `llama-bench.cpp`):
 //! - **pp N**: on an empty cache, one call with N tokens (BOS, then random ids),
@@ -27,7 +28,7 @@ use tokio::process::Command;
 use tokio::time::timeout;
 
 use crate::report::Rate;
-use crate::settings::{Plan, env_vars};
+use crate::settings::{Kernels, Plan, env_vars};
 
 /// Seed of the token ids fed to the model; any fixed value does.
 const TOKEN_SEED: u64 = 0x5eed_1234_abcd_0001;
@@ -66,11 +67,37 @@ pub struct InProcess {
     pub tg: Rate,
 }
 
-/// Runs in the child: measures, then prints the results as one JSON line.
+/// What a child reports.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// It loaded the model and measured.
+    Measured(InProcess),
+    /// Our runtime cannot load the model; why.
+    CannotLoad {
+        /// The loader's error, with its causes.
+        error: String,
+    },
+}
+
+/// Runs in the child: measures, then prints the outcome as one JSON line.
 pub fn measure(args: &MeasureArgs) -> Result<()> {
     let started = Instant::now();
-    let lm = LanguageModel::load(&args.model, WeightForm::Quantized)
-        .with_context(|| format!("loading {}", args.model.display()))?;
+    let lm = match LanguageModel::load(&args.model, WeightForm::Quantized) {
+        Ok(lm) => lm,
+        Err(e) => {
+            // The first line, without the path the benchmark already shows (candle's
+            // errors carry a backtrace on the following lines when RUST_BACKTRACE is set).
+            let error = format!("{:#}", anyhow::Error::new(e));
+            let error = error
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .replace(&args.model.display().to_string(), "the file");
+            println!("{}", serde_json::to_string(&Outcome::CannotLoad { error })?);
+            return Ok(());
+        }
+    };
     let load_seconds = started.elapsed().as_secs_f64();
     let model = lm.model();
     let vocab = u32::try_from(model.config().vocab_size).context("vocabulary size")?;
@@ -125,7 +152,7 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
         pp: Rate::of(pp),
         tg: Rate::of(tg),
     };
-    println!("{}", serde_json::to_string(&result)?);
+    println!("{}", serde_json::to_string(&Outcome::Measured(result))?);
     Ok(())
 }
 
@@ -175,9 +202,14 @@ impl TokenIds {
     }
 }
 
-/// Runs the measurement at `threads` threads in a child process and reads back its
-/// results.
-pub async fn run_child(model: &Path, plan: &Plan, threads: usize) -> Result<InProcess> {
+/// Runs the measurement at `threads` threads with `kernels` in a child process and
+/// reads back what it measured, or that it cannot load the model.
+pub async fn run_child(
+    model: &Path,
+    plan: &Plan,
+    threads: usize,
+    kernels: Kernels,
+) -> Result<Outcome> {
     let exe = std::env::current_exe().context("finding this benchmark's own binary")?;
     let mut command = Command::new(exe);
     command
@@ -194,10 +226,14 @@ pub async fn run_child(model: &Path, plan: &Plan, threads: usize) -> Result<InPr
         ])
         .env(env_vars::RAYON_NUM_THREADS, threads.to_string())
         .env(env_vars::CANDLE_NUM_THREADS, threads.to_string())
+        .env_remove(env_vars::AGENTSTACK_KERNELS)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
+    if let Some(cap) = kernels.env_value() {
+        command.env(env_vars::AGENTSTACK_KERNELS, cap);
+    }
     let output = timeout(CHILD_TIMEOUT, command.output())
         .await
         .with_context(|| {
@@ -212,8 +248,11 @@ pub async fn run_child(model: &Path, plan: &Plan, threads: usize) -> Result<InPr
     }
     let stdout = String::from_utf8_lossy(&output.stdout);
     let line = stdout.lines().last().unwrap_or_default();
-    let result: InProcess = serde_json::from_str(line)
+    let outcome: Outcome = serde_json::from_str(line)
         .with_context(|| format!("reading the in-process measurement's output {line:?}"))?;
+    let Outcome::Measured(result) = &outcome else {
+        return Ok(outcome);
+    };
     if result.candle_threads != threads || result.rayon_threads != threads {
         bail!(
             "asked for {threads} thread(s), but candle used {} and rayon {}",
@@ -221,7 +260,7 @@ pub async fn run_child(model: &Path, plan: &Plan, threads: usize) -> Result<InPr
             result.rayon_threads
         );
     }
-    Ok(result)
+    Ok(outcome)
 }
 
 #[cfg(test)]

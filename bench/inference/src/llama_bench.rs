@@ -128,6 +128,7 @@ mod tests {
         Plan {
             phases: Vec::new(),
             threads: vec![1],
+            kernels: vec![crate::settings::Kernels::Native],
             prompt_tokens: 64,
             gen_tokens: 128,
             repetitions: 2,

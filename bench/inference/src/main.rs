@@ -15,9 +15,12 @@
 //! file, and with `--write-results` the tables are appended to `bench/RESULTS.md`.
 //! See `bench/README.md`.
 
+mod bandwidth;
 mod in_process;
 mod llama_bench;
 mod load;
+mod models;
+mod random_model;
 mod report;
 mod servers;
 mod settings;
@@ -32,13 +35,15 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use in_process::MeasureArgs;
-use report::{Concurrent, PpTg, Rate, Results, RoundRecord, ServerFigures, Versions};
+use agentstack_quant::gguf::Gguf;
+use in_process::{MeasureArgs, Outcome};
+use models::{ModelSet, ModelsArgs};
+use report::{Concurrent, ModelResults, PpTg, Rate, Results, RoundRecord, ServerFigures, Versions};
 use servers::{Engine, Server};
-use settings::{Phase, Plan, Settings, UserError};
+use settings::{Kernels, Phase, Plan, Settings, UserError};
 
 /// How often the spinners redraw.
-const SPINNER_TICK: Duration = Duration::from_millis(120);
+pub(crate) const SPINNER_TICK: Duration = Duration::from_millis(120);
 
 #[derive(Debug, Parser)]
 #[command(
@@ -49,8 +54,24 @@ const SPINNER_TICK: Duration = Duration::from_millis(120);
 struct Args {
     /// The GGUF file [default: $AGENTSTACK_TEST_MODEL, else
     /// ~/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf].
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["models", "set"])]
     model: Option<PathBuf>,
+    /// Several GGUF files, measured one after the other into one table.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "PATH,...",
+        conflicts_with = "set"
+    )]
+    models: Option<Vec<PathBuf>>,
+    /// The prepared model set (see the `models` command): each type of SmolLM2, of the
+    /// random 1B model, or both. With several models the default phase is pp-tg.
+    #[arg(long, value_enum)]
+    set: Option<ModelSet>,
+    /// Our kernel families, each measured as its own rows: native (the widest this CPU
+    /// has) and avx2 (AGENTSTACK_KERNELS=avx2 in our child) [default: native].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    kernels: Option<Vec<Kernels>>,
     /// Folder with llama-bench and llama-server [default: $AGENTSTACK_LLAMACPP_BIN, else
     /// ~/.cache/agentstack/llama.cpp-0.3.36/bin].
     #[arg(long, value_name = "DIR")]
@@ -118,12 +139,16 @@ struct Args {
     #[arg(long, default_value_t = 600)]
     request_timeout: u64,
     #[command(subcommand)]
-    internal: Option<Internal>,
+    command: Option<Command>,
 }
 
-/// Subcommands this binary runs on itself.
+/// Subcommands.
 #[derive(Debug, Subcommand)]
-enum Internal {
+enum Command {
+    /// Prepare the model set (`--set`): SmolLM2 and a random ~1B llama in each type
+    /// people ship, and our allocator's mix, cached under
+    /// ~/.cache/agentstack/bench-models/.
+    Models(ModelsArgs),
     /// Measures our forward pass (run by the benchmark in a child, per thread count).
     #[command(name = "__measure", hide = true)]
     Measure(MeasureArgs),
@@ -141,7 +166,7 @@ fn main() -> ExitCode {
             };
         }
     };
-    if let Some(Internal::Measure(measure)) = &args.internal {
+    if let Some(Command::Measure(measure)) = &args.command {
         return exit(in_process::measure(measure));
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -173,6 +198,9 @@ fn exit(result: Result<()>) -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<()> {
+    if let Some(Command::Models(models_args)) = &args.command {
+        return models::prepare(models_args).await;
+    }
     let settings = Settings::resolve(&args)?;
     let plan = &settings.plan;
     let mut machine = report::Machine::read();
@@ -181,8 +209,14 @@ async fn run(args: Args) -> Result<()> {
     std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
     let mut versions = versions(&settings);
     eprintln!(
-        "model {}\nllama.cpp tools in {}\nagentstack {}\nlogs in {}\nload average {}",
-        settings.model.display(),
+        "{} model(s):\n  {}\nllama.cpp tools in {}\nagentstack {}\nlogs in {}\nload average {}",
+        settings.models.len(),
+        settings
+            .models
+            .iter()
+            .map(|m| m.display().to_string())
+            .collect::<Vec<_>>()
+            .join("\n  "),
         settings
             .llama_bench
             .parent()
@@ -193,123 +227,100 @@ async fn run(args: Args) -> Result<()> {
         machine.load_average_start
     );
 
-    let mut pp_tg = Vec::new();
+    let mut bandwidths = Vec::new();
     if plan.phases.contains(&Phase::PpTg) {
-        eprintln!(
-            "prefill/decode: pp{} and tg{}, {} runs after a warm-up, at {:?} thread(s)",
-            plan.prompt_tokens, plan.gen_tokens, plan.repetitions, plan.threads
-        );
-        // One timed run per side per round, alternating (llama-bench -r 1, then ours),
-        // so that a shared machine's slow drifts reach both sides alike instead of
-        // whichever ran during them.
-        let once = Plan {
-            repetitions: 1,
-            ..plan.clone()
-        };
-        for &threads in &plan.threads {
-            let log = log_dir.join(format!("llama-bench-t{threads}.stderr"));
-            let (mut their_pp, mut their_tg, mut our_pp, mut our_tg) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            let mut load_seconds = Vec::new();
-            let mut build_commit = String::new();
-            for round in 1..=plan.repetitions {
-                let spinner = spinner(format!(
-                    "llama-bench -t {threads} -r 1, round {round}/{}",
-                    plan.repetitions
-                ));
-                let theirs =
-                    llama_bench::run(&settings.llama_bench, &settings.model, &once, threads, &log)
-                        .await;
-                spinner.finish_and_clear();
-                let theirs = theirs?;
-                let ours = in_process::run_child(&settings.model, &once, threads).await?;
-                eprintln!(
-                    "  {threads} thread(s), round {round}: llama.cpp pp {:.0} tg {:.1} tok/s; agentstack pp {:.0} tg {:.1} tok/s",
-                    theirs.pp.mean, theirs.tg.mean, ours.pp.mean, ours.tg.mean
-                );
-                their_pp.extend(theirs.pp.samples);
-                their_tg.extend(theirs.tg.samples);
-                our_pp.extend(ours.pp.samples);
-                our_tg.extend(ours.tg.samples);
-                load_seconds.push(ours.load_seconds);
-                build_commit = theirs.build_commit;
-            }
-            let theirs = llama_bench::LlamaBench {
-                build_commit,
-                pp: Rate::of(their_pp),
-                tg: Rate::of(their_tg),
-            };
-            let ours = in_process::InProcess {
-                candle_threads: threads,
-                rayon_threads: threads,
-                load_seconds: load_seconds.iter().sum::<f64>() / load_seconds.len().max(1) as f64,
-                pp: Rate::of(our_pp),
-                tg: Rate::of(our_tg),
-            };
+        let mut counts = vec![1];
+        counts.extend(plan.threads.iter().copied().filter(|&t| t != 1));
+        for threads in counts {
+            let spinner = spinner(format!(
+                "memcpy bandwidth, {} MiB, {threads} thread(s)",
+                bandwidth::BUFFER_BYTES >> 20
+            ));
+            let measured = bandwidth::measure(threads);
+            spinner.finish_and_clear();
+            let measured = measured?;
             eprintln!(
-                "  llama.cpp,  {threads} thread(s): pp {:.0} tok/s, tg {:.1} tok/s",
-                theirs.pp.mean, theirs.tg.mean
+                "memcpy bandwidth, {threads} thread(s): best {:.1} GB/s, median {:.1} GB/s",
+                measured.best_bytes_per_second / 1e9,
+                measured.median_bytes_per_second / 1e9
             );
-            if !versions.llamacpp.contains(&theirs.build_commit) {
-                let _ = write!(
-                    versions.llamacpp,
-                    " (llama-bench build {})",
-                    theirs.build_commit
-                );
-            }
-            eprintln!(
-                "  agentstack, {threads} thread(s): pp {:.0} tok/s, tg {:.1} tok/s (model loaded in {:.2} s)",
-                ours.pp.mean, ours.tg.mean, ours.load_seconds
-            );
-            pp_tg.push(PpTg {
-                threads,
-                llamacpp_command: format!(
-                    "{} {}",
-                    settings.llama_bench.display(),
-                    llama_bench::arguments(&settings.model, &once, threads).join(" ")
-                ),
-                pp_ratio: report::ratio(ours.pp.mean, theirs.pp.mean),
-                tg_ratio: report::ratio(ours.tg.mean, theirs.tg.mean),
-                agentstack_pp: ours.pp,
-                agentstack_tg: ours.tg,
-                agentstack_load_seconds: ours.load_seconds,
-                llamacpp_pp: theirs.pp,
-                llamacpp_tg: theirs.tg,
-            });
+            bandwidths.push(measured);
         }
     }
 
-    let mut concurrent = Vec::new();
-    if plan.phases.contains(&Phase::Concurrent) {
-        let http = reqwest::Client::builder()
-            .no_proxy()
-            .timeout(settings.request_timeout)
-            .build()
-            .context("building the HTTP client")?;
+    let mut model_results = Vec::new();
+    for (index, model) in settings.models.iter().enumerate() {
+        let label = models::label(model);
+        let bytes_per_token = match Gguf::open(model) {
+            Ok(file) => bandwidth::weight_bytes_per_token(&file),
+            Err(e) => {
+                eprintln!("  warning: cannot read {}'s tensors: {e}", model.display());
+                0
+            }
+        };
         eprintln!(
-            "concurrent: {} requests × {} tokens at once, {} warm-up + {} measured rounds per server, at {:?} thread(s)",
-            plan.requests, plan.max_tokens, plan.warmup_rounds, plan.rounds, plan.threads
+            "model {}/{}: {label}, {:.1} MiB of weights read per decoded token",
+            index + 1,
+            settings.models.len(),
+            bytes_per_token as f64 / (1024.0 * 1024.0)
         );
-        for &threads in &plan.threads {
-            concurrent.push(concurrent_phase(&settings, &http, threads, &log_dir).await?);
+        let mut pp_tg = Vec::new();
+        if plan.phases.contains(&Phase::PpTg) {
+            pp_tg = pp_tg_phase(
+                &settings,
+                model,
+                index,
+                bytes_per_token,
+                &bandwidths,
+                &log_dir,
+                &mut versions,
+            )
+            .await?;
         }
+        let mut concurrent = Vec::new();
+        if plan.phases.contains(&Phase::Concurrent) {
+            let http = reqwest::Client::builder()
+                .no_proxy()
+                .timeout(settings.request_timeout)
+                .build()
+                .context("building the HTTP client")?;
+            eprintln!(
+                "concurrent: {} requests × {} tokens at once, {} warm-up + {} measured rounds per server, at {:?} thread(s)",
+                plan.requests, plan.max_tokens, plan.warmup_rounds, plan.rounds, plan.threads
+            );
+            for &threads in &plan.threads {
+                concurrent.push(
+                    concurrent_phase(&settings, model, index, &http, threads, &log_dir).await?,
+                );
+            }
+        }
+        model_results.push(ModelResults {
+            path: model.display().to_string(),
+            label,
+            weight_bytes_per_token: bytes_per_token,
+            pp_tg,
+            concurrent,
+        });
     }
 
     machine.load_average_end = report::load_average();
-    let cost = report::costs(plan, &pp_tg, &concurrent);
+    let cost = report::costs(plan, &model_results);
     let results = Results {
         benchmark: "inference",
         date: report::utc_now(),
         command: settings::command_line(),
         machine,
-        model: settings.model.display().to_string(),
         versions,
         plan: plan.clone(),
-        pp_tg,
-        concurrent,
+        bandwidth: bandwidths,
+        models: model_results,
         cost,
     };
-    let table = report::table(&results);
+    let mut table = report::table(&results);
+    if !results.bandwidth.is_empty() {
+        table.push('\n');
+        table.push_str(&report::bandwidth_line(&results));
+    }
     let cost_table = report::cost_table(&results);
     println!("{table}\n{cost_table}");
 
@@ -328,10 +339,190 @@ async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// Our side's figures at one thread count and kernel family, gathered over the rounds.
+struct OurSide {
+    kernels: Kernels,
+    pp: Vec<f64>,
+    tg: Vec<f64>,
+    load_seconds: Vec<f64>,
+    error: Option<String>,
+}
+
+/// Prefill and decode of one model at each thread count: llama-bench, then ours with
+/// each kernel family, one timed run each per round, alternating, so that a shared
+/// machine's slow drifts reach every side alike instead of whichever ran during them.
+/// A side that fails (ours cannot load the model, or a run fails) is reported in its
+/// rows and the others go on.
+async fn pp_tg_phase(
+    settings: &Settings,
+    model: &Path,
+    index: usize,
+    bytes_per_token: u64,
+    bandwidths: &[bandwidth::Bandwidth],
+    log_dir: &Path,
+    versions: &mut Versions,
+) -> Result<Vec<PpTg>> {
+    let plan = &settings.plan;
+    eprintln!(
+        "  prefill/decode: pp{} and tg{}, {} rounds, at {:?} thread(s), our kernels {:?}",
+        plan.prompt_tokens, plan.gen_tokens, plan.repetitions, plan.threads, plan.kernels
+    );
+    let once = Plan {
+        repetitions: 1,
+        ..plan.clone()
+    };
+    // Whether our runtime loads the model does not depend on threads or kernels.
+    let mut cannot_load: Option<String> = None;
+    let mut rows = Vec::new();
+    for &threads in &plan.threads {
+        let log = log_dir.join(format!("llama-bench-m{}-t{threads}.stderr", index + 1));
+        let (mut their_pp, mut their_tg) = (Vec::new(), Vec::new());
+        let mut their_error: Option<String> = None;
+        let mut build_commit = String::new();
+        let mut ours: Vec<OurSide> = plan
+            .kernels
+            .iter()
+            .map(|&kernels| OurSide {
+                kernels,
+                pp: Vec::new(),
+                tg: Vec::new(),
+                load_seconds: Vec::new(),
+                error: None,
+            })
+            .collect();
+        for round in 1..=plan.repetitions {
+            if their_error.is_none() {
+                let spinner = spinner(format!(
+                    "llama-bench -t {threads} -r 1, round {round}/{}",
+                    plan.repetitions
+                ));
+                let theirs =
+                    llama_bench::run(&settings.llama_bench, model, &once, threads, &log).await;
+                spinner.finish_and_clear();
+                match theirs {
+                    Ok(theirs) => {
+                        eprintln!(
+                            "  {threads} thread(s), round {round}: llama.cpp pp {:.0} tg {:.1} tok/s",
+                            theirs.pp.mean, theirs.tg.mean
+                        );
+                        their_pp.extend(theirs.pp.samples);
+                        their_tg.extend(theirs.tg.samples);
+                        build_commit = theirs.build_commit;
+                    }
+                    Err(e) => {
+                        eprintln!("  llama.cpp failed: {e:#}");
+                        their_error = Some(format!("failed: {e:#}"));
+                    }
+                }
+            }
+            for side in &mut ours {
+                if side.error.is_some() {
+                    continue;
+                }
+                if let Some(e) = &cannot_load {
+                    side.error = Some(e.clone());
+                    continue;
+                }
+                match in_process::run_child(model, &once, threads, side.kernels).await {
+                    Ok(Outcome::Measured(m)) => {
+                        eprintln!(
+                            "  {threads} thread(s), round {round}: agentstack ({} kernels) pp {:.0} tg {:.1} tok/s",
+                            side.kernels, m.pp.mean, m.tg.mean
+                        );
+                        side.pp.extend(m.pp.samples);
+                        side.tg.extend(m.tg.samples);
+                        side.load_seconds.push(m.load_seconds);
+                    }
+                    Ok(Outcome::CannotLoad { error }) => {
+                        eprintln!("  agentstack cannot load {}: {error}", model.display());
+                        let e = format!("cannot load: {error}");
+                        cannot_load = Some(e.clone());
+                        side.error = Some(e);
+                    }
+                    Err(e) => {
+                        eprintln!("  agentstack ({} kernels) failed: {e:#}", side.kernels);
+                        side.error = Some(format!("failed: {e:#}"));
+                    }
+                }
+            }
+        }
+        let llamacpp_pp = Rate::of(their_pp);
+        let llamacpp_tg = Rate::of(their_tg);
+        if !build_commit.is_empty() && !versions.llamacpp.contains(&build_commit) {
+            let _ = write!(versions.llamacpp, " (llama-bench build {build_commit})");
+        }
+        let decode_ceiling = bandwidths
+            .iter()
+            .find(|b| b.threads == threads)
+            .map_or(f64::NAN, |b| {
+                bandwidth::ceiling(b.best_bytes_per_second, bytes_per_token)
+            });
+        for side in ours {
+            let agentstack_pp = Rate::of(side.pp);
+            let agentstack_tg = Rate::of(side.tg);
+            let load_seconds =
+                side.load_seconds.iter().sum::<f64>() / side.load_seconds.len().max(1) as f64;
+            let ours_line = match &side.error {
+                Some(e) => e.lines().next().unwrap_or_default().to_owned(),
+                None => format!(
+                    "pp {:.0} tg {:.1} tok/s (loaded in {load_seconds:.2} s)",
+                    agentstack_pp.mean, agentstack_tg.mean
+                ),
+            };
+            let theirs_line = match &their_error {
+                Some(e) => e.lines().next().unwrap_or_default().to_owned(),
+                None => format!(
+                    "pp {:.0} tg {:.1} tok/s",
+                    llamacpp_pp.mean, llamacpp_tg.mean
+                ),
+            };
+            eprintln!(
+                "  {threads} thread(s), {} kernels: agentstack {ours_line}; llama.cpp {theirs_line}; decode ceiling {decode_ceiling:.1} tok/s",
+                side.kernels
+            );
+            let measured = |rate: &Rate, error: &Option<String>| {
+                if error.is_some() { f64::NAN } else { rate.mean }
+            };
+            let (ours_pp, ours_tg) = (
+                measured(&agentstack_pp, &side.error),
+                measured(&agentstack_tg, &side.error),
+            );
+            let (theirs_pp, theirs_tg) = (
+                measured(&llamacpp_pp, &their_error),
+                measured(&llamacpp_tg, &their_error),
+            );
+            rows.push(PpTg {
+                threads,
+                kernels: side.kernels,
+                llamacpp_command: format!(
+                    "{} {}",
+                    settings.llama_bench.display(),
+                    llama_bench::arguments(model, &once, threads).join(" ")
+                ),
+                agentstack_error: side.error,
+                llamacpp_error: their_error.clone(),
+                pp_ratio: report::ratio(ours_pp, theirs_pp),
+                tg_ratio: report::ratio(ours_tg, theirs_tg),
+                decode_ceiling,
+                agentstack_tg_of_ceiling: ours_tg / decode_ceiling,
+                llamacpp_tg_of_ceiling: theirs_tg / decode_ceiling,
+                agentstack_pp,
+                agentstack_tg,
+                agentstack_load_seconds: load_seconds,
+                llamacpp_pp: llamacpp_pp.clone(),
+                llamacpp_tg: llamacpp_tg.clone(),
+            });
+        }
+    }
+    Ok(rows)
+}
+
 /// Both servers at one thread count: started together, rounds alternating between
 /// them so that background load falls on both alike, then stopped.
 async fn concurrent_phase(
     settings: &Settings,
+    model: &Path,
+    index: usize,
     http: &reqwest::Client,
     threads: usize,
     log_dir: &Path,
@@ -340,10 +531,11 @@ async fn concurrent_phase(
     let mut running = Vec::new();
     for engine in [Engine::LlamaCpp, Engine::Agentstack] {
         let spinner = spinner(format!("starting the {engine} server, {threads} thread(s)"));
-        let command = servers::command(settings, engine, threads)?;
+        let command = servers::command(settings, model, engine, threads)?;
         let log = log_dir.join(format!(
-            "{}-server-t{threads}.log",
-            engine.to_string().replace('.', "")
+            "{}-server-m{}-t{threads}.log",
+            engine.to_string().replace('.', ""),
+            index + 1
         ));
         let server = Server::start(engine, command, log, settings.startup_timeout, http).await;
         spinner.finish_and_clear();
@@ -522,7 +714,14 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
         m.cpus, m.cpu_model, m.memory_gib, m.load_average_start, m.load_average_end
     );
     let _ = writeln!(s, "- Command: `{}`", results.command);
-    let _ = writeln!(s, "- Model: `{}`.", results.model);
+    for m in &results.models {
+        let _ = writeln!(
+            s,
+            "- Model: `{}` ({:.1} MiB of weights read per decoded token).",
+            m.path,
+            m.weight_bytes_per_token as f64 / (1024.0 * 1024.0)
+        );
+    }
     let _ = writeln!(s, "- agentstack: {}.", results.versions.agentstack);
     let _ = writeln!(s, "- llama.cpp: {}.", results.versions.llamacpp);
     let _ = writeln!(
@@ -530,8 +729,21 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
         "- Prefill/decode: llama-bench's protocol on both sides, {} rounds alternating between them, one timed run \
          per side per round (`llama-bench -p {} -n {} -r 1 -t T -o json`; ours: \
          `Model::forward` in a child process with RAYON_NUM_THREADS=CANDLE_NUM_THREADS=T, a {}-token prompt in one call \
-         on a fresh cache, then {} one-token calls on another, random token ids, one warm-up each).",
-        plan.repetitions, plan.prompt_tokens, plan.gen_tokens, plan.prompt_tokens, plan.gen_tokens
+         on a fresh cache, then {} one-token calls on another, random token ids, one warm-up each); our kernel \
+         families {:?} (avx2: AGENTSTACK_KERNELS=avx2 in our child; llama.cpp runs its native build on every row).",
+        plan.repetitions,
+        plan.prompt_tokens,
+        plan.gen_tokens,
+        plan.prompt_tokens,
+        plan.gen_tokens,
+        plan.kernels
+    );
+    let _ = writeln!(
+        s,
+        "- Decode ceiling: best `memcpy` bandwidth at T threads (a {} MiB buffer copied, counted as traffic read + written, as STREAM does) / bytes \
+         of weights read per decoded token (every 2-D weight matrix, the output head included; a tied embedding \
+         counted once, as the head).",
+        bandwidth::BUFFER_BYTES >> 20
     );
     let _ = writeln!(
         s,

@@ -5,7 +5,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::settings::Plan;
+use crate::bandwidth::Bandwidth;
+use crate::settings::{Kernels, Plan};
 
 /// A throughput over several runs, tok/s.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -107,13 +108,20 @@ pub struct Versions {
     pub llamacpp: String,
 }
 
-/// Prefill and decode at one thread count, both engines.
+/// Prefill and decode at one thread count and one of our kernel families, both
+/// engines.
 #[derive(Debug, Clone, Serialize)]
 pub struct PpTg {
     /// Compute threads.
     pub threads: usize,
+    /// Our kernel family (llama.cpp runs its native build on every row).
+    pub kernels: Kernels,
     /// The llama-bench command.
     pub llamacpp_command: String,
+    /// Why ours has no figures (`cannot load: ...`, or a failed run).
+    pub agentstack_error: Option<String>,
+    /// Why llama.cpp has no figures.
+    pub llamacpp_error: Option<String>,
     /// Ours: prefill, tok/s.
     pub agentstack_pp: Rate,
     /// Ours: decode, tok/s.
@@ -128,6 +136,28 @@ pub struct PpTg {
     pub pp_ratio: f64,
     /// Ours / llama.cpp, decode means.
     pub tg_ratio: f64,
+    /// Memory-bandwidth ceiling of decode at this thread count, tok/s: best `memcpy`
+    /// bandwidth / weight bytes read per token.
+    pub decode_ceiling: f64,
+    /// Our decode mean / the ceiling.
+    pub agentstack_tg_of_ceiling: f64,
+    /// llama.cpp's decode mean / the ceiling.
+    pub llamacpp_tg_of_ceiling: f64,
+}
+
+/// Everything measured on one model file.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelResults {
+    /// The GGUF file.
+    pub path: String,
+    /// Its name in the tables (file stem, with its type).
+    pub label: String,
+    /// Bytes of weights one decoded token reads (see [`crate::bandwidth`]).
+    pub weight_bytes_per_token: u64,
+    /// Prefill and decode, per thread count and kernel family.
+    pub pp_tg: Vec<PpTg>,
+    /// Concurrent requests, per thread count.
+    pub concurrent: Vec<Concurrent>,
 }
 
 /// One measured round of one server.
@@ -189,16 +219,14 @@ pub struct Results {
     pub command: String,
     /// Where.
     pub machine: Machine,
-    /// The GGUF file.
-    pub model: String,
     /// What ran.
     pub versions: Versions,
     /// The counts.
     pub plan: Plan,
-    /// Prefill and decode, per thread count.
-    pub pp_tg: Vec<PpTg>,
-    /// Concurrent requests, per thread count.
-    pub concurrent: Vec<Concurrent>,
+    /// `memcpy` bandwidth per thread count.
+    pub bandwidth: Vec<Bandwidth>,
+    /// Each model's figures.
+    pub models: Vec<ModelResults>,
     /// The cost floor, from `plan.price_per_hour`.
     pub cost: Vec<Cost>,
 }
@@ -218,8 +246,9 @@ pub fn ratio(ours: f64, theirs: f64) -> f64 {
     }
 }
 
-/// The cost rows for the decode and concurrent figures measured.
-pub fn costs(plan: &Plan, pp_tg: &[PpTg], concurrent: &[Concurrent]) -> Vec<Cost> {
+/// The cost rows for the decode and concurrent figures measured (native kernels; a
+/// model's name when there are several).
+pub fn costs(plan: &Plan, models: &[ModelResults]) -> Vec<Cost> {
     let row = |basis: String, ours: f64, theirs: f64| {
         let ours = usd_per_million(plan.price_per_hour, ours);
         let theirs = usd_per_million(plan.price_per_hour, theirs);
@@ -231,27 +260,37 @@ pub fn costs(plan: &Plan, pp_tg: &[PpTg], concurrent: &[Concurrent]) -> Vec<Cost
         }
     };
     let mut rows = Vec::new();
-    for r in pp_tg {
-        rows.push(row(
-            format!(
-                "tg{}, {}, one sequence",
-                plan.gen_tokens,
-                threads(r.threads)
-            ),
-            r.agentstack_tg.mean,
-            r.llamacpp_tg.mean,
-        ));
-    }
-    for c in concurrent {
-        rows.push(row(
-            format!(
-                "{} concurrent requests, {}",
-                plan.requests,
-                threads(c.threads)
-            ),
-            c.agentstack.tokens_per_second.mean,
-            c.llamacpp.tokens_per_second.mean,
-        ));
+    for m in models {
+        let prefix = if models.len() > 1 {
+            format!("{}: ", m.label)
+        } else {
+            String::new()
+        };
+        for r in m.pp_tg.iter().filter(|r| r.kernels == Kernels::Native) {
+            if r.agentstack_error.is_some() || r.llamacpp_error.is_some() {
+                continue;
+            }
+            rows.push(row(
+                format!(
+                    "{prefix}tg{}, {}, one sequence",
+                    plan.gen_tokens,
+                    threads(r.threads)
+                ),
+                r.agentstack_tg.mean,
+                r.llamacpp_tg.mean,
+            ));
+        }
+        for c in &m.concurrent {
+            rows.push(row(
+                format!(
+                    "{prefix}{} concurrent requests, {}",
+                    plan.requests,
+                    threads(c.threads)
+                ),
+                c.agentstack.tokens_per_second.mean,
+                c.llamacpp.tokens_per_second.mean,
+            ));
+        }
     }
     rows
 }
@@ -264,49 +303,125 @@ fn threads(n: usize) -> String {
     }
 }
 
-/// The main table: throughput of both engines with the ratio.
+/// The main table: throughput of both engines with the ratio, and decode as a share of
+/// its memory-bandwidth ceiling; a group of rows per model.
 pub fn table(results: &Results) -> String {
     let plan = &results.plan;
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| Throughput, tok/s (mean ± sd of {} runs; {} rounds for concurrent) | agentstack | llama.cpp | agentstack / llama.cpp (above 1× is faster) |",
+        "| Model (weights read per decoded token) | Throughput, tok/s (mean ± sd of {} runs; {} rounds for concurrent) | agentstack | llama.cpp | agentstack / llama.cpp (above 1× is faster) | decode ceiling, tok/s (memcpy bandwidth / weight bytes per token) | agentstack, % of ceiling | llama.cpp, % of ceiling |",
         plan.repetitions, plan.rounds
     );
-    let _ = writeln!(out, "|---|--:|--:|--:|");
-    for r in &results.pp_tg {
-        let _ = writeln!(
-            out,
-            "| pp{}, {}: prefill | {} | {} | {} |",
-            plan.prompt_tokens,
-            threads(r.threads),
-            fmt_rate(&r.agentstack_pp),
-            fmt_rate(&r.llamacpp_pp),
-            fmt_ratio(r.pp_ratio)
-        );
-        let _ = writeln!(
-            out,
-            "| tg{}, {}: decode | {} | {} | {} |",
-            plan.gen_tokens,
-            threads(r.threads),
-            fmt_rate(&r.agentstack_tg),
-            fmt_rate(&r.llamacpp_tg),
-            fmt_ratio(r.tg_ratio)
-        );
-    }
-    for c in &results.concurrent {
-        let _ = writeln!(
-            out,
-            "| {} concurrent × {} tokens, {}: aggregate | {} | {} | {} |",
-            plan.requests,
-            plan.max_tokens,
-            threads(c.threads),
-            fmt_rate(&c.agentstack.tokens_per_second),
-            fmt_rate(&c.llamacpp.tokens_per_second),
-            fmt_ratio(c.ratio)
-        );
+    let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|");
+    let several_kernels = plan.kernels.len() > 1 || plan.kernels != [Kernels::Native];
+    for m in &results.models {
+        let mut first = true;
+        let mut model_cell = || {
+            if std::mem::take(&mut first) {
+                format!(
+                    "**{}** ({:.1} MiB)",
+                    m.label,
+                    m.weight_bytes_per_token as f64 / (1024.0 * 1024.0)
+                )
+            } else {
+                String::new()
+            }
+        };
+        for r in &m.pp_tg {
+            let kernels = if several_kernels {
+                format!(", {} kernels", r.kernels)
+            } else {
+                String::new()
+            };
+            let ours = |rate: &Rate| match &r.agentstack_error {
+                Some(e) => cell_text(e),
+                None => fmt_rate(rate),
+            };
+            let theirs = |rate: &Rate| match &r.llamacpp_error {
+                Some(e) => cell_text(e),
+                None => fmt_rate(rate),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | pp{}, {}{kernels}: prefill | {} | {} | {} | | | |",
+                model_cell(),
+                plan.prompt_tokens,
+                threads(r.threads),
+                ours(&r.agentstack_pp),
+                theirs(&r.llamacpp_pp),
+                fmt_ratio(r.pp_ratio)
+            );
+            let _ = writeln!(
+                out,
+                "| {} | tg{}, {}{kernels}: decode | {} | {} | {} | {} | {} | {} |",
+                model_cell(),
+                plan.gen_tokens,
+                threads(r.threads),
+                ours(&r.agentstack_tg),
+                theirs(&r.llamacpp_tg),
+                fmt_ratio(r.tg_ratio),
+                fmt_significant(r.decode_ceiling),
+                fmt_percent(r.agentstack_tg_of_ceiling),
+                fmt_percent(r.llamacpp_tg_of_ceiling)
+            );
+        }
+        for c in &m.concurrent {
+            let _ = writeln!(
+                out,
+                "| {} | {} concurrent × {} tokens, {}: aggregate | {} | {} | {} | | | |",
+                model_cell(),
+                plan.requests,
+                plan.max_tokens,
+                threads(c.threads),
+                fmt_rate(&c.agentstack.tokens_per_second),
+                fmt_rate(&c.llamacpp.tokens_per_second),
+                fmt_ratio(c.ratio)
+            );
+        }
     }
     out
+}
+
+/// The `memcpy` bandwidth line under the table.
+pub fn bandwidth_line(results: &Results) -> String {
+    let figures: Vec<String> = results
+        .bandwidth
+        .iter()
+        .map(|b| {
+            format!(
+                "{}: best {:.1} GB/s (median {:.1})",
+                threads(b.threads),
+                b.best_bytes_per_second / 1e9,
+                b.median_bytes_per_second / 1e9
+            )
+        })
+        .collect();
+    format!(
+        "memcpy bandwidth (memory traffic, read + written, per second; a {} MiB buffer): {}.\n",
+        results.bandwidth.first().map_or(0, |b| b.bytes >> 20),
+        figures.join("; ")
+    )
+}
+
+/// An error in a table cell: its first line, short, without pipes.
+fn cell_text(error: &str) -> String {
+    /// Longest error shown in a cell; the JSON has it whole.
+    const MAX_CHARS: usize = 120;
+    let line = error.lines().next().unwrap_or_default().replace('|', "/");
+    if line.chars().count() > MAX_CHARS {
+        format!("{}…", line.chars().take(MAX_CHARS).collect::<String>())
+    } else {
+        line
+    }
+}
+
+fn fmt_percent(fraction: f64) -> String {
+    if fraction.is_finite() {
+        format!("{:.0}%", fraction * 100.0)
+    } else {
+        "—".into()
+    }
 }
 
 /// The cost-floor table.
@@ -431,6 +546,9 @@ mod tests {
         assert_eq!(fmt_significant(0.0), "0.00");
         assert_eq!(fmt_ratio(f64::NAN), "—");
         assert_eq!(fmt_ratio(0.5), "0.50×");
+        assert_eq!(fmt_percent(0.856), "86%");
+        assert_eq!(fmt_percent(f64::NAN), "—");
+        assert_eq!(cell_text("cannot load: a | b\ncause"), "cannot load: a / b");
     }
 
     #[test]

@@ -63,13 +63,14 @@ pub struct Server {
 /// port it will listen on if it is chosen here (agentstack picks its own and says).
 pub fn command(
     settings: &Settings,
+    model: &Path,
     engine: Engine,
     threads: usize,
 ) -> Result<(Command, Option<u16>)> {
     Ok(match engine {
         Engine::Agentstack => {
             let mut command = Command::new(&settings.agentstack);
-            command.args(["model", "serve"]).arg(&settings.model).args([
+            command.args(["model", "serve"]).arg(model).args([
                 "--host",
                 "127.0.0.1",
                 "--port",
@@ -87,7 +88,7 @@ pub fn command(
                 .context("finding a free port for llama-server")?
                 .port();
             let mut command = Command::new(&settings.llama_server);
-            command.arg("-m").arg(&settings.model).args([
+            command.arg("-m").arg(model).args([
                 "-t",
                 &threads.to_string(),
                 "-np",

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use anyhow::Result;
+use clap::ValueEnum as _;
 use serde::Serialize;
 
 use crate::Args;
@@ -27,6 +28,9 @@ pub mod env_vars {
     pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
     /// Threads of candle's CPU kernels, set on the in-process children.
     pub const CANDLE_NUM_THREADS: &str = "CANDLE_NUM_THREADS";
+    /// The widest kernel family agentstack-model may use (`avx2`, `scalar`), set on the
+    /// in-process children measured with `--kernels avx2`.
+    pub const AGENTSTACK_KERNELS: &str = "AGENTSTACK_KERNELS";
 }
 
 /// The model file the llama.cpp interop tests use too.
@@ -66,6 +70,35 @@ pub enum Phase {
     Concurrent,
 }
 
+/// Which kernels our side runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Kernels {
+    /// The widest family this CPU has (AVX-512 VNNI where present).
+    Native,
+    /// Capped at AVX2 (`AGENTSTACK_KERNELS=avx2`): what CPUs without AVX-512 run.
+    Avx2,
+}
+
+impl Kernels {
+    /// `AGENTSTACK_KERNELS`'s value for this family, if it sets one.
+    pub fn env_value(self) -> Option<&'static str> {
+        match self {
+            Self::Native => None,
+            Self::Avx2 => Some("avx2"),
+        }
+    }
+}
+
+impl fmt::Display for Kernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Native => "native",
+            Self::Avx2 => "AVX2",
+        })
+    }
+}
+
 /// The counts of one run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Plan {
@@ -73,6 +106,8 @@ pub struct Plan {
     pub phases: Vec<Phase>,
     /// Compute thread counts, each measured separately.
     pub threads: Vec<usize>,
+    /// Our kernel families, each measured separately.
+    pub kernels: Vec<Kernels>,
     /// Prompt tokens of the prefill test (llama-bench `-p`).
     pub prompt_tokens: usize,
     /// Generated tokens of the decode test (llama-bench `-n`).
@@ -95,13 +130,34 @@ pub struct Plan {
     pub price_per_hour: f64,
 }
 
+impl Plan {
+    /// pp8/tg8 once: a check that a model loads and runs, not a measurement.
+    pub fn tiny() -> Self {
+        Self {
+            phases: vec![Phase::PpTg],
+            threads: vec![1],
+            kernels: vec![Kernels::Native],
+            prompt_tokens: 8,
+            gen_tokens: 8,
+            repetitions: 1,
+            requests: 1,
+            max_tokens: 8,
+            rounds: 1,
+            warmup_rounds: 0,
+            prompt: "x".into(),
+            llama_server_ctx: 512,
+            price_per_hour: 0.1,
+        }
+    }
+}
+
 /// Everything a run needs, checked.
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// The counts.
     pub plan: Plan,
-    /// The GGUF file.
-    pub model: PathBuf,
+    /// The GGUF files, in order.
+    pub models: Vec<PathBuf>,
     /// `llama-bench`.
     pub llama_bench: PathBuf,
     /// `llama-server`.
@@ -122,16 +178,25 @@ impl Settings {
     /// Flags first, then the environment, then the defaults.
     pub fn resolve(args: &Args) -> Result<Self> {
         let quick = args.quick;
+        let several = args.set.is_some() || args.models.as_ref().is_some_and(|m| m.len() > 1);
         let plan = Plan {
-            phases: dedup(
-                args.only
-                    .clone()
-                    .unwrap_or_else(|| vec![Phase::PpTg, Phase::Concurrent]),
-            ),
+            // Serving every model of a set would take hours: pp/tg only, unless asked.
+            phases: dedup(args.only.clone().unwrap_or_else(|| {
+                if several {
+                    vec![Phase::PpTg]
+                } else {
+                    vec![Phase::PpTg, Phase::Concurrent]
+                }
+            })),
             threads: dedup(
                 args.threads
                     .clone()
                     .unwrap_or_else(|| if quick { vec![1] } else { vec![1, 2] }),
+            ),
+            kernels: dedup(
+                args.kernels
+                    .clone()
+                    .unwrap_or_else(|| vec![Kernels::Native]),
             ),
             prompt_tokens: args.prompt_tokens,
             gen_tokens: args.gen_tokens,
@@ -146,6 +211,7 @@ impl Settings {
         };
         for (flag, value) in [
             ("--threads", plan.threads.iter().copied().min().unwrap_or(0)),
+            ("--kernels", plan.kernels.len()),
             ("--prompt-tokens", plan.prompt_tokens),
             ("--gen-tokens", plan.gen_tokens),
             ("--repetitions", plan.repetitions),
@@ -173,26 +239,39 @@ impl Settings {
             );
         }
 
-        let cache = std::env::var_os(env_vars::AGENTSTACK_CACHE)
-            .map(PathBuf::from)
-            .unwrap_or_else(|| home().join(".cache/agentstack"));
-        let model = args
-            .model
-            .clone()
-            .or_else(|| std::env::var_os(env_vars::AGENTSTACK_TEST_MODEL).map(PathBuf::from))
-            .unwrap_or_else(|| cache.join(DEFAULT_MODEL));
-        if !model.is_file() {
-            user_error!(
-                "the model {} does not exist\nhint: run scripts/fetch-model, or pass --model (or set {}) to a GGUF file",
-                model.display(),
-                env_vars::AGENTSTACK_TEST_MODEL
-            );
+        let cache = cache_dir();
+        let llama_dir = llamacpp_bin(args.llamacpp_bin.as_deref(), &cache);
+        let models = match (&args.set, &args.models, &args.model) {
+            (Some(set), _, _) => {
+                let dir = crate::models::set_dir(&cache, &llama_dir);
+                let files = crate::models::files(&dir, *set);
+                let missing: Vec<String> = files
+                    .iter()
+                    .filter(|f| !f.is_file())
+                    .map(|f| f.display().to_string())
+                    .collect();
+                if !missing.is_empty() {
+                    user_error!(
+                        "the model set is not prepared; missing:\n  {}\nhint: run `agentstack-bench-inference models --set {}` first",
+                        missing.join("\n  "),
+                        set.to_possible_value()
+                            .map_or("all".into(), |v| v.get_name().to_owned())
+                    );
+                }
+                files
+            }
+            (None, Some(list), _) => list.clone(),
+            (None, None, model) => vec![model.clone().unwrap_or_else(|| default_model(&cache))],
+        };
+        for model in &models {
+            if !model.is_file() {
+                user_error!(
+                    "the model {} does not exist\nhint: run scripts/fetch-model, or pass --model (or set {}) to a GGUF file",
+                    model.display(),
+                    env_vars::AGENTSTACK_TEST_MODEL
+                );
+            }
         }
-        let llama_dir = args
-            .llamacpp_bin
-            .clone()
-            .or_else(|| std::env::var_os(env_vars::AGENTSTACK_LLAMACPP_BIN).map(PathBuf::from))
-            .unwrap_or_else(|| cache.join(DEFAULT_LLAMACPP_BIN));
         let llama_bench = llama_dir.join("llama-bench");
         let llama_server = llama_dir.join("llama-server");
         let needed: &[&Path] = match (
@@ -221,7 +300,7 @@ impl Settings {
         }
         Ok(Self {
             plan,
-            model,
+            models,
             llama_bench,
             llama_server,
             agentstack,
@@ -243,13 +322,35 @@ fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
     out
 }
 
+/// `$AGENTSTACK_CACHE`, else `~/.cache/agentstack`.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os(env_vars::AGENTSTACK_CACHE)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home().join(".cache/agentstack"))
+}
+
+/// The llama.cpp tools folder: the flag, else `$AGENTSTACK_LLAMACPP_BIN`, else the
+/// cache's.
+pub fn llamacpp_bin(flag: Option<&Path>, cache: &Path) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(env_vars::AGENTSTACK_LLAMACPP_BIN).map(PathBuf::from))
+        .unwrap_or_else(|| cache.join(DEFAULT_LLAMACPP_BIN))
+}
+
+/// `$AGENTSTACK_TEST_MODEL`, else the cache's SmolLM2 Q4_1.
+pub fn default_model(cache: &Path) -> PathBuf {
+    std::env::var_os(env_vars::AGENTSTACK_TEST_MODEL)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache.join(DEFAULT_MODEL))
+}
+
 fn home() -> PathBuf {
     std::env::var_os(env_vars::HOME).map_or_else(|| PathBuf::from("/root"), PathBuf::from)
 }
 
 /// The newer of `target/{release,debug}/agentstack` beside this benchmark's own
 /// binary: a stale release build next to a fresh debug one is the usual trap.
-fn default_agentstack() -> PathBuf {
+pub fn default_agentstack() -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
     let target = exe.parent().and_then(Path::parent).map(Path::to_path_buf);
     let candidates: Vec<PathBuf> = match target {

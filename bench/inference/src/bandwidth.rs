@@ -1,0 +1,117 @@
+//! The memory-bandwidth ceiling of decode.
+//!
+//! Decoding one token reads every weight matrix once, so a decode can go no faster than
+//! (bytes of weights read per token) / (memory bandwidth). The bandwidth is measured
+//! here as `memcpy`'s: a 256 MiB buffer copied into another, split evenly between T
+//! threads, counted as memory traffic, read plus written, as STREAM counts its "copy"
+//! (2 × 256 MiB per copy: at these sizes glibc's `memcpy` writes with non-temporal
+//! stores, so nothing else moves). Counting only the bytes copied would put the ceiling
+//! at half of what a read-only stream reaches: llama.cpp decodes 1B Q8_0 at ~1.6× that.
+//! The best of several copies is the ceiling, so a figure near 100% of it is as fast
+//! as this machine moves memory.
+
+use std::time::Instant;
+
+use agentstack_quant::gguf::Gguf;
+use agentstack_quant::recipe::is_quantizable;
+use anyhow::{Context, Result};
+use rayon::prelude::*;
+use serde::Serialize;
+
+/// Bytes copied per measurement: far above any CPU cache.
+pub const BUFFER_BYTES: usize = 256 << 20;
+/// Timed copies per thread count (after one untimed copy).
+const COPIES: usize = 7;
+
+/// `memcpy` bandwidth at one thread count.
+#[derive(Debug, Clone, Serialize)]
+pub struct Bandwidth {
+    /// Threads copying at once.
+    pub threads: usize,
+    /// Bytes copied per copy (the traffic is twice that).
+    pub bytes: usize,
+    /// The best copy, bytes of traffic (read + written) per second: the ceiling's
+    /// bandwidth.
+    pub best_bytes_per_second: f64,
+    /// The median copy, bytes of traffic per second.
+    pub median_bytes_per_second: f64,
+    /// Each copy, bytes of traffic per second.
+    pub samples: Vec<f64>,
+}
+
+/// Measures `memcpy` of [`BUFFER_BYTES`] at `threads` threads (a pool of its own).
+pub fn measure(threads: usize) -> Result<Bandwidth> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("starting the copy threads")?;
+    // Touched before timing (non-zero, so no page stays a shared zero page).
+    let src = vec![1u8; BUFFER_BYTES];
+    let mut dst = vec![2u8; BUFFER_BYTES];
+    let chunk = BUFFER_BYTES.div_ceil(threads);
+    let mut samples = Vec::with_capacity(COPIES);
+    for copy in 0..=COPIES {
+        let start = Instant::now();
+        pool.install(|| {
+            dst.par_chunks_mut(chunk)
+                .zip(src.par_chunks(chunk))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+        });
+        let seconds = start.elapsed().as_secs_f64();
+        std::hint::black_box(&dst);
+        if copy > 0 {
+            samples.push(2.0 * BUFFER_BYTES as f64 / seconds.max(f64::MIN_POSITIVE));
+        }
+    }
+    let mut sorted = samples.clone();
+    sorted.sort_by(f64::total_cmp);
+    Ok(Bandwidth {
+        threads,
+        bytes: BUFFER_BYTES,
+        best_bytes_per_second: sorted.last().copied().unwrap_or(0.0),
+        median_bytes_per_second: sorted[sorted.len() / 2],
+        samples,
+    })
+}
+
+/// Bytes of weights one decoded token reads: every 2-D weight matrix, the output
+/// projection included; with tied embeddings (no `output.weight`) the token embedding
+/// is read whole once, as the output head (its row lookup for the input is
+/// negligible). Norms and other 1-D tensors are left out.
+pub fn weight_bytes_per_token(file: &Gguf) -> u64 {
+    let tied = file.tensor("output.weight").is_none();
+    file.tensors
+        .iter()
+        .filter(|t| is_quantizable(t))
+        .filter(|t| tied || t.name != "token_embd.weight")
+        .map(|t| t.bytes())
+        .sum()
+}
+
+/// The decode ceiling, tok/s.
+pub fn ceiling(bytes_per_second: f64, bytes_per_token: u64) -> f64 {
+    if bytes_per_token == 0 {
+        f64::NAN
+    } else {
+        bytes_per_second / bytes_per_token as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_measure_a_positive_bandwidth() {
+        let b = measure(1).unwrap();
+        assert_eq!(b.samples.len(), COPIES);
+        assert!(b.best_bytes_per_second >= b.median_bytes_per_second);
+        assert!(b.median_bytes_per_second > 0.0);
+    }
+
+    #[test]
+    fn ceiling_is_bandwidth_over_bytes() {
+        assert_eq!(ceiling(10e9, 1_000_000_000), 10.0);
+        assert!(ceiling(10e9, 0).is_nan());
+    }
+}
