@@ -88,6 +88,17 @@ pub fn weight_bytes_per_token(file: &Gguf) -> u64 {
         .sum()
 }
 
+/// The bandwidth T threads have: the best measured at any count up to T (T threads can
+/// do what one does; on a shared machine a second copying thread can measure lower
+/// than one alone, which would put the ceiling below what a decode reaches).
+pub fn at_most(bandwidths: &[Bandwidth], threads: usize) -> f64 {
+    bandwidths
+        .iter()
+        .filter(|b| b.threads <= threads)
+        .map(|b| b.best_bytes_per_second)
+        .fold(f64::NAN, f64::max)
+}
+
 /// The decode ceiling, tok/s.
 pub fn ceiling(bytes_per_second: f64, bytes_per_token: u64) -> f64 {
     if bytes_per_token == 0 {
@@ -113,5 +124,21 @@ mod tests {
     fn ceiling_is_bandwidth_over_bytes() {
         assert_eq!(ceiling(10e9, 1_000_000_000), 10.0);
         assert!(ceiling(10e9, 0).is_nan());
+    }
+
+    #[test]
+    fn more_threads_never_have_less_bandwidth() {
+        let at = |threads, best| Bandwidth {
+            threads,
+            bytes: 1,
+            best_bytes_per_second: best,
+            median_bytes_per_second: best,
+            samples: vec![best],
+        };
+        let measured = [at(1, 30.0), at(2, 26.0), at(4, 50.0)];
+        assert_eq!(at_most(&measured, 1), 30.0);
+        assert_eq!(at_most(&measured, 2), 30.0);
+        assert_eq!(at_most(&measured, 4), 50.0);
+        assert!(at_most(&measured[1..], 1).is_nan());
     }
 }

@@ -451,12 +451,8 @@ async fn pp_tg_phase(
         if !build_commit.is_empty() && !versions.llamacpp.contains(&build_commit) {
             let _ = write!(versions.llamacpp, " (llama-bench build {build_commit})");
         }
-        let decode_ceiling = bandwidths
-            .iter()
-            .find(|b| b.threads == threads)
-            .map_or(f64::NAN, |b| {
-                bandwidth::ceiling(b.best_bytes_per_second, bytes_per_token)
-            });
+        let decode_ceiling =
+            bandwidth::ceiling(bandwidth::at_most(bandwidths, threads), bytes_per_token);
         for side in ours {
             let agentstack_pp = Rate::of(side.pp);
             let agentstack_tg = Rate::of(side.tg);

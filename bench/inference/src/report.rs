@@ -137,7 +137,7 @@ pub struct PpTg {
     /// Ours / llama.cpp, decode means.
     pub tg_ratio: f64,
     /// Memory-bandwidth ceiling of decode at this thread count, tok/s: best `memcpy`
-    /// bandwidth / weight bytes read per token.
+    /// bandwidth at up to this many threads / weight bytes read per token.
     pub decode_ceiling: f64,
     /// Our decode mean / the ceiling.
     pub agentstack_tg_of_ceiling: f64,
