@@ -720,41 +720,45 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
     }
     let _ = writeln!(s, "- agentstack: {}.", results.versions.agentstack);
     let _ = writeln!(s, "- llama.cpp: {}.", results.versions.llamacpp);
-    let _ = writeln!(
-        s,
-        "- Prefill/decode: llama-bench's protocol on both sides, {} rounds alternating between them, one timed run \
-         per side per round (`llama-bench -p {} -n {} -r 1 -t T -o json`; ours: \
-         `Model::forward` in a child process with RAYON_NUM_THREADS=CANDLE_NUM_THREADS=T, a {}-token prompt in one call \
-         on a fresh cache, then {} one-token calls on another, random token ids, one warm-up each); our kernel \
-         families {:?} (avx2: AGENTSTACK_KERNELS=avx2 in our child; llama.cpp runs its native build on every row).",
-        plan.repetitions,
-        plan.prompt_tokens,
-        plan.gen_tokens,
-        plan.prompt_tokens,
-        plan.gen_tokens,
-        plan.kernels
-    );
-    let _ = writeln!(
-        s,
-        "- Decode ceiling: best `memcpy` bandwidth at T threads (a {} MiB buffer copied, counted as traffic read + written, as STREAM does) / bytes \
-         of weights read per decoded token (every 2-D weight matrix, the output head included; a tied embedding \
-         counted once, as the head).",
-        bandwidth::BUFFER_BYTES >> 20
-    );
-    let _ = writeln!(
-        s,
-        "- Concurrent: `llama-server -t T -np {} -c {}` and `agentstack model serve --threads T`, both on 127.0.0.1; \
-         {} rounds of {} concurrent `/v1/completions` (prompt {:?}, max_tokens {}, temperature 0, ignore_eos; \
-         agentstack also detect_loops false) after {} warm-up round(s), alternating between the servers; \
-         aggregate = generated tokens / wall time of the round. The load generator shares the cores.",
-        plan.requests,
-        plan.llama_server_ctx,
-        plan.rounds,
-        plan.requests,
-        plan.prompt,
-        plan.max_tokens,
-        plan.warmup_rounds
-    );
+    if plan.phases.contains(&Phase::PpTg) {
+        let _ = writeln!(
+            s,
+            "- Prefill/decode: llama-bench's protocol on both sides, {} rounds alternating between them, one timed run \
+             per side per round (`llama-bench -p {} -n {} -r 1 -t T -o json`; ours: \
+             `Model::forward` in a child process with RAYON_NUM_THREADS=CANDLE_NUM_THREADS=T, a {}-token prompt in one call \
+             on a fresh cache, then {} one-token calls on another, random token ids, one warm-up each); our kernel \
+             families {:?} (avx2: AGENTSTACK_KERNELS=avx2 in our child; llama.cpp runs its native build on every row).",
+            plan.repetitions,
+            plan.prompt_tokens,
+            plan.gen_tokens,
+            plan.prompt_tokens,
+            plan.gen_tokens,
+            plan.kernels
+        );
+        let _ = writeln!(
+            s,
+            "- Decode ceiling: best `memcpy` bandwidth at T threads (a {} MiB buffer copied, counted as traffic read + written, as STREAM does) / bytes \
+             of weights read per decoded token (every 2-D weight matrix, the output head included; a tied embedding \
+             counted once, as the head).",
+            bandwidth::BUFFER_BYTES >> 20
+        );
+    }
+    if plan.phases.contains(&Phase::Concurrent) {
+        let _ = writeln!(
+            s,
+            "- Concurrent: `llama-server -t T -np {} -c {}` and `agentstack model serve --threads T`, both on 127.0.0.1; \
+             {} rounds of {} concurrent `/v1/completions` (prompt {:?}, max_tokens {}, temperature 0, ignore_eos; \
+             agentstack also detect_loops false) after {} warm-up round(s), alternating between the servers; \
+             aggregate = generated tokens / wall time of the round. The load generator shares the cores.",
+            plan.requests,
+            plan.llama_server_ctx,
+            plan.rounds,
+            plan.requests,
+            plan.prompt,
+            plan.max_tokens,
+            plan.warmup_rounds
+        );
+    }
     let _ = writeln!(s, "\n{table}\n{cost_table}");
     let mut file = std::fs::OpenOptions::new()
         .create(true)

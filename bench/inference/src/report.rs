@@ -6,7 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::bandwidth::Bandwidth;
-use crate::settings::{Kernels, Plan};
+use crate::settings::{Kernels, Phase, Plan};
 
 /// A throughput over several runs, tok/s.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -308,10 +308,20 @@ fn threads(n: usize) -> String {
 pub fn table(results: &Results) -> String {
     let plan = &results.plan;
     let mut out = String::new();
+    let runs = match (
+        plan.phases.contains(&Phase::PpTg),
+        plan.phases.contains(&Phase::Concurrent),
+    ) {
+        (true, true) => format!(
+            "{} runs; {} rounds for concurrent",
+            plan.repetitions, plan.rounds
+        ),
+        (true, false) => format!("{} runs", plan.repetitions),
+        (false, _) => format!("{} rounds", plan.rounds),
+    };
     let _ = writeln!(
         out,
-        "| Model (weights read per decoded token) | Throughput, tok/s (mean ± sd of {} runs; {} rounds for concurrent) | agentstack | llama.cpp | agentstack / llama.cpp (above 1× is faster) | decode ceiling, tok/s (memcpy bandwidth / weight bytes per token) | agentstack, % of ceiling | llama.cpp, % of ceiling |",
-        plan.repetitions, plan.rounds
+        "| Model (weights read per decoded token) | Throughput, tok/s (mean ± sd of {runs}) | agentstack | llama.cpp | agentstack / llama.cpp (above 1× is faster) | decode ceiling, tok/s (memcpy bandwidth / weight bytes per token) | agentstack, % of ceiling | llama.cpp, % of ceiling |"
     );
     let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|");
     let several_kernels = plan.kernels.len() > 1 || plan.kernels != [Kernels::Native];
