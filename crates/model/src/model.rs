@@ -441,18 +441,12 @@ fn linear_from(
     })
 }
 
-/// Whether a quantized weight of this type runs on this crate's kernels at inference.
-///
-/// Q4_K and Q6_K have kernels too (bit-identical across instruction sets, tested), but
-/// measured on a 2048×2048 weight they are still slower than candle's matmul (Q4_K
-/// decode 0.5–0.8×, prefill of both 0.35–0.57×; Q6_K decode 1.05–1.76×). They join
-/// the inference path once they are faster (issue 21); whether candle's matmul is
-/// batch-invariant on these types has not been checked.
+/// Whether a quantized weight of this type runs on this crate's kernels at inference:
+/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K). The others
+/// (Q2_K, Q3_K, Q5_K, Q8_K) stay on candle's quantized matmul until they have kernels
+/// (issue 21).
 fn on_fast_path(dtype: candle_core::quantized::GgmlDType) -> bool {
-    matches!(
-        QuantKind::of(dtype),
-        Some(QuantKind::Q4_1 | QuantKind::Q8_0)
-    )
+    QuantKind::of(dtype).is_some()
 }
 
 fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
@@ -1244,10 +1238,10 @@ mod tests {
         assert_eq!(rows(&vm), rows(&v.forward(&x).unwrap()));
     }
 
-    /// Q4_K and Q6_K weights (what Q4_K_M files hold) load on candle's matmul for now
-    /// (see [`on_fast_path`]); as this crate's kernels they hold the file's values, and
-    /// layers of the two types side by side (as q/k and v in a Q4_K_M layer) share one
-    /// quantized input and give each layer's own bits.
+    /// Q4_K and Q6_K weights (what Q4_K_M files hold) load on this crate's kernels (see
+    /// [`on_fast_path`]), hold the file's values, and layers of the two types side by
+    /// side (as q/k and v in a Q4_K_M layer) share one quantized input and give each
+    /// layer's own bits. 12 rows: one group of 16 with 4 padding rows.
     #[test]
     fn k_quant_weights_as_fast_layers() {
         let device = Device::Cpu;
@@ -1264,14 +1258,11 @@ mod tests {
         candle_core::quantized::gguf_file::write(&mut f, &[], &refs).unwrap();
         drop(f);
         let mut file = GgufFile::open(&path).unwrap();
-        for name in ["q4k", "q6k"] {
+        let layers = ["q4k", "q6k"].map(|name| {
             let loaded =
                 linear_from(&mut file, name, WeightForm::Quantized, (out, inp), false).unwrap();
-            assert!(matches!(loaded, Linear::Quantized { .. }), "{name}");
-        }
-        let layers = [0, 1].map(|i| Linear::Fast {
-            weight: Arc::new(FastLinear::from_qtensor(&tensors[i].1).unwrap()),
-            bias: None,
+            assert!(matches!(loaded, Linear::Fast { .. }), "{name}");
+            loaded
         });
         for (layer, (name, q)) in layers.iter().zip(&tensors) {
             let want = q.dequantize(&device).unwrap();

@@ -1,0 +1,91 @@
+//! Quick timing of one quantized matmul, our kernels against candle's, for kernel work:
+//! `cargo run --release -p agentstack-model --example kernel_speed -- [TYPES] [OUT] [IN]`
+//! with `TYPES` a comma-separated list (`q4_0,q4k,q6k`, default every type with a
+//! kernel). Runs on the current thread pool (`RAYON_NUM_THREADS`); `AGENTSTACK_KERNELS=avx2`
+//! caps our kernels' instruction set. Decode is one activation row, prefill 64.
+//! (The side-by-side benchmark against llama.cpp is `bench/inference`.)
+
+use std::time::Instant;
+
+use agentstack_model::kernels::{FastLinear, QuantKind};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+fn dtype(name: &str) -> Option<GgmlDType> {
+    Some(match name {
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        "q5_0" => GgmlDType::Q5_0,
+        "q5_1" => GgmlDType::Q5_1,
+        "q8_0" => GgmlDType::Q8_0,
+        "q2k" => GgmlDType::Q2K,
+        "q3k" => GgmlDType::Q3K,
+        "q4k" => GgmlDType::Q4K,
+        "q5k" => GgmlDType::Q5K,
+        "q6k" => GgmlDType::Q6K,
+        _ => return None,
+    })
+}
+
+/// Median seconds of `f` over enough calls to take about 0.3 s.
+fn time(mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    f();
+    let once = start.elapsed().as_secs_f64().max(1e-6);
+    let n = ((0.3 / once) as usize).clamp(3, 2000);
+    let mut samples: Vec<f64> = (0..n)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[n / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let types = args
+        .next()
+        .unwrap_or_else(|| "q4_1,q8_0,q4k,q6k".to_owned());
+    let out: usize = args.next().map_or(Ok(2048), |a| a.parse())?;
+    let inp: usize = args.next().map_or(Ok(2048), |a| a.parse())?;
+    let dev = Device::Cpu;
+    let w = Tensor::randn(0f32, 0.05, (out, inp), &dev)?;
+    println!(
+        "weight {out}x{inp}, {} threads",
+        rayon::current_num_threads()
+    );
+    println!("| type | rows | ours µs | candle µs | ours / candle speed | weight GB/s (ours) |");
+    println!("|---|--:|--:|--:|--:|--:|");
+    for name in types.split(',') {
+        let dt = dtype(name).ok_or_else(|| format!("unknown type {name}"))?;
+        let q = QTensor::quantize(&w, dt)?;
+        let bytes = q.storage_size_in_bytes() as f64;
+        if QuantKind::of(dt).is_none() {
+            println!("| {name} | – | no kernel | | | |");
+            continue;
+        }
+        let fast = FastLinear::from_qtensor(&q)?;
+        let candle = QMatMul::from_qtensor(q)?;
+        for rows in [1usize, 4, 64] {
+            let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
+            let ours = time(|| {
+                fast.forward(&x).expect("forward");
+            });
+            let theirs = time(|| {
+                candle.forward(&x).expect("forward");
+            });
+            println!(
+                "| {name} | {rows} | {:.1} | {:.1} | {:.2}× | {:.1} |",
+                ours * 1e6,
+                theirs * 1e6,
+                theirs / ours,
+                bytes / ours / 1e9
+            );
+        }
+    }
+    Ok(())
+}

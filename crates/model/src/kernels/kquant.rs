@@ -1,0 +1,904 @@
+//! Q4_K and Q6_K weights repacked for SIMD, sixteen weight rows at a time.
+//!
+//! A file stores each weight row's super-blocks one after the other, so a kernel that
+//! reads it as it is multiplies one row at a time and has to sum each row's products
+//! across vector lanes and apply each sub-block's scale separately. Here sixteen rows
+//! (a *group*) are interleaved instead, as ik_llama.cpp's run-time repacking does: for
+//! every four consecutive values of a super-block, the group's sixteen rows' four weight
+//! bytes lie side by side, one 32-bit lane per row. Four activation bytes broadcast to
+//! every lane then give all sixteen rows' partial sums in one multiply-add, a sub-block
+//! scale is one lane-wise multiplication, and the output of lane `l` is row `l`'s: no
+//! sum across lanes is ever needed.
+//!
+//! The arithmetic per output is the one of the per-row scalar kernel, whatever the
+//! instruction set: a super-block's sums are exact integers (their order does not
+//! matter), then one float step per super-block ([`q4k_step`], [`q6k_step`]) in the
+//! same order, lane by lane. So the scalar, AVX2 and AVX-512 kernels give the same bits,
+//! and an output never depends on how many activation rows came with it.
+//!
+//! Layout per group and super-block (`gs = group·nb + b`; padding rows past the weight's
+//! last are zeros):
+//! - Q4_K: `quants[gs·2048..]` as `[chunk i: 4][step t: 8][lane: 16][4 bytes]`, the
+//!   file's bytes `32i + 4t .. 32i + 4t + 4` of the lane's row: low nibbles are values
+//!   `64i + 4t..` (sub-block `2i`), high nibbles values `64i + 32 + 4t..` (sub-block
+//!   `2i + 1`). `small[gs·256..]`: the 8 scales as `[j][lane]`, then the 8 minimums as
+//!   `[pair p: 4][lane][2]` (minimums `2p`, `2p + 1`). `d`, `dmin`: `[gs·16 + lane]`.
+//! - Q6_K: `quants[gs·4096..]` as `[group of 16 values g: 16][step t: 4][lane][4 bytes]`,
+//!   each byte one value's unsigned 6 bits (the weight plus 32). `small[gs·256..]`: the
+//!   16 signed scales as `[g][lane]`. `d`: `[gs·16 + lane]`.
+
+use half::f16;
+
+use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scales};
+
+/// Weight rows per group: one 32-bit lane each in a 512-bit register.
+pub(super) const LANES: usize = 16;
+/// Bytes of quants per group and super-block.
+const Q4K_QUANTS: usize = 128 * LANES;
+const Q6K_QUANTS: usize = QK_K * LANES;
+/// Bytes of scales (and minimums) per group and super-block.
+const SMALL: usize = 16 * LANES;
+
+/// Which K-quant a [`KPacked`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum KType {
+    Q4K,
+    Q6K,
+}
+
+impl KType {
+    /// Bytes of one super-block in a file.
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4K => 144,
+            Self::Q6K => 210,
+        }
+    }
+
+    fn quant_bytes(self) -> usize {
+        match self {
+            Self::Q4K => Q4K_QUANTS,
+            Self::Q6K => Q6K_QUANTS,
+        }
+    }
+}
+
+/// A K-quant weight `[out, in]` repacked in groups of [`LANES`] rows (see the module
+/// docs for the layout).
+#[derive(Debug)]
+pub(super) struct KPacked {
+    pub(super) ty: KType,
+    /// Super-blocks per row.
+    pub(super) nb: usize,
+    pub(super) groups: usize,
+    quants: Vec<u8>,
+    small: Vec<u8>,
+    d: Vec<f32>,
+    /// Q4_K only.
+    dmin: Vec<f32>,
+}
+
+/// One group's buffers for one super-block.
+struct Block<'a> {
+    quants: &'a [u8],
+    small: &'a [u8],
+    d: &'a [f32],
+    dmin: &'a [f32],
+}
+
+impl KPacked {
+    /// Repacks the file's bytes of a `[out, in]` weight (`in` a multiple of 256).
+    pub(super) fn pack(ty: KType, data: &[u8], out: usize, nb: usize) -> Self {
+        let groups = out.div_ceil(LANES);
+        let slots = groups * nb;
+        let mut p = Self {
+            ty,
+            nb,
+            groups,
+            quants: vec![0; slots * ty.quant_bytes()],
+            small: vec![0; slots * SMALL],
+            d: vec![0.0; slots * LANES],
+            dmin: if ty == KType::Q4K {
+                vec![0.0; slots * LANES]
+            } else {
+                Vec::new()
+            },
+        };
+        let half_at =
+            |block: &[u8], i: usize| f16::from_le_bytes([block[i], block[i + 1]]).to_f32();
+        let bb = ty.block_bytes();
+        for o in 0..out {
+            let (g, lane) = (o / LANES, o % LANES);
+            for b in 0..nb {
+                let block = &data[(o * nb + b) * bb..(o * nb + b + 1) * bb];
+                let gs = g * nb + b;
+                let q = &mut p.quants[gs * ty.quant_bytes()..(gs + 1) * ty.quant_bytes()];
+                let small = &mut p.small[gs * SMALL..(gs + 1) * SMALL];
+                match ty {
+                    KType::Q4K => {
+                        p.d[gs * LANES + lane] = half_at(block, 0);
+                        p.dmin[gs * LANES + lane] = half_at(block, 2);
+                        let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
+                        let sub = unpack_q4k_scales(packed);
+                        for j in 0..8 {
+                            small[j * LANES + lane] = sub[j];
+                        }
+                        for pair in 0..4 {
+                            for e in 0..2 {
+                                small[128 + (pair * LANES + lane) * 2 + e] = sub[8 + 2 * pair + e];
+                            }
+                        }
+                        let qs = &block[16..144];
+                        for i in 0..4 {
+                            for t in 0..8 {
+                                let at = ((i * 8 + t) * LANES + lane) * 4;
+                                q[at..at + 4]
+                                    .copy_from_slice(&qs[32 * i + 4 * t..32 * i + 4 * t + 4]);
+                            }
+                        }
+                    }
+                    KType::Q6K => {
+                        p.d[gs * LANES + lane] = half_at(block, 208);
+                        for g16 in 0..16 {
+                            small[g16 * LANES + lane] = block[192 + g16];
+                        }
+                        let (low, high) = block[..192].split_at(128);
+                        for g16 in 0..16 {
+                            for t in 0..4 {
+                                let at = ((g16 * 4 + t) * LANES + lane) * 4;
+                                for k in 0..4 {
+                                    q[at + k] = q6k_value(low, high, 16 * g16 + 4 * t + k);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        p
+    }
+
+    fn block(&self, g: usize, b: usize) -> Block<'_> {
+        let gs = g * self.nb + b;
+        let qb = self.ty.quant_bytes();
+        Block {
+            quants: &self.quants[gs * qb..(gs + 1) * qb],
+            small: &self.small[gs * SMALL..(gs + 1) * SMALL],
+            d: &self.d[gs * LANES..(gs + 1) * LANES],
+            dmin: if self.dmin.is_empty() {
+                &[]
+            } else {
+                &self.dmin[gs * LANES..(gs + 1) * LANES]
+            },
+        }
+    }
+
+    /// Row `o`'s super-block `b` as f32 (ggml's dequantization arithmetic), appended.
+    pub(super) fn dequantize_block(&self, o: usize, b: usize, out: &mut Vec<f32>) {
+        let (g, lane) = (o / LANES, o % LANES);
+        let blk = self.block(g, b);
+        let d = blk.d[lane];
+        match self.ty {
+            KType::Q4K => {
+                let dmin = blk.dmin[lane];
+                let mut values = [0f32; QK_K];
+                for j in 0..8 {
+                    let (i, high) = (j / 2, j % 2 == 1);
+                    let scale = d * f32::from(blk.small[j * LANES + lane]);
+                    let min =
+                        dmin * f32::from(blk.small[128 + ((j / 2) * LANES + lane) * 2 + j % 2]);
+                    for t in 0..8 {
+                        for k in 0..4 {
+                            let byte = blk.quants[((i * 8 + t) * LANES + lane) * 4 + k];
+                            let q = if high { byte >> 4 } else { byte & 0x0F };
+                            values[32 * j + 4 * t + k] = scale * f32::from(q) - min;
+                        }
+                    }
+                }
+                out.extend_from_slice(&values);
+            }
+            KType::Q6K => {
+                let mut values = [0f32; QK_K];
+                for g16 in 0..16 {
+                    let scale = f32::from(blk.small[g16 * LANES + lane] as i8);
+                    for t in 0..4 {
+                        for k in 0..4 {
+                            let q = blk.quants[((g16 * 4 + t) * LANES + lane) * 4 + k];
+                            values[16 * g16 + 4 * t + k] = d * scale * (i32::from(q) - 32) as f32;
+                        }
+                    }
+                }
+                out.extend_from_slice(&values);
+            }
+        }
+    }
+
+    /// Group `g`'s sixteen outputs for each of `rows` (at most four): `out[r·16 + lane]`
+    /// is the product of weight row `16g + lane` with activation row `r`.
+    pub(super) fn group(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        assert!(rows.len() <= 4 && out.len() >= rows.len() * LANES);
+        for row in rows {
+            assert!(
+                row.qs.len() >= self.nb * QK_K
+                    && row.d.len() >= self.nb
+                    && row.sums.len() >= self.nb * K_SUMS
+            );
+        }
+        #[cfg(target_arch = "x86_64")]
+        match super::simd() {
+            super::Simd::Avx512Vnni => {
+                #[expect(unsafe_code, reason = "the CPU was checked for these features")]
+                // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA; the buffers
+                // were checked above and by `block`.
+                unsafe {
+                    avx512::group(self, g, rows, out)
+                };
+                return;
+            }
+            super::Simd::Avx2 => {
+                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
+                // SAFETY: simd() found AVX2 and FMA; buffers as above.
+                unsafe {
+                    avx2::group(self, g, rows, out)
+                };
+                return;
+            }
+            super::Simd::Scalar => {}
+        }
+        self.group_scalar(g, rows, out);
+    }
+
+    /// [`Self::group`] without SIMD: the reference every kernel equals bit for bit.
+    pub(super) fn group_scalar(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        for (r, row) in rows.iter().enumerate() {
+            for lane in 0..LANES {
+                out[r * LANES + lane] = match self.ty {
+                    KType::Q4K => self.dot_q4k(g, lane, row),
+                    KType::Q6K => self.dot_q6k(g, lane, row),
+                };
+            }
+        }
+    }
+
+    fn dot_q4k(&self, g: usize, lane: usize, row: &ActRow) -> f32 {
+        let mut acc = 0f32;
+        for b in 0..self.nb {
+            let blk = self.block(g, b);
+            let a = &row.qs[b * QK_K..(b + 1) * QK_K];
+            let sums = &row.sums[b * K_SUMS..(b + 1) * K_SUMS];
+            let mut isum = 0i32;
+            for i in 0..4 {
+                let (mut lo, mut hi) = (0i32, 0i32);
+                for t in 0..8 {
+                    for k in 0..4 {
+                        let byte = blk.quants[((i * 8 + t) * LANES + lane) * 4 + k];
+                        lo += i32::from(byte & 0x0F) * i32::from(a[64 * i + 4 * t + k]);
+                        hi += i32::from(byte >> 4) * i32::from(a[64 * i + 32 + 4 * t + k]);
+                    }
+                }
+                isum += i32::from(blk.small[2 * i * LANES + lane]) * lo
+                    + i32::from(blk.small[(2 * i + 1) * LANES + lane]) * hi;
+            }
+            let mut msum = 0i32;
+            for j in 0..8 {
+                let min = blk.small[128 + ((j / 2) * LANES + lane) * 2 + j % 2];
+                msum += i32::from(min) * (i32::from(sums[2 * j]) + i32::from(sums[2 * j + 1]));
+            }
+            acc = q4k_step(acc, blk.d[lane], blk.dmin[lane], row.d[b], isum, msum);
+        }
+        acc
+    }
+
+    fn dot_q6k(&self, g: usize, lane: usize, row: &ActRow) -> f32 {
+        let mut acc = 0f32;
+        for b in 0..self.nb {
+            let blk = self.block(g, b);
+            let a = &row.qs[b * QK_K..(b + 1) * QK_K];
+            let sums = &row.sums[b * K_SUMS..(b + 1) * K_SUMS];
+            let mut isum = 0i32;
+            for g16 in 0..16 {
+                let mut dot = 0i32;
+                for t in 0..4 {
+                    for k in 0..4 {
+                        let q = blk.quants[((g16 * 4 + t) * LANES + lane) * 4 + k];
+                        dot += i32::from(q) * i32::from(a[16 * g16 + 4 * t + k]);
+                    }
+                }
+                let scale = i32::from(blk.small[g16 * LANES + lane] as i8);
+                isum += scale * (dot - 32 * i32::from(sums[g16]));
+            }
+            acc = q6k_step(acc, blk.d[lane], row.d[b], isum);
+        }
+        acc
+    }
+}
+
+/// Four activation bytes at `p` as one 32-bit word.
+///
+/// # Safety
+/// `p..p + 4` must be readable.
+#[inline(always)]
+#[expect(
+    unsafe_code,
+    reason = "an unaligned read the SIMD kernels guarantee in bounds"
+)]
+unsafe fn word_at(p: *const i8) -> i32 {
+    // SAFETY: as the caller guarantees.
+    unsafe { p.cast::<i32>().read_unaligned() }
+}
+
+/// Two 16-value activation sums as the halves of one 32-bit word (for `madd_epi16`).
+#[inline(always)]
+fn pair(x: i32, y: i32) -> i32 {
+    (x & 0xFFFF) | (y << 16)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[expect(
+    unsafe_code,
+    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
+)]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair, word_at};
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
+    /// four) must hold `p.nb` super-blocks each and `out` `16·rows.len()` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        // SAFETY (all arms): as this function requires.
+        unsafe {
+            match (p.ty, rows.len()) {
+                (_, 0) => {}
+                (KType::Q4K, 1) => q4k::<1>(p, g, rows, out),
+                (KType::Q4K, 2) => q4k::<2>(p, g, rows, out),
+                (KType::Q4K, 3) => q4k::<3>(p, g, rows, out),
+                (KType::Q4K, _) => q4k::<4>(p, g, rows, out),
+                (KType::Q6K, 1) => q6k::<1>(p, g, rows, out),
+                (KType::Q6K, 2) => q6k::<2>(p, g, rows, out),
+                (KType::Q6K, 3) => q6k::<3>(p, g, rows, out),
+                (KType::Q6K, _) => q6k::<4>(p, g, rows, out),
+            }
+        }
+    }
+
+    /// Q4_K: per sub-block, `vpdpbusd` of the sixteen rows' nibbles with four broadcast
+    /// activation bytes (no overflow: 32·15·128 < 2³¹), times the lane's scale.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn q4k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        let low = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..p.nb {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [_mm512_setzero_si512(); R];
+            for i in 0..4 {
+                // With one or two rows, two accumulators per row and nibble half (even
+                // and odd steps), so that a row's multiply-adds do not wait on each other.
+                let chains = if R <= 2 { 2 } else { 1 };
+                let mut lo = [[_mm512_setzero_si512(); R]; 2];
+                let mut hi = [[_mm512_setzero_si512(); R]; 2];
+                for t in 0..8 {
+                    // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them; the
+                    // activation words lie within the row's super-block.
+                    unsafe {
+                        let w = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
+                        let wl = _mm512_and_si512(w, low);
+                        let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
+                        for r in 0..R {
+                            let al = _mm512_set1_epi32(word_at(a[r].add(64 * i + 4 * t)));
+                            let ah = _mm512_set1_epi32(word_at(a[r].add(64 * i + 32 + 4 * t)));
+                            let c = t % chains;
+                            lo[c][r] = _mm512_dpbusd_epi32(lo[c][r], wl, al);
+                            hi[c][r] = _mm512_dpbusd_epi32(hi[c][r], wh, ah);
+                        }
+                    }
+                }
+                let lo: [__m512i; R] =
+                    std::array::from_fn(|r| _mm512_add_epi32(lo[0][r], lo[1][r]));
+                let hi: [__m512i; R] =
+                    std::array::from_fn(|r| _mm512_add_epi32(hi[0][r], hi[1][r]));
+                // SAFETY: scales 2i and 2i + 1, 16 bytes each, within the 256.
+                let (sl, sh) = unsafe {
+                    (
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(small.add(2 * i * LANES).cast())),
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            small.add((2 * i + 1) * LANES).cast(),
+                        )),
+                    )
+                };
+                for r in 0..R {
+                    let s = _mm512_add_epi32(
+                        _mm512_mullo_epi32(lo[r], sl),
+                        _mm512_mullo_epi32(hi[r], sh),
+                    );
+                    isum[r] = _mm512_add_epi32(isum[r], s);
+                }
+            }
+            let mut msum = [_mm512_setzero_si512(); R];
+            for pr in 0..4 {
+                // SAFETY: minimum pair pr, 32 bytes at 128 + 32·pr, within the 256.
+                let m = unsafe {
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
+                };
+                for r in 0..R {
+                    let s = &rows[r].sums[b * K_SUMS..];
+                    let two = pair(
+                        i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                        i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                    );
+                    msum[r] =
+                        _mm512_add_epi32(msum[r], _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
+                }
+            }
+            // SAFETY: 16 f32 values each.
+            let (d, dmin) = unsafe {
+                (
+                    _mm512_loadu_ps(blk.d.as_ptr()),
+                    _mm512_loadu_ps(blk.dmin.as_ptr()),
+                )
+            };
+            for r in 0..R {
+                // q4k_step, lane by lane.
+                let da = _mm512_set1_ps(rows[r].d[b]);
+                let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+                let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum[r]));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
+            }
+        }
+        for (r, &v) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+        }
+    }
+
+    /// Q6_K: per 16-value group, `vpdpbusd` of the unsigned 6-bit weights (no overflow),
+    /// the −32 offset taken off with the group's activation sum, times the lane's scale.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..p.nb {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [_mm512_setzero_si512(); R];
+            for g16 in 0..16 {
+                // With one or two rows, even and odd steps in separate accumulators
+                // (independent chains).
+                let chains = if R <= 2 { 2 } else { 1 };
+                let mut dot = [[_mm512_setzero_si512(); R]; 2];
+                for t in 0..4 {
+                    // SAFETY: 256·16 bytes per block: step (g16, t) is 64 of them; the
+                    // activation words lie within the row's super-block.
+                    unsafe {
+                        let w = _mm512_loadu_si512(q.add((g16 * 4 + t) * 64).cast());
+                        for r in 0..R {
+                            let x = _mm512_set1_epi32(word_at(a[r].add(16 * g16 + 4 * t)));
+                            let c = t % chains;
+                            dot[c][r] = _mm512_dpbusd_epi32(dot[c][r], w, x);
+                        }
+                    }
+                }
+                let dot: [__m512i; R] =
+                    std::array::from_fn(|r| _mm512_add_epi32(dot[0][r], dot[1][r]));
+                // SAFETY: scale g16, 16 bytes within the 256.
+                let s =
+                    unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(g16 * LANES).cast())) };
+                for r in 0..R {
+                    let offset = _mm512_set1_epi32(32 * i32::from(rows[r].sums[b * K_SUMS + g16]));
+                    let x = _mm512_mullo_epi32(_mm512_sub_epi32(dot[r], offset), s);
+                    isum[r] = _mm512_add_epi32(isum[r], x);
+                }
+            }
+            // SAFETY: 16 f32 values.
+            let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
+            for r in 0..R {
+                // q6k_step, lane by lane.
+                let da = _mm512_set1_ps(rows[r].d[b]);
+                let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+                acc[r] = _mm512_add_ps(acc[r], i);
+            }
+        }
+        for (r, &v) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[expect(
+    unsafe_code,
+    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
+)]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair, word_at};
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `rows` (at most four) must hold `p.nb`
+    /// super-blocks each and `out` `16·rows.len()` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        // Each half of the group (8 lanes) on its own: 16 registers are too few for
+        // both halves of four rows' accumulators.
+        for h in 0..2 {
+            // SAFETY (all arms): as this function requires.
+            unsafe {
+                match (p.ty, rows.len()) {
+                    (_, 0) => {}
+                    (KType::Q4K, 1) => q4k::<1>(p, g, h, rows, out),
+                    (KType::Q4K, 2) => q4k::<2>(p, g, h, rows, out),
+                    (KType::Q4K, 3) => q4k::<3>(p, g, h, rows, out),
+                    (KType::Q4K, _) => q4k::<4>(p, g, h, rows, out),
+                    (KType::Q6K, 1) => q6k::<1>(p, g, h, rows, out),
+                    (KType::Q6K, 2) => q6k::<2>(p, g, h, rows, out),
+                    (KType::Q6K, 3) => q6k::<3>(p, g, h, rows, out),
+                    (KType::Q6K, _) => q6k::<4>(p, g, h, rows, out),
+                }
+            }
+        }
+    }
+
+    /// The low 16 bits of each 32-bit lane in both halves (for `madd_epi16`).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn doubled(x: __m256i) -> __m256i {
+        _mm256_or_si256(
+            _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)),
+            _mm256_slli_epi32::<16>(x),
+        )
+    }
+
+    /// Q4_K, lanes `8h..8h + 8`: `vpmaddubsw` pair sums of nibbles and broadcast
+    /// activation bytes, added in 16 bits over a sub-block's 8 steps (no overflow:
+    /// 8·2·15·128 < 2¹⁵), then `vpmaddwd` with the lane's scale in both halves.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q4k<const R: usize>(
+        p: &KPacked,
+        g: usize,
+        h: usize,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..p.nb {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [_mm256_setzero_si256(); R];
+            for j in 0..8 {
+                // Sub-block j: chunk j / 2, the low nibbles for even j, the high for odd
+                // (one nibble half at a time: 16 registers hold four rows' sums then).
+                let (i, shift) = (j / 2, 4 * (j % 2) as i32);
+                let mut sum16 = [_mm256_setzero_si256(); R];
+                for t in 0..8 {
+                    // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
+                    // them; the activation words lie within the row's super-block.
+                    unsafe {
+                        let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
+                        let w =
+                            _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
+                        for r in 0..R {
+                            let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
+                            sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(w, x));
+                        }
+                    }
+                }
+                // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
+                let s = doubled(_mm256_cvtepu8_epi32(unsafe {
+                    _mm_loadl_epi64(small.add(j * LANES + 8 * h).cast())
+                }));
+                for r in 0..R {
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
+                }
+            }
+            let mut msum = [_mm256_setzero_si256(); R];
+            for pr in 0..4 {
+                // SAFETY: minimum pair pr of lanes 8h..8h + 8: 16 bytes within the 256.
+                let m = unsafe {
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(small.add(128 + pr * 32 + 16 * h).cast()))
+                };
+                for r in 0..R {
+                    let s = &rows[r].sums[b * K_SUMS..];
+                    let two = pair(
+                        i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                        i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                    );
+                    msum[r] =
+                        _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, _mm256_set1_epi32(two)));
+                }
+            }
+            // SAFETY: 8 f32 values each from lane 8h.
+            let (d, dmin) = unsafe {
+                (
+                    _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)),
+                    _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)),
+                )
+            };
+            for r in 0..R {
+                // q4k_step, lane by lane.
+                let da = _mm256_set1_ps(rows[r].d[b]);
+                let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]));
+                let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
+                acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(i, m));
+            }
+        }
+        for (r, &v) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+        }
+    }
+
+    /// Q6_K, lanes `8h..8h + 8`: `vpmaddubsw` pair sums of the unsigned 6-bit weights,
+    /// two steps added in 16 bits (no overflow: 2·2·63·128 < 2¹⁵), `vpmaddwd` with the
+    /// lane's scale in both halves; the −32 offset from the group's activation sum.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q6k<const R: usize>(
+        p: &KPacked,
+        g: usize,
+        h: usize,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..p.nb {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [_mm256_setzero_si256(); R];
+            let mut offset = [_mm256_setzero_si256(); R];
+            for g16 in 0..16 {
+                // SAFETY: scale g16 of lanes 8h..8h + 8, within the 256.
+                let s = doubled(_mm256_cvtepi8_epi32(unsafe {
+                    _mm_loadl_epi64(small.add(g16 * LANES + 8 * h).cast())
+                }));
+                for half in 0..2 {
+                    // SAFETY: steps (g16, 2·half) and (g16, 2·half + 1), 64 bytes each of
+                    // the block's 4096; half h is 32.
+                    let (w0, w1) = unsafe {
+                        let at = q.add((g16 * 4 + 2 * half) * 64 + 32 * h);
+                        (
+                            _mm256_loadu_si256(at.cast()),
+                            _mm256_loadu_si256(at.add(64).cast()),
+                        )
+                    };
+                    for r in 0..R {
+                        let t = 16 * g16 + 8 * half;
+                        // SAFETY: the activation words lie within the row's super-block.
+                        let (x0, x1) = unsafe { (word_at(a[r].add(t)), word_at(a[r].add(t + 4))) };
+                        let x = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                            _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)),
+                        );
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(x, s));
+                    }
+                }
+                for r in 0..R {
+                    // scale·Σ q_a in 32 bits: the sum in the low half, 0 in the high.
+                    let sum = _mm256_set1_epi32(pair(i32::from(rows[r].sums[b * K_SUMS + g16]), 0));
+                    offset[r] = _mm256_add_epi32(offset[r], _mm256_madd_epi16(s, sum));
+                }
+            }
+            // SAFETY: 8 f32 values from lane 8h.
+            let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
+            for r in 0..R {
+                // q6k_step, lane by lane, on Σ scale·(Σ q·a − 32·Σ a).
+                let total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(offset[r]));
+                let da = _mm256_set1_ps(rows[r].d[b]);
+                let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
+                acc[r] = _mm256_add_ps(acc[r], i);
+            }
+        }
+        for (r, &v) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    use super::super::{Simd, detected_simd, quantize_row_k};
+    use super::*;
+
+    /// Weights quantized by candle, then the first super-block of rows 0 and 1 set to
+    /// extremes in the file's bytes: row 0 a pattern of extreme quant bytes and the
+    /// largest and smallest scales (and minimums), row 1 every quant bit set and every
+    /// scale at its largest (Q6_K: −128).
+    fn extreme_weight(ty: KType, out: usize, nb: usize) -> Vec<u8> {
+        let dtype = match ty {
+            KType::Q4K => GgmlDType::Q4K,
+            KType::Q6K => GgmlDType::Q6K,
+        };
+        let w = Tensor::randn(0f32, 1.0, (out, nb * QK_K), &Device::Cpu).unwrap();
+        let mut data = QTensor::quantize(&w, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .to_vec();
+        let bb = ty.block_bytes();
+        let (quants, scales) = match ty {
+            KType::Q4K => (16..144, 4..16),
+            KType::Q6K => (0..192, 192..208),
+        };
+        let row0 = &mut data[..bb];
+        for (i, q) in row0[quants.clone()].iter_mut().enumerate() {
+            *q = [0x00, 0xFF, 0x0F, 0xF0, 0x3C][i % 5];
+        }
+        for (i, s) in row0[scales.clone()].iter_mut().enumerate() {
+            *s = match ty {
+                KType::Q4K => [0xFF, 0x00, 0xFF, 0x01][i % 4],
+                KType::Q6K => [0x7F, 0x80, 0x7F, 0x01][i % 4],
+            };
+        }
+        let row1 = &mut data[nb * bb..nb * bb + bb];
+        row1[quants].fill(0xFF);
+        row1[scales].fill(match ty {
+            KType::Q4K => 0xFF,
+            KType::Q6K => 0x80,
+        });
+        data
+    }
+
+    /// The AVX2 and AVX-512 group kernels give the scalar kernel's bits: both types,
+    /// one to five super-blocks, one to four activation rows, a last group with padding
+    /// rows, extreme weights (above) and activations (all +127, zeros, ±127).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_group_kernels_equal_the_scalar_one() {
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        let avx512 = detected_simd() >= Simd::Avx512Vnni;
+        if !avx512 {
+            eprintln!("AVX-512 kernels skipped: this CPU has no AVX-512 VNNI");
+        }
+        for ty in [KType::Q4K, KType::Q6K] {
+            for nb in [1, 2, 3, 5] {
+                let out = 20;
+                let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
+                let k = nb * QK_K;
+                let mut x: Vec<f32> = (0..k * 4)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                    .collect();
+                x[..QK_K].fill(2.5);
+                x[k..k + QK_K].fill(0.0);
+                for (i, v) in x[2 * k..2 * k + QK_K].iter_mut().enumerate() {
+                    *v = if i % 3 == 0 { -1.0 } else { 1.0 };
+                }
+                let rows: Vec<ActRow> = x.chunks_exact(k).map(quantize_row_k).collect();
+                assert_eq!(rows[0].qs[..QK_K], [127; QK_K]);
+                for g in 0..packed.groups {
+                    for n in 1..=4 {
+                        let mut want = [0f32; 4 * LANES];
+                        packed.group_scalar(g, &rows[..n], &mut want);
+                        let mut got = [0f32; 4 * LANES];
+                        #[expect(unsafe_code, reason = "the features were checked above")]
+                        // SAFETY: detected_simd() found AVX2 and FMA; sizes as required.
+                        unsafe {
+                            avx2::group(&packed, g, &rows[..n], &mut got);
+                        }
+                        let at = format!("{ty:?}, {nb} super-blocks, group {g}, {n} rows");
+                        assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "AVX2: {at}");
+                        if avx512 {
+                            let mut got = [0f32; 4 * LANES];
+                            #[expect(unsafe_code, reason = "the features were checked above")]
+                            // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
+                            unsafe {
+                                avx512::group(&packed, g, &rows[..n], &mut got);
+                            }
+                            assert_eq!(
+                                got.map(f32::to_bits),
+                                want.map(f32::to_bits),
+                                "AVX-512: {at}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scalar group kernel is the per-row definition: exact integer sums per
+    /// super-block (checked here in i64 from the file's bytes, against nothing packed),
+    /// then the shared float step.
+    #[test]
+    fn scalar_group_kernel_is_the_definition() {
+        for ty in [KType::Q4K, KType::Q6K] {
+            let (out, nb) = (18, 2);
+            let data = extreme_weight(ty, out, nb);
+            let packed = KPacked::pack(ty, &data, out, nb);
+            let x: Vec<f32> = (0..nb * QK_K * 2)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 7.0)
+                .collect();
+            let rows: Vec<ActRow> = x.chunks_exact(nb * QK_K).map(quantize_row_k).collect();
+            let bb = ty.block_bytes();
+            let half = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+            for o in 0..out {
+                for (r, row) in rows.iter().enumerate() {
+                    let mut acc = 0f32;
+                    for b in 0..nb {
+                        let block = &data[(o * nb + b) * bb..(o * nb + b + 1) * bb];
+                        let a = &row.qs[b * QK_K..(b + 1) * QK_K];
+                        let sums = &row.sums[b * K_SUMS..(b + 1) * K_SUMS];
+                        match ty {
+                            KType::Q4K => {
+                                let sub = unpack_q4k_scales(block[4..16].try_into().unwrap());
+                                let (mut isum, mut msum) = (0i64, 0i64);
+                                for (v, &av) in a.iter().enumerate() {
+                                    let (chunk, within) = (v / 64, v % 64);
+                                    let byte = block[16 + 32 * chunk + within % 32];
+                                    let q = if within < 32 { byte & 0x0F } else { byte >> 4 };
+                                    isum += i64::from(sub[v / 32]) * i64::from(q) * i64::from(av);
+                                }
+                                for j in 0..8 {
+                                    msum += i64::from(sub[8 + j])
+                                        * (i64::from(sums[2 * j]) + i64::from(sums[2 * j + 1]));
+                                }
+                                let (i, m) =
+                                    (i32::try_from(isum).unwrap(), i32::try_from(msum).unwrap());
+                                acc = q4k_step(acc, half(block, 0), half(block, 2), row.d[b], i, m);
+                            }
+                            KType::Q6K => {
+                                let (low, high) = block[..192].split_at(128);
+                                let mut isum = 0i64;
+                                for (v, &av) in a.iter().enumerate() {
+                                    let w = i64::from(q6k_value(low, high, v)) - 32;
+                                    isum +=
+                                        i64::from(block[192 + v / 16] as i8) * w * i64::from(av);
+                                }
+                                acc = q6k_step(
+                                    acc,
+                                    half(block, 208),
+                                    row.d[b],
+                                    i32::try_from(isum).unwrap(),
+                                );
+                            }
+                        }
+                    }
+                    let mut got = [0f32; LANES];
+                    packed.group_scalar(o / LANES, std::slice::from_ref(row), &mut got);
+                    assert_eq!(
+                        got[o % LANES].to_bits(),
+                        acc.to_bits(),
+                        "{ty:?}, weight row {o}, row {r}"
+                    );
+                }
+            }
+        }
+    }
+}
