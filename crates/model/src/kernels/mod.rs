@@ -12,6 +12,9 @@
 //! integers); Q5_1 as Q8_0 plus a minimum `m + 16d`. The two with a large minimum term
 //! take the activations' block sums in f32 rather than f16.
 //!
+//! IQ4_NL and IQ4_XS are converted at load to the Q8_0 kernel ([`iq4`]): their 4-bit
+//! indices replaced by the codebook's signed bytes, one block per 32 values.
+//!
 //! The K-quants Q4_K and Q6_K (super-blocks of 256 with integer sub-block scales: what
 //! Q4_K_M files hold) are repacked sixteen rows at a time ([`kquant`]) and take
 //! activations quantized per 256 values with an f32 scale and the sum of every 16
@@ -32,9 +35,12 @@ use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 
+mod iq4;
 mod kquant;
+mod packed32;
 
 use kquant::{KPacked, KType, LANES};
+use packed32::{Form, Packed32};
 
 const QK: usize = 32;
 /// Values per K-quant super-block.
@@ -110,6 +116,12 @@ pub enum QuantKind {
     /// Q6_K: super-blocks of 256 (`d`), 16 sub-blocks of 16 with 8-bit scales, 6-bit
     /// quants; activations as Q8_K.
     Q6K,
+    /// IQ4_NL: 4-bit codebook indices with a scale per block of 32; runs on the Q8_0
+    /// kernel with the codebook values as signed bytes (ggml's IQ4_NL × Q8_0 integers).
+    Iq4Nl,
+    /// IQ4_XS: super-blocks of 256 with 6-bit sub-block scales over IQ4_NL's indices;
+    /// runs on the Q8_0 kernel, one block of scale `d·(ls − 32)` per sub-block of 32.
+    Iq4Xs,
 }
 
 /// How activations are quantized for a kind: weights whose kinds share it share one
@@ -142,10 +154,12 @@ impl QuantKind {
         }
     }
 
-    /// Values per block (super-block for the K-quants).
+    /// Values per block as held (super-block for the K-quants; IQ4_XS is held in
+    /// blocks of 32).
     fn block_len(self) -> usize {
         match self {
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => QK,
+            Self::Iq4Nl | Self::Iq4Xs => QK,
             Self::Q4K | Self::Q6K => QK_K,
         }
     }
@@ -154,7 +168,7 @@ impl QuantKind {
     fn kernel(self) -> Self {
         match self {
             Self::Q4_0 => Self::Q4_1,
-            Self::Q5_0 | Self::Q5_1 => Self::Q8_0,
+            Self::Q5_0 | Self::Q5_1 | Self::Iq4Nl | Self::Iq4Xs => Self::Q8_0,
             other => other,
         }
     }
@@ -163,7 +177,7 @@ impl QuantKind {
     fn quant_bytes(self) -> usize {
         match self {
             Self::Q4_0 | Self::Q4_1 => 16,
-            Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
+            Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Iq4Nl | Self::Iq4Xs => 32,
             Self::Q4K => 128,
             // 128 bytes of low 4 bits, then 64 of high 2 bits (the file's order).
             Self::Q6K => 192,
@@ -174,7 +188,7 @@ impl QuantKind {
         match self {
             Self::Q4_1 => ActFormat::Q8_1,
             Self::Q4_0 | Self::Q5_1 => ActFormat::Q8_1Exact,
-            Self::Q5_0 | Self::Q8_0 => ActFormat::Q8_0,
+            Self::Q5_0 | Self::Q8_0 | Self::Iq4Nl | Self::Iq4Xs => ActFormat::Q8_0,
             Self::Q4K | Self::Q6K => ActFormat::Q8K,
         }
     }
@@ -186,15 +200,40 @@ pub struct FastLinear {
     kind: QuantKind,
     out_features: usize,
     in_features: usize,
-    /// Q4_1: 16 bytes per block, values j (low nibble) and j + 16 (high nibble).
-    /// Q8_0: 32 signed bytes per block. (Empty for the K-quants.)
-    quants: Vec<u8>,
-    /// `d` per block.
-    scales: Vec<f32>,
-    /// Q4_1: `m` per block.
-    mins: Vec<f32>,
-    /// Q4_K and Q6_K: the weight repacked in groups of 16 rows ([`kquant`]).
-    packed: Option<KPacked>,
+    /// The weight repacked in groups of 16 rows.
+    packed: Packing,
+}
+
+/// How a [`FastLinear`] holds its weight.
+#[derive(Debug)]
+enum Packing {
+    /// Q4_K, Q6_K ([`kquant`]).
+    K(KPacked),
+    /// Blocks of 32 ([`packed32`]).
+    B32(Packed32),
+}
+
+impl Packing {
+    fn groups(&self) -> usize {
+        match self {
+            Self::K(p) => p.groups,
+            Self::B32(p) => p.groups,
+        }
+    }
+
+    fn group(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        match self {
+            Self::K(p) => p.group(g, rows, out),
+            Self::B32(p) => p.group(g, rows, out),
+        }
+    }
+
+    fn dequantize_block(&self, o: usize, b: usize, out: &mut Vec<f32>) {
+        match self {
+            Self::K(p) => p.dequantize_block(o, b, out),
+            Self::B32(p) => p.dequantize_block(o, b, out),
+        }
+    }
 }
 
 /// Activations of one row quantized to 8 bits per value (Q8_1, Q8_0 or Q8_K).
@@ -206,6 +245,8 @@ struct ActRow {
     s: Vec<f32>,
     /// `Σq` per 16 values (Q8_K only).
     sums: Vec<i16>,
+    /// `Σq` per block (blocks of 32 only).
+    isums: Vec<i32>,
 }
 
 impl FastLinear {
@@ -239,10 +280,7 @@ impl FastLinear {
                 kind,
                 out_features,
                 in_features,
-                quants: Vec::new(),
-                scales: Vec::new(),
-                mins: Vec::new(),
-                packed: Some(KPacked::pack(ty, &data, out_features, nb)),
+                packed: Packing::K(KPacked::pack(ty, &data, out_features, nb)),
             });
         }
         let qb = kind.quant_bytes();
@@ -291,17 +329,40 @@ impl FastLinear {
                     }
                 }
                 QuantKind::Q4K | QuantKind::Q6K => unreachable!("packed above"),
+                QuantKind::Iq4Nl | QuantKind::Iq4Xs => unreachable!("no candle type"),
             }
         }
-        Ok(Self {
+        Ok(Self::from_blocks(
+            kind,
+            (out_features, in_features),
+            &quants,
+            &scales,
+            &mins,
+        ))
+    }
+
+    /// A weight in blocks of 32 from per-row arrays, row after row: `quants` as the
+    /// kernel of `kind` reads them (Q4_1 kernel: 16 bytes of nibbles per block, value `j`
+    /// low and `j + 16` high; Q8_0 kernel: 32 signed bytes), `scales` per block, `mins`
+    /// per block or empty. Conversions from other types end here.
+    fn from_blocks(
+        kind: QuantKind,
+        (out_features, in_features): (usize, usize),
+        quants: &[u8],
+        scales: &[f32],
+        mins: &[f32],
+    ) -> Self {
+        let form = match kind.kernel() {
+            QuantKind::Q4_1 => Form::Nibbles,
+            _ => Form::Bytes,
+        };
+        let nb = in_features / QK;
+        Self {
             kind,
             out_features,
             in_features,
-            quants,
-            scales,
-            mins,
-            packed: None,
-        })
+            packed: Packing::B32(Packed32::pack(form, quants, scales, mins, out_features, nb)),
+        }
     }
 
     /// The weight type.
@@ -324,38 +385,10 @@ impl FastLinear {
         out
     }
 
-    /// Appends row `o` (of `nb` blocks) as f32.
+    /// Appends row `o` (of `nb` blocks) as f32, with the arithmetic of ggml's
+    /// dequantization.
     fn dequantize_row(&self, o: usize, nb: usize, out: &mut Vec<f32>) {
-        match &self.packed {
-            Some(p) => (0..nb).for_each(|b| p.dequantize_block(o, b, out)),
-            None => (o * nb..(o + 1) * nb).for_each(|b| self.dequantize_block(b, out)),
-        }
-    }
-
-    /// Appends block `b` as f32, with the arithmetic of ggml's dequantization.
-    fn dequantize_block(&self, b: usize, out: &mut Vec<f32>) {
-        let qb = self.kind.quant_bytes();
-        let q = &self.quants[b * qb..(b + 1) * qb];
-        let d = self.scales[b];
-        match self.kind.kernel() {
-            QuantKind::Q4_1 => {
-                let m = self.mins[b];
-                let mut block = [0f32; QK];
-                for (j, &byte) in q.iter().enumerate() {
-                    block[j] = d * f32::from(byte & 0x0F) + m;
-                    block[j + 16] = d * f32::from(byte >> 4) + m;
-                }
-                out.extend_from_slice(&block);
-            }
-            QuantKind::Q8_0 if self.mins.is_empty() => {
-                out.extend(q.iter().map(|&byte| d * f32::from(byte as i8)));
-            }
-            QuantKind::Q8_0 => {
-                let m = self.mins[b];
-                out.extend(q.iter().map(|&byte| d * f32::from(byte as i8) + m));
-            }
-            _ => unreachable!("K-quants are packed by group"),
-        }
+        (0..nb).for_each(|b| self.packed.dequantize_block(o, b, out));
     }
 
     /// The weight as f32 `[out, in]`.
@@ -422,69 +455,27 @@ impl FastLinear {
     }
 
     fn matmul_rows(&self, rows: &[ActRow], n: usize) -> Vec<f32> {
-        if let Some(p) = &self.packed {
-            return self.matmul_packed(p, rows, n);
-        }
-        let k = self.in_features;
-        let out = self.out_features;
-        let mut y = vec![0f32; n * out];
-        // Work split: ranges of weight rows, a few per thread (one range when there is
-        // one thread: splitting work nobody else can take only costs). Which thread
-        // computes an element never changes how it is computed.
-        let threads = rayon::current_num_threads();
-        let chunk = if threads <= 1 || n * out * k < 1 << 16 {
-            out
-        } else {
-            out.div_ceil(threads * 4).next_multiple_of(4)
-        };
-        if n == 1 {
-            // Decoding: y is [1, out], so each range of weight rows owns a slice of it.
-            y.par_chunks_mut(chunk).enumerate().for_each(|(c, dst)| {
-                self.rows_into(c * chunk, &rows[0], dst);
-            });
-            return y;
-        }
-        let tiles: Vec<(usize, Vec<f32>)> = (0..out)
-            .step_by(chunk)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .map(|start| {
-                let end = (start + chunk).min(out);
-                let mut tile = vec![0f32; (end - start) * n];
-                for (o, t) in (start..end).zip(tile.chunks_exact_mut(n)) {
-                    self.dot_row(o, rows, t);
-                }
-                (start, tile)
-            })
-            .collect();
-        for (start, tile) in tiles {
-            for (i, t) in tile.chunks_exact(n).enumerate() {
-                for (r, &v) in t.iter().enumerate() {
-                    y[r * out + start + i] = v;
-                }
-            }
-        }
-        y
+        self.matmul_packed(&self.packed, rows, n)
     }
 
     /// [`Self::matmul_rows`] for a weight packed in groups of 16 rows: each group's
     /// outputs for up to four activation rows at once, groups split across threads.
-    fn matmul_packed(&self, p: &KPacked, rows: &[ActRow], n: usize) -> Vec<f32> {
+    fn matmul_packed(&self, p: &Packing, rows: &[ActRow], n: usize) -> Vec<f32> {
         let out = self.out_features;
         let threads = rayon::current_num_threads();
         // Groups per task: a few tasks per thread, or one task with one thread.
         let per_task = if threads <= 1 || n * out * self.in_features < 1 << 16 {
-            p.groups
+            p.groups()
         } else {
-            p.groups.div_ceil(threads * 4)
+            p.groups().div_ceil(threads * 4)
         };
         // Task results: for each group, [row][lane] for every activation row.
-        let tiles: Vec<Vec<f32>> = (0..p.groups)
+        let tiles: Vec<Vec<f32>> = (0..p.groups())
             .step_by(per_task)
             .collect::<Vec<_>>()
             .into_par_iter()
             .map(|first| {
-                let last = (first + per_task).min(p.groups);
+                let last = (first + per_task).min(p.groups());
                 let mut tile = vec![0f32; (last - first) * n * LANES];
                 for (g, dst) in (first..last).zip(tile.chunks_exact_mut(n * LANES)) {
                     for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
@@ -507,94 +498,6 @@ impl FastLinear {
             }
         }
         y
-    }
-
-    /// Weight rows `start..start + dst.len()` against one activation row, four at a time.
-    fn rows_into(&self, start: usize, row: &ActRow, dst: &mut [f32]) {
-        let mut quads = dst.chunks_exact_mut(4);
-        let mut o = start;
-        for quad in &mut quads {
-            let quad: &mut [f32; 4] = quad.try_into().expect("four outputs");
-            self.dot_weights4(o, row, quad);
-            o += 4;
-        }
-        for d in quads.into_remainder() {
-            self.dot_row(o, std::slice::from_ref(row), std::slice::from_mut(d));
-            o += 1;
-        }
-    }
-
-    fn weight_row(&self, o: usize) -> WeightRow<'_> {
-        let nb = self.in_features / self.kind.block_len();
-        let qb = self.kind.quant_bytes();
-        WeightRow {
-            quants: &self.quants[o * nb * qb..(o + 1) * nb * qb],
-            scales: &self.scales[o * nb..(o + 1) * nb],
-            mins: row_part(&self.mins, o, nb),
-        }
-    }
-
-    /// Dot products of weight row `o` with every activation row.
-    fn dot_row(&self, o: usize, rows: &[ActRow], out: &mut [f32]) {
-        let w = self.weight_row(o);
-        for (tile, dst) in rows.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE)) {
-            dot_tile(self.kind.kernel(), &w, tile, dst);
-        }
-    }
-
-    /// Dot products of weight rows `o..o + 4` with one activation row: the same
-    /// arithmetic per output as [`Self::dot_row`], with the activation loads shared.
-    fn dot_weights4(&self, o: usize, row: &ActRow, out: &mut [f32; 4]) {
-        let ws = [
-            self.weight_row(o),
-            self.weight_row(o + 1),
-            self.weight_row(o + 2),
-            self.weight_row(o + 3),
-        ];
-        #[cfg(target_arch = "x86_64")]
-        match simd() {
-            Simd::Avx512Vnni => {
-                #[expect(unsafe_code, reason = "the CPU was checked for these features")]
-                // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA.
-                unsafe {
-                    avx512::weights4(self.kind.kernel(), &ws, row, out)
-                };
-                return;
-            }
-            Simd::Avx2 => {
-                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
-                // SAFETY: simd() found AVX2 and FMA.
-                unsafe {
-                    avx2::weights4(self.kind.kernel(), &ws, row, out)
-                };
-                return;
-            }
-            Simd::Scalar => {}
-        }
-        for (w, dst) in ws.iter().zip(out.iter_mut()) {
-            dot_tile_scalar(
-                self.kind.kernel(),
-                w,
-                std::slice::from_ref(row),
-                std::slice::from_mut(dst),
-            );
-        }
-    }
-}
-
-struct WeightRow<'a> {
-    quants: &'a [u8],
-    scales: &'a [f32],
-    mins: &'a [f32],
-}
-
-/// Row `o`'s `per_row` values of a per-block array, or nothing for an array the kind
-/// does not use.
-fn row_part<T>(values: &[T], o: usize, per_row: usize) -> &[T] {
-    if values.is_empty() {
-        &[]
-    } else {
-        &values[o * per_row..(o + 1) * per_row]
     }
 }
 
@@ -643,6 +546,7 @@ fn quantize_row(x: &[f32], sums: Sums) -> ActRow {
     let mut qs = Vec::with_capacity(x.len());
     let mut d = Vec::with_capacity(nb);
     let mut s = Vec::with_capacity(if sums == Sums::None { 0 } else { nb });
+    let mut isums = Vec::with_capacity(nb);
     for block in x.chunks_exact(QK) {
         let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
         let scale = amax / 127.0;
@@ -653,6 +557,7 @@ fn quantize_row(x: &[f32], sums: Sums) -> ActRow {
             sum += i32::from(q);
             qs.push(q);
         }
+        isums.push(sum);
         let rounded = f16::from_f32(scale).to_f32();
         d.push(rounded);
         match sums {
@@ -666,6 +571,7 @@ fn quantize_row(x: &[f32], sums: Sums) -> ActRow {
         d,
         s,
         sums: Vec::new(),
+        isums,
     }
 }
 
@@ -697,6 +603,7 @@ fn quantize_row_k(x: &[f32]) -> ActRow {
         d,
         s: Vec::new(),
         sums,
+        isums: Vec::new(),
     }
 }
 
@@ -707,60 +614,6 @@ fn quantize_row_k(x: &[f32]) -> ActRow {
 fn round_ties_even(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
     (x + MAGIC) - MAGIC
-}
-
-fn dot_tile(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match simd() {
-        Simd::Avx512Vnni => {
-            #[expect(unsafe_code, reason = "the CPU was checked for these features")]
-            // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA.
-            unsafe {
-                avx512::dot_tile(kind, w, rows, out)
-            };
-            return;
-        }
-        Simd::Avx2 => {
-            #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
-            // SAFETY: simd() found AVX2 and FMA.
-            unsafe {
-                avx2::dot_tile(kind, w, rows, out)
-            };
-            return;
-        }
-        Simd::Scalar => {}
-    }
-    dot_tile_scalar(kind, w, rows, out);
-}
-
-/// `Σ_b m_w[b]·s_a[b]` in eight lanes (lane `b mod 8`), combined in a fixed tree: the
-/// minimum term of Q4_1 products, the same for every row count.
-#[inline]
-fn mins_dot(mins: &[f32], sums: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let n = mins.len().min(sums.len());
-    let (mins, sums) = (&mins[..n], &sums[..n]);
-    let (cm, cs) = (mins.chunks_exact(8), sums.chunks_exact(8));
-    let (rm, rs) = (cm.remainder(), cs.remainder());
-    for (m, s) in cm.zip(cs) {
-        for l in 0..8 {
-            lanes[l] += m[l] * s[l];
-        }
-    }
-    for (l, (m, s)) in rm.iter().zip(rs).enumerate() {
-        lanes[l] += m * s;
-    }
-    ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-}
-
-fn dot_tile_scalar(kind: QuantKind, w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
-    for (row, dst) in rows.iter().zip(out.iter_mut()) {
-        *dst = match kind {
-            QuantKind::Q4_1 | QuantKind::Q8_0 => dot_blocks_scalar(kind, w, row),
-            _ => unreachable!("K-quants are packed by group; other kinds run a kernel kind"),
-        };
-    }
 }
 
 /// One super-block's step of a Q4_K product, shared by every kernel so that all give
@@ -776,660 +629,6 @@ fn q4k_step(acc: f32, d: f32, dmin: f32, da: f32, isum: i32, msum: i32) -> f32 {
 #[inline(always)]
 fn q6k_step(acc: f32, d: f32, da: f32, isum: i32) -> f32 {
     acc + (d * da) * isum as f32
-}
-
-/// A Q4_1 or Q8_0 weight row against one activation row.
-fn dot_blocks_scalar(kind: QuantKind, w: &WeightRow<'_>, row: &ActRow) -> f32 {
-    // Two accumulators (even and odd blocks), as the SIMD kernels.
-    let mut acc = [0f32; 2];
-    for b in 0..w.scales.len() {
-        let q = &row.qs[b * QK..b * QK + QK];
-        let mut sumi = 0i32;
-        match kind {
-            QuantKind::Q4_1 => {
-                let nib = &w.quants[b * 16..b * 16 + 16];
-                for j in 0..16 {
-                    sumi += i32::from(nib[j] & 0x0F) * i32::from(q[j])
-                        + i32::from(nib[j] >> 4) * i32::from(q[j + 16]);
-                }
-            }
-            QuantKind::Q8_0 => {
-                let wq = &w.quants[b * 32..b * 32 + 32];
-                for j in 0..32 {
-                    sumi += i32::from(wq[j] as i8) * i32::from(q[j]);
-                }
-            }
-            _ => unreachable!("K-quants have their own kernels"),
-        }
-        acc[b % 2] += sumi as f32 * (w.scales[b] * row.d[b]);
-    }
-    let mut sum = acc[0] + acc[1];
-    if !w.mins.is_empty() {
-        sum += mins_dot(w.mins, &row.s);
-    }
-    sum
-}
-
-#[cfg(target_arch = "x86_64")]
-#[expect(
-    unsafe_code,
-    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
-)]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use super::{ActRow, QK, QuantKind, ROW_TILE, WeightRow};
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps::<1>(v);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_tile(
-        kind: QuantKind,
-        w: &WeightRow<'_>,
-        rows: &[ActRow],
-        out: &mut [f32],
-    ) {
-        let n = rows.len().min(out.len()).min(ROW_TILE);
-        // SAFETY (all arms): AVX2 and FMA are available, as this function requires.
-        unsafe {
-            match (kind, n) {
-                (QuantKind::Q4_1, 1) => rows_q4_1::<1>(w, rows, out),
-                (QuantKind::Q4_1, 2) => rows_q4_1::<2>(w, rows, out),
-                (QuantKind::Q4_1, 3) => rows_q4_1::<3>(w, rows, out),
-                (QuantKind::Q4_1, _) => rows_q4_1::<4>(w, rows, out),
-                (QuantKind::Q8_0, 1) => rows_q8_0::<1>(w, rows, out),
-                (QuantKind::Q8_0, 2) => rows_q8_0::<2>(w, rows, out),
-                (QuantKind::Q8_0, 3) => rows_q8_0::<3>(w, rows, out),
-                (QuantKind::Q8_0, _) => rows_q8_0::<4>(w, rows, out),
-                _ => unreachable!("K-quants are packed by group; other kinds run a kernel kind"),
-            }
-        }
-        if !w.mins.is_empty() {
-            for r in 0..n {
-                out[r] += mins_dot(w.mins, &rows[r].s);
-            }
-        }
-    }
-
-    /// `Σ q_w·q_a` of one block as 8 f32 lanes: `wq` unsigned (Q4_1 nibbles), `aq` signed.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn block_us(wq: __m256i, aq: __m256i) -> __m256 {
-        let pairs = _mm256_maddubs_epi16(wq, aq);
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
-    }
-
-    /// Q4_1 × Q8_1 for `R` activation rows: per row, even blocks go to one accumulator
-    /// and odd blocks to another (two FMA chains in flight); the arithmetic of a row
-    /// does not depend on `R`.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_q4_1<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
-        let nb = w.scales.len();
-        assert!(w.quants.len() >= nb * 16 && rows.len() >= R && out.len() >= R);
-        for row in &rows[..R] {
-            assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
-        }
-        let low = _mm256_set1_epi8(0x0F);
-        let mut even = [_mm256_setzero_ps(); R];
-        let mut odd = [_mm256_setzero_ps(); R];
-        let wq_ptr = w.quants.as_ptr();
-        let ws = w.scales.as_ptr();
-        let a_ptr: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
-        let d_ptr: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
-        // SAFETY: every offset below is for a block b < nb, which the asserts cover.
-        let unpack = |b: usize| unsafe {
-            let packed = _mm_loadu_si128(wq_ptr.add(b * 16).cast());
-            let shifted = _mm_srli_epi16::<4>(packed);
-            _mm256_and_si256(_mm256_set_m128i(shifted, packed), low)
-        };
-        let mut b = 0;
-        while b + 1 < nb {
-            let (w0, w1) = (unpack(b), unpack(b + 1));
-            // SAFETY: b + 1 < nb.
-            let (s0, s1) = unsafe { (*ws.add(b), *ws.add(b + 1)) };
-            for r in 0..R {
-                // SAFETY: b + 1 < nb.
-                unsafe {
-                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
-                    let a1 = _mm256_loadu_si256(a_ptr[r].add((b + 1) * QK).cast());
-                    let (d0, d1) = (*d_ptr[r].add(b), *d_ptr[r].add(b + 1));
-                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block_us(w0, a0), even[r]);
-                    odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * d1), block_us(w1, a1), odd[r]);
-                }
-            }
-            b += 2;
-        }
-        if b < nb {
-            let w0 = unpack(b);
-            // SAFETY: b < nb.
-            let s0 = unsafe { *ws.add(b) };
-            for r in 0..R {
-                // SAFETY: b < nb.
-                unsafe {
-                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
-                    let d0 = *d_ptr[r].add(b);
-                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block_us(w0, a0), even[r]);
-                }
-            }
-        }
-        for r in 0..R {
-            out[r] = hsum(_mm256_add_ps(even[r], odd[r]));
-        }
-    }
-
-    /// Four weight rows against one activation row, each output computed exactly as
-    /// [`rows_q4_1`] / [`rows_q8_0`] compute it (even and odd block accumulators).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn weights4(
-        kind: QuantKind,
-        ws: &[WeightRow<'_>; 4],
-        row: &ActRow,
-        out: &mut [f32; 4],
-    ) {
-        // SAFETY: the CPU supports AVX2 and FMA, as this function requires.
-        unsafe {
-            match kind {
-                QuantKind::Q4_1 => weights4_kind::<true>(ws, row, out),
-                QuantKind::Q8_0 => weights4_kind::<false>(ws, row, out),
-                _ => unreachable!("K-quants are packed by group; other kinds run a kernel kind"),
-            }
-        }
-        if !ws[0].mins.is_empty() {
-            for k in 0..4 {
-                out[k] += mins_dot(ws[k].mins, &row.s);
-            }
-        }
-    }
-
-    /// [`weights4`] for Q4_1 (`Q4 = true`) or Q8_0.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn weights4_kind<const Q4: bool>(
-        ws: &[WeightRow<'_>; 4],
-        row: &ActRow,
-        out: &mut [f32; 4],
-    ) {
-        let nb = ws[0].scales.len();
-        let qb = if Q4 { 16 } else { 32 };
-        for w in ws {
-            assert!(w.scales.len() == nb && w.quants.len() >= nb * qb);
-        }
-        assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
-        let low = _mm256_set1_epi8(0x0F);
-        let mut even = [_mm256_setzero_ps(); 4];
-        let mut odd = [_mm256_setzero_ps(); 4];
-        let a = row.qs.as_ptr();
-        let d = row.d.as_ptr();
-        let wp: [*const u8; 4] = std::array::from_fn(|k| ws[k].quants.as_ptr());
-        let sp: [*const f32; 4] = std::array::from_fn(|k| ws[k].scales.as_ptr());
-        // The product of weight row `k`'s block `b` with activation block `aq`, as 8 lanes.
-        // SAFETY (closure body): b < nb, covered by the asserts.
-        let product = |k: usize, b: usize, aq: __m256i| unsafe {
-            if Q4 {
-                let packed = _mm_loadu_si128(wp[k].add(b * 16).cast());
-                let shifted = _mm_srli_epi16::<4>(packed);
-                block_us(_mm256_and_si256(_mm256_set_m128i(shifted, packed), low), aq)
-            } else {
-                let wq = _mm256_loadu_si256(wp[k].add(b * 32).cast());
-                block_us(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(aq, wq))
-            }
-        };
-        let mut b = 0;
-        while b + 1 < nb {
-            // SAFETY: b + 1 < nb.
-            unsafe {
-                let (a0, a1) = (
-                    _mm256_loadu_si256(a.add(b * QK).cast()),
-                    _mm256_loadu_si256(a.add((b + 1) * QK).cast()),
-                );
-                let (d0, d1) = (*d.add(b), *d.add(b + 1));
-                for k in 0..4 {
-                    let (s0, s1) = (*sp[k].add(b), *sp[k].add(b + 1));
-                    even[k] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), product(k, b, a0), even[k]);
-                    odd[k] =
-                        _mm256_fmadd_ps(_mm256_set1_ps(s1 * d1), product(k, b + 1, a1), odd[k]);
-                }
-            }
-            b += 2;
-        }
-        if b < nb {
-            // SAFETY: b < nb.
-            unsafe {
-                let (a0, d0) = (_mm256_loadu_si256(a.add(b * QK).cast()), *d.add(b));
-                for k in 0..4 {
-                    let s0 = *sp[k].add(b);
-                    even[k] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), product(k, b, a0), even[k]);
-                }
-            }
-        }
-        for k in 0..4 {
-            out[k] = hsum(_mm256_add_ps(even[k], odd[k]));
-        }
-    }
-
-    /// The minimum term `Σ_b m[b]·s[b]` exactly as the scalar [`mins_dot`] computes it
-    /// (eight lanes, multiply then add, the same final tree), eight blocks per step.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn mins_dot(m: &[f32], s: &[f32]) -> f32 {
-        let n = m.len().min(s.len());
-        let full = n / 8 * 8;
-        let mut lanes = _mm256_setzero_ps();
-        for c in (0..full).step_by(8) {
-            let mv: &[f32; 8] = m[c..c + 8].try_into().expect("8 values");
-            let sv: &[f32; 8] = s[c..c + 8].try_into().expect("8 values");
-            // SAFETY: both references cover exactly 8 readable f32 values.
-            let (mv, sv) = unsafe { (_mm256_loadu_ps(mv.as_ptr()), _mm256_loadu_ps(sv.as_ptr())) };
-            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(mv, sv));
-        }
-        let mut l = [0f32; 8];
-        // SAFETY: `l` has room for 8 f32 values.
-        unsafe { _mm256_storeu_ps(l.as_mut_ptr(), lanes) };
-        for (i, (x, y)) in m[full..n].iter().zip(&s[full..n]).enumerate() {
-            l[i] += x * y;
-        }
-        ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))
-    }
-
-    /// Q8_0 × Q8_0 for `R` activation rows, arranged as [`rows_q4_1`].
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows_q8_0<const R: usize>(w: &WeightRow<'_>, rows: &[ActRow], out: &mut [f32]) {
-        let nb = w.scales.len();
-        assert!(w.quants.len() >= nb * 32 && rows.len() >= R && out.len() >= R);
-        for row in &rows[..R] {
-            assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
-        }
-        let mut even = [_mm256_setzero_ps(); R];
-        let mut odd = [_mm256_setzero_ps(); R];
-        let wq_ptr = w.quants.as_ptr();
-        let ws = w.scales.as_ptr();
-        let a_ptr: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
-        let d_ptr: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
-        // |w| unsigned times sign(w)·a signed, as ggml's mul_sum_i8_pairs.
-        // SAFETY: every offset below is for a block b < nb, which the asserts cover.
-        let load = |b: usize| unsafe { _mm256_loadu_si256(wq_ptr.add(b * 32).cast()) };
-        let mut b = 0;
-        while b + 1 < nb {
-            let (w0, w1) = (load(b), load(b + 1));
-            let (abs0, abs1) = (_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(w1, w1));
-            // SAFETY: b + 1 < nb.
-            let (s0, s1) = unsafe { (*ws.add(b), *ws.add(b + 1)) };
-            for r in 0..R {
-                // SAFETY: b + 1 < nb.
-                unsafe {
-                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
-                    let a1 = _mm256_loadu_si256(a_ptr[r].add((b + 1) * QK).cast());
-                    let (d0, d1) = (*d_ptr[r].add(b), *d_ptr[r].add(b + 1));
-                    let p0 = block_us(abs0, _mm256_sign_epi8(a0, w0));
-                    let p1 = block_us(abs1, _mm256_sign_epi8(a1, w1));
-                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), p0, even[r]);
-                    odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * d1), p1, odd[r]);
-                }
-            }
-            b += 2;
-        }
-        if b < nb {
-            let w0 = load(b);
-            let abs0 = _mm256_sign_epi8(w0, w0);
-            // SAFETY: b < nb.
-            let s0 = unsafe { *ws.add(b) };
-            for r in 0..R {
-                // SAFETY: b < nb.
-                unsafe {
-                    let a0 = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
-                    let d0 = *d_ptr[r].add(b);
-                    let p0 = block_us(abs0, _mm256_sign_epi8(a0, w0));
-                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), p0, even[r]);
-                }
-            }
-        }
-        for r in 0..R {
-            out[r] = hsum(_mm256_add_ps(even[r], odd[r]));
-        }
-    }
-}
-
-/// The AVX-512 VNNI kernels: the AVX2 ones with two blocks per 512-bit register (even
-/// block in the low half, odd block in the high half: the AVX2 kernels' two
-/// accumulators side by side) and `vpdpbusd` for the byte products. No byte product sum
-/// saturates in either, so every output is bit-identical to the AVX2 kernels' (tested).
-/// The K-quant kernels hold two sub-blocks (or quarters) per register; their sums are
-/// exact integers and their float step is the shared one, so they too give the AVX2
-/// and scalar kernels' bits (tested).
-#[cfg(target_arch = "x86_64")]
-#[expect(
-    unsafe_code,
-    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
-)]
-mod avx512 {
-    use std::arch::x86_64::*;
-
-    use super::avx2::hsum;
-    use super::{ActRow, QK, QuantKind, ROW_TILE, WeightRow};
-
-    /// Two blocks' `Σ q_w·q_a` as 16 f32 lanes (the low 8 for the first block), each
-    /// lane the sum of the same four byte products as the AVX2 kernels' lanes.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    fn blocks2(wq: __m512i, aq: __m512i) -> __m512 {
-        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, aq))
-    }
-
-    /// One block's `Σ q_w·q_a` as 8 f32 lanes.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    fn block1(wq: __m256i, aq: __m256i) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, aq))
-    }
-
-    /// `[x0; 8] ++ [x1; 8]`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    fn scale2(x0: f32, x1: f32) -> __m512 {
-        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(x0), _mm512_set1_ps(x1))
-    }
-
-    /// The upper 8 lanes.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    fn high(v: __m512) -> __m256 {
-        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
-    }
-
-    /// Weight blocks `b` and `b + 1` as unsigned bytes in activation order, and (Q8_0)
-    /// the mask of negative weights: Q4_1 nibbles unpacked to `[lows b, highs b, lows
-    /// b+1, highs b+1]`; Q8_0 as `|w|`, the activations to be negated where `w < 0`
-    /// (ggml's `mul_sum_i8_pairs`).
-    ///
-    /// # Safety
-    /// `quants` must hold blocks `b` and `b + 1`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    unsafe fn weights2<const Q4: bool>(quants: *const u8, b: usize) -> (__m512i, __mmask64) {
-        // SAFETY: the caller guarantees blocks b and b + 1 are readable.
-        unsafe {
-            if Q4 {
-                let packed = _mm256_loadu_si256(quants.add(b * 16).cast());
-                let shifted = _mm256_srli_epi16::<4>(packed);
-                // [p_b, p_b+1, s_b, s_b+1] → [p_b, s_b, p_b+1, s_b+1]
-                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(packed), shifted);
-                let ordered = _mm512_shuffle_i64x2::<0b11_01_10_00>(both, both);
-                (_mm512_and_si512(ordered, _mm512_set1_epi8(0x0F)), 0)
-            } else {
-                let w = _mm512_loadu_si512(quants.add(b * 32).cast());
-                (_mm512_abs_epi8(w), _mm512_movepi8_mask(w))
-            }
-        }
-    }
-
-    /// [`weights2`] for block `b` alone.
-    ///
-    /// # Safety
-    /// `quants` must hold block `b`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    unsafe fn weights1<const Q4: bool>(quants: *const u8, b: usize) -> (__m256i, __mmask32) {
-        // SAFETY: the caller guarantees block b is readable.
-        unsafe {
-            if Q4 {
-                let packed = _mm_loadu_si128(quants.add(b * 16).cast());
-                let shifted = _mm_srli_epi16::<4>(packed);
-                let both = _mm256_set_m128i(shifted, packed);
-                (_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), 0)
-            } else {
-                let w = _mm256_loadu_si256(quants.add(b * 32).cast());
-                (_mm256_abs_epi8(w), _mm256_movepi8_mask(w))
-            }
-        }
-    }
-
-    /// The minimum term `Σ_b m[b]·s[b]` with the arithmetic of the scalar `mins_dot`
-    /// (lane `b mod 8`, multiply then add, the same final tree), inlined into the
-    /// kernels: the last partial group of eight is a masked load whose other lanes add
-    /// `0·0`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    #[inline]
-    fn mins(m: &[f32], s: &[f32]) -> f32 {
-        let n = m.len().min(s.len());
-        let mut lanes = _mm256_setzero_ps();
-        let mut c = 0;
-        while c + 8 <= n {
-            // SAFETY: c + 8 <= n, within both slices.
-            let (mv, sv) = unsafe {
-                (
-                    _mm256_loadu_ps(m.as_ptr().add(c)),
-                    _mm256_loadu_ps(s.as_ptr().add(c)),
-                )
-            };
-            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(mv, sv));
-            c += 8;
-        }
-        if c < n {
-            let mask: __mmask8 = (1u8 << (n - c)) - 1;
-            // SAFETY: the mask reads only lanes c..n, within both slices.
-            let (mv, sv) = unsafe {
-                (
-                    _mm256_maskz_loadu_ps(mask, m.as_ptr().add(c)),
-                    _mm256_maskz_loadu_ps(mask, s.as_ptr().add(c)),
-                )
-            };
-            lanes = _mm256_mask_add_ps(lanes, mask, lanes, _mm256_mul_ps(mv, sv));
-        }
-        // ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7))
-        let a = _mm_add_ps(
-            _mm256_castps256_ps128(lanes),
-            _mm256_extractf128_ps::<1>(lanes),
-        );
-        let t = _mm_add_ps(a, _mm_shuffle_ps::<0b10_11_00_01>(a, a));
-        _mm_cvtss_f32(_mm_add_ss(t, _mm_movehl_ps(t, t)))
-    }
-
-    /// # Safety
-    /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    pub(super) unsafe fn dot_tile(
-        kind: QuantKind,
-        w: &WeightRow<'_>,
-        rows: &[ActRow],
-        out: &mut [f32],
-    ) {
-        let n = rows.len().min(out.len()).min(ROW_TILE);
-        // SAFETY (all arms): the CPU has the features this function requires.
-        unsafe {
-            match (kind, n) {
-                (QuantKind::Q4_1, 1) => rows_kind::<true, 1>(w, rows, out),
-                (QuantKind::Q4_1, 2) => rows_kind::<true, 2>(w, rows, out),
-                (QuantKind::Q4_1, 3) => rows_kind::<true, 3>(w, rows, out),
-                (QuantKind::Q4_1, _) => rows_kind::<true, 4>(w, rows, out),
-                (QuantKind::Q8_0, 1) => rows_kind::<false, 1>(w, rows, out),
-                (QuantKind::Q8_0, 2) => rows_kind::<false, 2>(w, rows, out),
-                (QuantKind::Q8_0, 3) => rows_kind::<false, 3>(w, rows, out),
-                (QuantKind::Q8_0, _) => rows_kind::<false, 4>(w, rows, out),
-                _ => unreachable!("K-quants are packed by group; other kinds run a kernel kind"),
-            }
-        }
-        if !w.mins.is_empty() {
-            for r in 0..n {
-                out[r] += mins(w.mins, &rows[r].s);
-            }
-        }
-    }
-
-    /// One weight row against `R` activation rows, Q4_1 (`Q4`) or Q8_0: the arithmetic
-    /// of `avx2::rows_q4_1` / `avx2::rows_q8_0`.
-    ///
-    /// # Safety
-    /// As [`dot_tile`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn rows_kind<const Q4: bool, const R: usize>(
-        w: &WeightRow<'_>,
-        rows: &[ActRow],
-        out: &mut [f32],
-    ) {
-        let nb = w.scales.len();
-        let qb = if Q4 { 16 } else { 32 };
-        assert!(w.quants.len() >= nb * qb && rows.len() >= R && out.len() >= R);
-        for row in &rows[..R] {
-            assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
-        }
-        let zero = _mm512_setzero_si512();
-        let mut acc = [_mm512_setzero_ps(); R];
-        let wq = w.quants.as_ptr();
-        let ws = w.scales.as_ptr();
-        let a_ptr: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
-        let d_ptr: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
-        let mut b = 0;
-        while b + 1 < nb {
-            // SAFETY: b + 1 < nb, and the asserts cover nb blocks of every buffer.
-            unsafe {
-                let (wv, neg) = weights2::<Q4>(wq, b);
-                let (s0, s1) = (*ws.add(b), *ws.add(b + 1));
-                for r in 0..R {
-                    let a = _mm512_loadu_si512(a_ptr[r].add(b * QK).cast());
-                    let a = if Q4 {
-                        a
-                    } else {
-                        _mm512_mask_sub_epi8(a, neg, zero, a)
-                    };
-                    let (d0, d1) = (*d_ptr[r].add(b), *d_ptr[r].add(b + 1));
-                    acc[r] = _mm512_fmadd_ps(scale2(s0 * d0, s1 * d1), blocks2(wv, a), acc[r]);
-                }
-            }
-            b += 2;
-        }
-        let mut even: [__m256; R] = std::array::from_fn(|r| _mm512_castps512_ps256(acc[r]));
-        if b < nb {
-            // SAFETY: b < nb.
-            unsafe {
-                let (wv, neg) = weights1::<Q4>(wq, b);
-                let s0 = *ws.add(b);
-                for r in 0..R {
-                    let a = _mm256_loadu_si256(a_ptr[r].add(b * QK).cast());
-                    let a = if Q4 {
-                        a
-                    } else {
-                        _mm256_mask_sub_epi8(a, neg, _mm256_setzero_si256(), a)
-                    };
-                    let d0 = *d_ptr[r].add(b);
-                    even[r] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block1(wv, a), even[r]);
-                }
-            }
-        }
-        for r in 0..R {
-            out[r] = hsum(_mm256_add_ps(even[r], high(acc[r])));
-        }
-    }
-
-    /// Four weight rows against one activation row: the arithmetic of
-    /// `avx2::weights4`.
-    ///
-    /// # Safety
-    /// As [`dot_tile`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    pub(super) unsafe fn weights4(
-        kind: QuantKind,
-        ws: &[WeightRow<'_>; 4],
-        row: &ActRow,
-        out: &mut [f32; 4],
-    ) {
-        // SAFETY: the CPU has the features this function requires.
-        unsafe {
-            match kind {
-                QuantKind::Q4_1 => weights4_kind::<true>(ws, row, out),
-                QuantKind::Q8_0 => weights4_kind::<false>(ws, row, out),
-                _ => unreachable!("K-quants are packed by group; other kinds run a kernel kind"),
-            }
-        }
-        if !ws[0].mins.is_empty() {
-            for k in 0..4 {
-                out[k] += mins(ws[k].mins, &row.s);
-            }
-        }
-    }
-
-    /// [`weights4`] for Q4_1 (`Q4 = true`) or Q8_0.
-    ///
-    /// # Safety
-    /// As [`dot_tile`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn weights4_kind<const Q4: bool>(
-        ws: &[WeightRow<'_>; 4],
-        row: &ActRow,
-        out: &mut [f32; 4],
-    ) {
-        let nb = ws[0].scales.len();
-        let qb = if Q4 { 16 } else { 32 };
-        for w in ws {
-            assert!(w.scales.len() == nb && w.quants.len() >= nb * qb);
-        }
-        assert!(row.qs.len() >= nb * QK && row.d.len() >= nb);
-        let zero = _mm512_setzero_si512();
-        let mut acc = [_mm512_setzero_ps(); 4];
-        let a = row.qs.as_ptr();
-        let d = row.d.as_ptr();
-        let wp: [*const u8; 4] = std::array::from_fn(|k| ws[k].quants.as_ptr());
-        let sp: [*const f32; 4] = std::array::from_fn(|k| ws[k].scales.as_ptr());
-        let mut b = 0;
-        while b + 1 < nb {
-            // SAFETY: b + 1 < nb, and the asserts cover nb blocks of every buffer.
-            unsafe {
-                let av = _mm512_loadu_si512(a.add(b * QK).cast());
-                let (d0, d1) = (*d.add(b), *d.add(b + 1));
-                for k in 0..4 {
-                    let (wv, neg) = weights2::<Q4>(wp[k], b);
-                    let ak = if Q4 {
-                        av
-                    } else {
-                        _mm512_mask_sub_epi8(av, neg, zero, av)
-                    };
-                    let (s0, s1) = (*sp[k].add(b), *sp[k].add(b + 1));
-                    acc[k] = _mm512_fmadd_ps(scale2(s0 * d0, s1 * d1), blocks2(wv, ak), acc[k]);
-                }
-            }
-            b += 2;
-        }
-        let mut even: [__m256; 4] = std::array::from_fn(|k| _mm512_castps512_ps256(acc[k]));
-        if b < nb {
-            // SAFETY: b < nb.
-            unsafe {
-                let av = _mm256_loadu_si256(a.add(b * QK).cast());
-                let d0 = *d.add(b);
-                for k in 0..4 {
-                    let (wv, neg) = weights1::<Q4>(wp[k], b);
-                    let ak = if Q4 {
-                        av
-                    } else {
-                        _mm256_mask_sub_epi8(av, neg, _mm256_setzero_si256(), av)
-                    };
-                    let s0 = *sp[k].add(b);
-                    even[k] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * d0), block1(wv, ak), even[k]);
-                }
-            }
-        }
-        for k in 0..4 {
-            out[k] = hsum(_mm256_add_ps(even[k], high(acc[k])));
-        }
-    }
 }
 
 struct Op<'a>(&'a FastLinear);
@@ -1803,37 +1002,6 @@ mod tests {
     }
 
     #[test]
-    fn scalar_and_simd_agree() {
-        let device = Device::Cpu;
-        for dtype in LEGACY_KINDS {
-            let w = Tensor::randn(0f32, 1.0, (1, 256), &device).unwrap();
-            let q = QTensor::quantize(&w, dtype).unwrap();
-            let fast = FastLinear::from_qtensor(&q).unwrap();
-            let x: Vec<f32> = (0..256 * 3)
-                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
-                .collect();
-            let rows: Vec<ActRow> = x
-                .chunks_exact(256)
-                .map(|r| fast.quantize(r).remove(0))
-                .collect();
-            let w = WeightRow {
-                quants: &fast.quants,
-                scales: &fast.scales,
-                mins: &fast.mins,
-            };
-            let (mut a, mut b) = ([0f32; 3], [0f32; 3]);
-            dot_tile(fast.kind.kernel(), &w, &rows, &mut a);
-            dot_tile_scalar(fast.kind.kernel(), &w, &rows, &mut b);
-            for (x, y) in a.iter().zip(&b) {
-                assert!(
-                    (x - y).abs() <= 1e-4 * y.abs().max(1.0),
-                    "{dtype:?}: {x} vs {y}"
-                );
-            }
-        }
-    }
-
-    #[test]
     fn q8_0_matches_candle() {
         let device = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (24, 128), &device).unwrap();
@@ -1893,88 +1061,6 @@ mod tests {
                     .unwrap();
                 assert_eq!(&one[0], row, "{dtype:?} row {i}");
             }
-        }
-    }
-
-    /// The AVX-512 VNNI kernels give the AVX2 kernels' bits: Q4_1 and Q8_0, odd and even
-    /// block counts, one to four activation rows, and the four-weight decoding path.
-    /// Byte values cover the extremes (nibbles 0 and 15, weights ±127 and −128,
-    /// activations ±127).
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn avx512_kernels_equal_the_avx2_ones() {
-        if detected_simd() < Simd::Avx512Vnni {
-            eprintln!("skipped: this CPU has no AVX-512 VNNI");
-            return;
-        }
-        let device = Device::Cpu;
-        for dtype in LEGACY_KINDS {
-            for blocks in [1, 2, 3, 18, 19, 48] {
-                let k = blocks * QK;
-                let w = Tensor::randn(0f32, 1.0, (4, k), &device).unwrap();
-                let mut fast =
-                    FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap();
-                // Extreme bytes in the first block of each row.
-                for (i, q) in fast.quants.iter_mut().enumerate().take(8) {
-                    *q = [0x00, 0xFF, 0x0F, 0xF0, 0x80, 0x7F, 0x81, 0x01][i];
-                }
-                let x: Vec<f32> = (0..k * 4)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
-                    .collect();
-                let mut rows: Vec<ActRow> = x
-                    .chunks_exact(k)
-                    .map(|r| fast.quantize(r).remove(0))
-                    .collect();
-                rows[0].qs[..4].copy_from_slice(&[127, -127, 0, 127]);
-                let weight = |o: usize| fast.weight_row(o);
-                for n in 1..=4 {
-                    let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
-                    #[expect(unsafe_code, reason = "the features were checked above")]
-                    // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
-                    unsafe {
-                        avx512::dot_tile(fast.kind.kernel(), &weight(0), &rows[..n], &mut a[..n]);
-                        avx2::dot_tile(fast.kind.kernel(), &weight(0), &rows[..n], &mut b[..n]);
-                    }
-                    assert_eq!(
-                        a.map(f32::to_bits),
-                        b.map(f32::to_bits),
-                        "{dtype:?}, {blocks} blocks, {n} rows"
-                    );
-                }
-                let ws = [weight(0), weight(1), weight(2), weight(3)];
-                let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
-                #[expect(unsafe_code, reason = "the features were checked above")]
-                // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
-                unsafe {
-                    avx512::weights4(fast.kind.kernel(), &ws, &rows[0], &mut a);
-                    avx2::weights4(fast.kind.kernel(), &ws, &rows[0], &mut b);
-                }
-                assert_eq!(
-                    a.map(f32::to_bits),
-                    b.map(f32::to_bits),
-                    "{dtype:?}, {blocks} blocks, four weights"
-                );
-            }
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn simd_minimum_term_equals_the_scalar_one() {
-        if !std::is_x86_feature_detected!("avx2") || !std::is_x86_feature_detected!("fma") {
-            return;
-        }
-        for n in [1, 7, 8, 18, 23, 48] {
-            let m: Vec<f32> = (0..n)
-                .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.013)
-                .collect();
-            let s: Vec<f32> = (0..n)
-                .map(|i| ((i * 11 % 13) as f32 - 6.0) * 0.77)
-                .collect();
-            #[expect(unsafe_code, reason = "AVX2 and FMA were checked above")]
-            // SAFETY: checked above.
-            let simd = unsafe { avx2::mins_dot(&m, &s) };
-            assert_eq!(simd.to_bits(), mins_dot(&m, &s).to_bits(), "n = {n}");
         }
     }
 

@@ -1,0 +1,218 @@
+//! IQ4_NL and IQ4_XS weights on the Q8_0 kernel.
+//!
+//! Both types store 4-bit indices into one non-uniform codebook of 16 signed integers,
+//! each of which fits a signed byte. Replacing every index by its codebook value gives
+//! a Q8_0 block (`x = d·q`, 32 signed bytes) with the very integers ggml's IQ4 dot
+//! products multiply, so no new SIMD is needed: an IQ4_NL block keeps its scale `d`, and
+//! each 32-value sub-block of an IQ4_XS super-block becomes a block with scale
+//! `d·(ls − 32)` (an f16 times a 6-bit integer: exact in f32, and the very float
+//! ggml's `dequantize_row_iq4_xs` computes). Dequantized values are therefore ggml's.
+//! The weight takes twice the memory of the file's 4.25 bits per value.
+
+use half::f16;
+
+use super::{FastLinear, QK, QuantKind};
+use crate::error::{ModelError, Result};
+use crate::gguf::{RawTensor, RawType};
+
+/// ggml's `kvalues_iq4nl`.
+const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// Appends the 32 codebook values of 16 bytes of indices: value j is the low nibble of
+/// byte j, value j + 16 its high nibble.
+fn push_values(nibbles: &[u8], quants: &mut Vec<u8>) {
+    quants.extend(
+        nibbles
+            .iter()
+            .map(|&b| KVALUES_IQ4NL[usize::from(b & 0x0F)] as u8),
+    );
+    quants.extend(
+        nibbles
+            .iter()
+            .map(|&b| KVALUES_IQ4NL[usize::from(b >> 4)] as u8),
+    );
+}
+
+impl FastLinear {
+    /// Takes an IQ4_NL or IQ4_XS tensor `[.., in]` (every dimension but the last is a
+    /// row), converted to the Q8_0 kernel's blocks.
+    pub fn from_raw(t: &RawTensor) -> Result<Self> {
+        let bad = |reason: String| ModelError::BadTensor {
+            name: format!("{:?} weight", t.ty),
+            reason,
+        };
+        let (&in_features, rows) = t
+            .dims
+            .split_last()
+            .ok_or_else(|| bad("no dimensions".into()))?;
+        let out_features: usize = rows.iter().product();
+        let (block_len, block_bytes) = (t.ty.block_size(), t.ty.type_size());
+        if in_features % block_len != 0 {
+            return Err(bad(format!(
+                "row length {in_features} is not a multiple of {block_len}"
+            )));
+        }
+        let blocks = out_features * in_features / block_len;
+        if t.data.len() != blocks * block_bytes {
+            return Err(bad(format!("{} bytes for {blocks} blocks", t.data.len())));
+        }
+        let kernel_blocks = out_features * in_features / QK;
+        let mut quants = Vec::with_capacity(kernel_blocks * QK);
+        let mut scales = Vec::with_capacity(kernel_blocks);
+        let half_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+        for block in t.data.chunks_exact(block_bytes) {
+            match t.ty {
+                // d, 16 bytes of indices.
+                RawType::Iq4Nl => {
+                    scales.push(half_at(block, 0));
+                    push_values(&block[2..18], &mut quants);
+                }
+                // d, scales_h (u16), scales_l[4], 8 × 16 bytes of indices.
+                RawType::Iq4Xs => {
+                    let d = half_at(block, 0);
+                    let scales_h = u16::from_le_bytes([block[2], block[3]]);
+                    let scales_l = &block[4..8];
+                    for ib in 0..8 {
+                        let low = (scales_l[ib / 2] >> (4 * (ib % 2))) & 0x0F;
+                        let high = ((scales_h >> (2 * ib)) & 3) as u8;
+                        let ls = i32::from(low | high << 4);
+                        scales.push(d * (ls - 32) as f32);
+                        push_values(&block[8 + 16 * ib..24 + 16 * ib], &mut quants);
+                    }
+                }
+            }
+        }
+        let kind = match t.ty {
+            RawType::Iq4Nl => QuantKind::Iq4Nl,
+            RawType::Iq4Xs => QuantKind::Iq4Xs,
+        };
+        Ok(Self::from_blocks(
+            kind,
+            (out_features, in_features),
+            &quants,
+            &scales,
+            &[],
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Tensor;
+
+    use super::super::{Packing, Sums, quantize_row};
+    use super::*;
+    use crate::gguf::tests::{ggml_dequantize, sample};
+
+    /// Kernel against `x'·Wᵀ` summed in f64 (`W` dequantized as ggml does, `x'` the
+    /// activations after their 8-bit quantization): the same numbers summed in another
+    /// order and rounded to f32, as a fraction of `Σ |w·x'|`.
+    const PRODUCT_TOLERANCE: f64 = 1e-5;
+
+    const TYPES: [RawType; 2] = [RawType::Iq4Nl, RawType::Iq4Xs];
+
+    /// The weight, whole or by rows (embedding lookups), holds ggml's dequantized
+    /// values bit for bit.
+    #[test]
+    fn dequantized_values_are_ggml_s() {
+        for ty in TYPES {
+            let (out, inp) = (5, 512);
+            let raw = sample(ty, out, inp, 3);
+            let want = ggml_dequantize(&raw);
+            assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v < 0.0));
+            let fast = FastLinear::from_raw(&raw).unwrap();
+            assert_eq!(fast.shape(), (out, inp));
+            let got: Vec<f32> = fast
+                .dequantize()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(got, want, "{ty:?}");
+            let rows = fast.rows(&[4, 1]);
+            assert_eq!(rows[..inp], want[4 * inp..5 * inp], "{ty:?}");
+            assert_eq!(rows[inp..], want[inp..2 * inp], "{ty:?}");
+        }
+    }
+
+    /// Each output equals the product of ggml's dequantized weight with the activations
+    /// after their 8-bit quantization (ggml's Q8_0), to float rounding. One to six
+    /// activation rows; 5 and 20 weight rows (a group of 16 with padding, and a second
+    /// group); one and three super-blocks per row.
+    #[test]
+    fn product_is_the_dequantized_weight_times_the_quantized_activations() {
+        let device = candle_core::Device::Cpu;
+        for ty in TYPES {
+            for (out, superblocks) in [(5, 1), (20, 3)] {
+                let k = superblocks * 256;
+                let raw = sample(ty, out, k, out);
+                let weights = ggml_dequantize(&raw);
+                let fast = FastLinear::from_raw(&raw).unwrap();
+                for n in [1, 4, 6] {
+                    let x = Tensor::randn(0f32, 1.0, (n, k), &device).unwrap();
+                    let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+                    let got: Vec<f32> = fast
+                        .forward(&x)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    for (r, xr) in xs.chunks_exact(k).enumerate() {
+                        let act = quantize_row(xr, Sums::None);
+                        for (o, wr) in weights.chunks_exact(k).enumerate() {
+                            let (exact, size) =
+                                wr.iter().enumerate().fold((0f64, 0f64), |(s, a), (i, &w)| {
+                                    let p = f64::from(w)
+                                        * f64::from(act.d[i / QK])
+                                        * f64::from(act.qs[i]);
+                                    (s + p, a + p.abs())
+                                });
+                            let g = f64::from(got[r * out + o]);
+                            assert!(
+                                (g - exact).abs() <= PRODUCT_TOLERANCE * size,
+                                "{ty:?}, {superblocks} super-blocks, row {r}/{n}, output {o}: {g} vs {exact}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The kernel this CPU runs (AVX-512, AVX2 or scalar) gives the scalar kernel's bits
+    /// on the converted weights: codebook values down to −127 and scales of both signs.
+    #[test]
+    fn simd_and_scalar_agree() {
+        for ty in TYPES {
+            let (out, k) = (20, 512);
+            let fast = FastLinear::from_raw(&sample(ty, out, k, 5)).unwrap();
+            let Packing::B32(p) = &fast.packed else {
+                panic!("{ty:?} is not in blocks of 32");
+            };
+            let xs: Vec<f32> = (0..4 * k)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                .collect();
+            let rows: Vec<_> = xs
+                .chunks_exact(k)
+                .map(|r| quantize_row(r, Sums::Exact))
+                .collect();
+            for g in 0..p.groups {
+                for n in 1..=4 {
+                    let mut want = [0f32; 64];
+                    p.group_scalar(g, &rows[..n], &mut want);
+                    let mut got = [0f32; 64];
+                    p.group(g, &rows[..n], &mut got);
+                    assert_eq!(
+                        got.map(f32::to_bits),
+                        want.map(f32::to_bits),
+                        "{ty:?}, group {g}, {n} rows"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,604 @@
+//! Weights in blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and what converts to them)
+//! repacked sixteen rows at a time, as [`super::kquant`] does for the K-quants: for every
+//! four consecutive values of a block, the group's sixteen rows' four weight bytes lie
+//! side by side, one 32-bit lane per row, so four broadcast activation bytes give all
+//! sixteen rows' partial sums in one multiply-add and lane `l` holds row `l`'s output.
+//!
+//! Two forms: *nibbles* (unsigned 4-bit `q`, weight `d·q + m`: Q4_1, and Q4_0 with
+//! `m = −8d`) and *bytes* (signed 8-bit `q`, weight `d·q (+ m)`: Q8_0, Q5_0 as `q − 16`,
+//! Q5_1 as `q − 16` with `m + 16d`).
+//!
+//! Per output, whatever the instruction set: each block's `Σ q_w·q_a` is an exact
+//! integer, then `acc[b mod 2] = acc[b mod 2] + (d_w·d_a)·Σ` and, with a minimum,
+//! `acc[b mod 2] = acc[b mod 2] + m·s_a` (`s_a = d_a·Σ q_a`), and the output is
+//! `acc[0] + acc[1]`: two chains of float adds, the same in the scalar, AVX2 and AVX-512
+//! kernels, so all give the same bits for any number of activation rows.
+//!
+//! Layout per group and block (`gb = group·nb + b`; padding rows are zeros):
+//! - nibbles: `quants[gb·256..]` as `[step t: 4][lane: 16][4 bytes]`, the row's file bytes
+//!   `4t..4t + 4`: low nibbles are values `4t..`, high nibbles values `16 + 4t..`;
+//! - bytes: `quants[gb·512..]` as `[step t: 8][lane][4 bytes]`, values `4t..4t + 4`;
+//! - `d`, `m`: `[gb·16 + lane]` (`m` empty without minimums).
+
+use super::{ActRow, QK};
+
+/// Weight rows per group.
+pub(super) const LANES: usize = 16;
+
+/// The two forms of quants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Form {
+    Nibbles,
+    Bytes,
+}
+
+impl Form {
+    /// Bytes of quants per row and block, as the per-row arrays hold them.
+    pub(super) fn row_bytes(self) -> usize {
+        match self {
+            Self::Nibbles => QK / 2,
+            Self::Bytes => QK,
+        }
+    }
+}
+
+/// A `[out, in]` weight in blocks of 32, repacked in groups of [`LANES`] rows.
+#[derive(Debug)]
+pub(super) struct Packed32 {
+    pub(super) form: Form,
+    /// Blocks per row.
+    pub(super) nb: usize,
+    pub(super) groups: usize,
+    quants: Vec<u8>,
+    d: Vec<f32>,
+    m: Vec<f32>,
+}
+
+struct Block<'a> {
+    quants: &'a [u8],
+    d: &'a [f32],
+    m: &'a [f32],
+}
+
+impl Packed32 {
+    /// Repacks per-row arrays: `quants` (`form.row_bytes()` per block, row after row),
+    /// `d` per block, `m` per block or empty.
+    pub(super) fn pack(
+        form: Form,
+        quants: &[u8],
+        d: &[f32],
+        m: &[f32],
+        out: usize,
+        nb: usize,
+    ) -> Self {
+        let groups = out.div_ceil(LANES);
+        let slots = groups * nb;
+        let qb = form.row_bytes() * LANES;
+        let mut p = Self {
+            form,
+            nb,
+            groups,
+            quants: vec![0; slots * qb],
+            d: vec![0.0; slots * LANES],
+            m: if m.is_empty() {
+                Vec::new()
+            } else {
+                vec![0.0; slots * LANES]
+            },
+        };
+        let rb = form.row_bytes();
+        for o in 0..out {
+            let (g, lane) = (o / LANES, o % LANES);
+            for b in 0..nb {
+                let gb = g * nb + b;
+                let src = &quants[(o * nb + b) * rb..(o * nb + b + 1) * rb];
+                let dst = &mut p.quants[gb * qb..(gb + 1) * qb];
+                for t in 0..rb / 4 {
+                    let at = (t * LANES + lane) * 4;
+                    dst[at..at + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
+                }
+                p.d[gb * LANES + lane] = d[o * nb + b];
+                if !m.is_empty() {
+                    p.m[gb * LANES + lane] = m[o * nb + b];
+                }
+            }
+        }
+        p
+    }
+
+    pub(super) fn has_min(&self) -> bool {
+        !self.m.is_empty()
+    }
+
+    fn block(&self, g: usize, b: usize) -> Block<'_> {
+        let gb = g * self.nb + b;
+        let qb = self.form.row_bytes() * LANES;
+        Block {
+            quants: &self.quants[gb * qb..(gb + 1) * qb],
+            d: &self.d[gb * LANES..(gb + 1) * LANES],
+            m: if self.m.is_empty() {
+                &[]
+            } else {
+                &self.m[gb * LANES..(gb + 1) * LANES]
+            },
+        }
+    }
+
+    /// Row `o`'s quant of value `j` of block `b` as the kernels see it (nibble 0..15 or
+    /// signed byte).
+    fn quant(&self, blk: &Block<'_>, lane: usize, j: usize) -> i32 {
+        match self.form {
+            Form::Nibbles => {
+                let (t, k) = ((j % 16) / 4, j % 4);
+                let byte = blk.quants[(t * LANES + lane) * 4 + k];
+                i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 })
+            }
+            Form::Bytes => {
+                let (t, k) = (j / 4, j % 4);
+                i32::from(blk.quants[(t * LANES + lane) * 4 + k] as i8)
+            }
+        }
+    }
+
+    /// Row `o`'s block `b` as f32: `d·q (+ m)`, appended.
+    pub(super) fn dequantize_block(&self, o: usize, b: usize, out: &mut Vec<f32>) {
+        let (g, lane) = (o / LANES, o % LANES);
+        let blk = self.block(g, b);
+        let d = blk.d[lane];
+        let m = if blk.m.is_empty() {
+            None
+        } else {
+            Some(blk.m[lane])
+        };
+        out.extend((0..QK).map(|j| {
+            let x = d * self.quant(&blk, lane, j) as f32;
+            m.map_or(x, |m| x + m)
+        }));
+    }
+
+    /// Group `g`'s sixteen outputs for each of `rows` (at most four): `out[r·16 + lane]`.
+    pub(super) fn group(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        assert!(rows.len() <= 4 && out.len() >= rows.len() * LANES);
+        for row in rows {
+            assert!(
+                row.qs.len() >= self.nb * QK
+                    && row.d.len() >= self.nb
+                    && row.isums.len() >= self.nb
+                    && (!self.has_min() || row.s.len() >= self.nb)
+            );
+        }
+        #[cfg(target_arch = "x86_64")]
+        match super::simd() {
+            super::Simd::Avx512Vnni => {
+                #[expect(unsafe_code, reason = "the CPU was checked for these features")]
+                // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA; buffers checked.
+                unsafe {
+                    avx512::group(self, g, rows, out)
+                };
+                return;
+            }
+            super::Simd::Avx2 => {
+                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
+                // SAFETY: simd() found AVX2 and FMA; buffers checked.
+                unsafe {
+                    avx2::group(self, g, rows, out)
+                };
+                return;
+            }
+            super::Simd::Scalar => {}
+        }
+        self.group_scalar(g, rows, out);
+    }
+
+    /// [`Self::group`] without SIMD: the definition every kernel equals bit for bit.
+    pub(super) fn group_scalar(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        for (r, row) in rows.iter().enumerate() {
+            for lane in 0..LANES {
+                let mut acc = [0f32; 2];
+                for b in 0..self.nb {
+                    let blk = self.block(g, b);
+                    let a = &row.qs[b * QK..(b + 1) * QK];
+                    let isum: i32 = (0..QK)
+                        .map(|j| self.quant(&blk, lane, j) * i32::from(a[j]))
+                        .sum();
+                    let e = b % 2;
+                    acc[e] += (blk.d[lane] * row.d[b]) * isum as f32;
+                    if !blk.m.is_empty() {
+                        acc[e] += blk.m[lane] * row.s[b];
+                    }
+                }
+                out[r * LANES + lane] = acc[0] + acc[1];
+            }
+        }
+    }
+}
+
+/// Four activation bytes at `p` as one 32-bit word.
+///
+/// # Safety
+/// `p..p + 4` must be readable.
+#[inline(always)]
+#[expect(
+    unsafe_code,
+    reason = "an unaligned read the SIMD kernels guarantee in bounds"
+)]
+unsafe fn word_at(p: *const i8) -> i32 {
+    // SAFETY: as the caller guarantees.
+    unsafe { p.cast::<i32>().read_unaligned() }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[expect(
+    unsafe_code,
+    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
+)]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{ActRow, Form, LANES, Packed32, QK, word_at};
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
+    /// four) must hold `p.nb` blocks (quants, scales, integer sums, and sums `s` with a
+    /// minimum) and `out` `16·rows.len()` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        // SAFETY (all arms): as this function requires.
+        unsafe {
+            match rows.len() {
+                0 => {}
+                1 => rows_n::<1>(p, g, rows, out),
+                2 => rows_n::<2>(p, g, rows, out),
+                3 => rows_n::<3>(p, g, rows, out),
+                _ => rows_n::<4>(p, g, rows, out),
+            }
+        }
+    }
+
+    /// Nibbles: `vpdpbusd` of the unsigned nibbles. Bytes: of the weights plus 128 (an
+    /// unsigned byte), less 128 times the block's activation sum: the same integer.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn rows_n<const R: usize>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        let low = _mm512_set1_epi8(0x0F);
+        let flip = _mm512_set1_epi8(i8::MIN);
+        let mut acc = [[_mm512_setzero_ps(); R]; 2];
+        let has_min = p.has_min();
+        for b in 0..p.nb {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
+            let mut isum = [[_mm512_setzero_si512(); R]; 2];
+            match p.form {
+                Form::Nibbles => {
+                    for t in 0..4 {
+                        // SAFETY: step t is 64 of the block's 256 bytes; the activation
+                        // words lie within the row's block.
+                        unsafe {
+                            let w = _mm512_loadu_si512(q.add(t * 64).cast());
+                            let wl = _mm512_and_si512(w, low);
+                            let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
+                            for r in 0..R {
+                                let al = _mm512_set1_epi32(word_at(a[r].add(4 * t)));
+                                let ah = _mm512_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                isum[0][r] = _mm512_dpbusd_epi32(isum[0][r], wl, al);
+                                isum[1][r] = _mm512_dpbusd_epi32(isum[1][r], wh, ah);
+                            }
+                        }
+                    }
+                }
+                Form::Bytes => {
+                    for t in 0..8 {
+                        // SAFETY: step t is 64 of the block's 512 bytes; the activation
+                        // word lies within the row's block.
+                        unsafe {
+                            let w =
+                                _mm512_xor_si512(_mm512_loadu_si512(q.add(t * 64).cast()), flip);
+                            for r in 0..R {
+                                let x = _mm512_set1_epi32(word_at(a[r].add(4 * t)));
+                                isum[t % 2][r] = _mm512_dpbusd_epi32(isum[t % 2][r], w, x);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        let offset = _mm512_set1_epi32(128 * rows[r].isums[b]);
+                        isum[0][r] = _mm512_sub_epi32(isum[0][r], offset);
+                    }
+                }
+            }
+            // SAFETY: 16 f32 values each (`m` only with minimums).
+            let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
+            let e = b % 2;
+            for r in 0..R {
+                let total = _mm512_add_epi32(isum[0][r], isum[1][r]);
+                let da = _mm512_set1_ps(rows[r].d[b]);
+                acc[e][r] = _mm512_add_ps(
+                    acc[e][r],
+                    _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(total)),
+                );
+                if has_min {
+                    // SAFETY: as above.
+                    let m = unsafe { _mm512_loadu_ps(blk.m.as_ptr()) };
+                    acc[e][r] =
+                        _mm512_add_ps(acc[e][r], _mm512_mul_ps(m, _mm512_set1_ps(rows[r].s[b])));
+                }
+            }
+        }
+        for (r, (&even, &odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
+            let v = _mm512_add_ps(even, odd);
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[expect(
+    unsafe_code,
+    reason = "SIMD intrinsics over buffers whose lengths are asserted first"
+)]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{ActRow, Form, LANES, Packed32, QK, word_at};
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; otherwise as `avx512::group`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        for h in 0..2 {
+            // SAFETY (all arms): as this function requires.
+            unsafe {
+                match rows.len() {
+                    0 => {}
+                    1 => rows_n::<1>(p, g, h, rows, out),
+                    2 => rows_n::<2>(p, g, h, rows, out),
+                    3 => rows_n::<3>(p, g, h, rows, out),
+                    _ => rows_n::<4>(p, g, h, rows, out),
+                }
+            }
+        }
+    }
+
+    /// Lanes `8h..8h + 8`. Nibbles: `vpmaddubsw` pair sums added in 16 bits over the
+    /// block (no overflow: 8·2·15·127 < 2¹⁵). Bytes: `|w|` times the activations with
+    /// `w`'s sign (no pair overflows: 2·128·127 < 2¹⁵), widened every step.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_n<const R: usize>(
+        p: &Packed32,
+        g: usize,
+        h: usize,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        let has_min = p.has_min();
+        for b in 0..p.nb {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
+            let mut isum = [_mm256_setzero_si256(); R];
+            match p.form {
+                Form::Nibbles => {
+                    let mut sum16 = [_mm256_setzero_si256(); R];
+                    for t in 0..4 {
+                        // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                        // them; the activation words lie within the row's block.
+                        unsafe {
+                            let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                            let wl = _mm256_and_si256(w, low);
+                            let wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                            for r in 0..R {
+                                let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                let x = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(wl, al),
+                                    _mm256_maddubs_epi16(wh, ah),
+                                );
+                                sum16[r] = _mm256_add_epi16(sum16[r], x);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        isum[r] = _mm256_madd_epi16(sum16[r], ones);
+                    }
+                }
+                Form::Bytes => {
+                    for t in 0..8 {
+                        // SAFETY: step t is 64 of the block's 512 bytes, half h 32 of
+                        // them; the activation word lies within the row's block.
+                        unsafe {
+                            let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                            let abs = _mm256_sign_epi8(w, w);
+                            for r in 0..R {
+                                let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
+                                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(prod, ones));
+                            }
+                        }
+                    }
+                }
+            }
+            // SAFETY: 8 f32 values from lane 8h (`m` only with minimums).
+            let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
+            let e = b % 2;
+            for r in 0..R {
+                let da = _mm256_set1_ps(rows[r].d[b]);
+                acc[e][r] = _mm256_add_ps(
+                    acc[e][r],
+                    _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r])),
+                );
+                if has_min {
+                    // SAFETY: as above.
+                    let m = unsafe { _mm256_loadu_ps(blk.m.as_ptr().add(8 * h)) };
+                    acc[e][r] =
+                        _mm256_add_ps(acc[e][r], _mm256_mul_ps(m, _mm256_set1_ps(rows[r].s[b])));
+                }
+            }
+        }
+        for (r, (&even, &odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
+            let v = _mm256_add_ps(even, odd);
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Simd, Sums, detected_simd, quantize_row};
+    use super::*;
+
+    /// Per-row arrays of `out` rows × `nb` blocks with extremes in the first block of
+    /// rows 0 and 1 (nibbles 0/15 mixed and all 15; bytes −128, 127, 0 and all −128),
+    /// random elsewhere, and scales and minimums of both signs.
+    fn rows_of(form: Form, out: usize, nb: usize, with_min: bool) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+        let rb = form.row_bytes();
+        let mut quants: Vec<u8> = (0..out * nb * rb).map(|i| (i * 73 % 251) as u8).collect();
+        for (i, q) in quants[..rb].iter_mut().enumerate() {
+            *q = [0x00, 0xFF, 0x0F, 0xF0, 0x80, 0x7F][i % 6];
+        }
+        quants[nb * rb..nb * rb + rb].fill(match form {
+            Form::Nibbles => 0xFF,
+            Form::Bytes => 0x80,
+        });
+        let d: Vec<f32> = (0..out * nb)
+            .map(|i| ((i * 37 % 19) as f32 - 9.0) / 64.0)
+            .collect();
+        let m: Vec<f32> = if with_min {
+            (0..out * nb)
+                .map(|i| ((i * 11 % 13) as f32 - 6.0) / 32.0)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        (quants, d, m)
+    }
+
+    fn act_rows(k: usize, n: usize) -> Vec<ActRow> {
+        let mut x: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+            .collect();
+        // Row 0 all +127 in its first block, row 1 zeros there, row 2 ±127.
+        x[..QK].fill(2.5);
+        if n > 1 {
+            x[k..k + QK].fill(0.0);
+        }
+        if n > 2 {
+            for (i, v) in x[2 * k..2 * k + QK].iter_mut().enumerate() {
+                *v = if i % 3 == 0 { -1.0 } else { 1.0 };
+            }
+        }
+        x.chunks_exact(k)
+            .map(|r| quantize_row(r, Sums::Exact))
+            .collect()
+    }
+
+    /// The AVX2 and AVX-512 kernels give the scalar kernel's bits: both forms, with and
+    /// without minimums, 1, 2, 3 and 19 blocks, one to four activation rows, a last
+    /// group with padding rows, extreme quants and activations.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_group_kernels_equal_the_scalar_one() {
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        let avx512 = detected_simd() >= Simd::Avx512Vnni;
+        for form in [Form::Nibbles, Form::Bytes] {
+            for with_min in [false, true] {
+                for nb in [1, 2, 3, 19] {
+                    let out = 20;
+                    let (q, d, m) = rows_of(form, out, nb, with_min);
+                    let packed = Packed32::pack(form, &q, &d, &m, out, nb);
+                    let rows = act_rows(nb * QK, 4);
+                    assert_eq!(rows[0].qs[..QK], [127; QK]);
+                    for g in 0..packed.groups {
+                        for n in 1..=4 {
+                            let at = format!(
+                                "{form:?}, minimum {with_min}, {nb} blocks, group {g}, {n} rows"
+                            );
+                            let mut want = [0f32; 4 * LANES];
+                            packed.group_scalar(g, &rows[..n], &mut want);
+                            let mut got = [0f32; 4 * LANES];
+                            #[expect(unsafe_code, reason = "the features were checked above")]
+                            // SAFETY: detected_simd() found AVX2 and FMA; sizes as required.
+                            unsafe {
+                                avx2::group(&packed, g, &rows[..n], &mut got)
+                            };
+                            assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "AVX2: {at}");
+                            if avx512 {
+                                let mut got = [0f32; 4 * LANES];
+                                #[expect(unsafe_code, reason = "the features were checked above")]
+                                // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
+                                unsafe {
+                                    avx512::group(&packed, g, &rows[..n], &mut got)
+                                };
+                                assert_eq!(
+                                    got.map(f32::to_bits),
+                                    want.map(f32::to_bits),
+                                    "AVX-512: {at}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The scalar group kernel is the per-row definition of the module docs, computed
+    /// here from the unpacked arrays.
+    #[test]
+    fn scalar_group_kernel_is_the_definition() {
+        for form in [Form::Nibbles, Form::Bytes] {
+            for with_min in [false, true] {
+                let (out, nb) = (18, 3);
+                let (q, d, m) = rows_of(form, out, nb, with_min);
+                let packed = Packed32::pack(form, &q, &d, &m, out, nb);
+                let rows = act_rows(nb * QK, 2);
+                let rb = form.row_bytes();
+                for o in 0..out {
+                    for row in &rows {
+                        let mut acc = [0f32; 2];
+                        for b in 0..nb {
+                            let bytes = &q[(o * nb + b) * rb..(o * nb + b + 1) * rb];
+                            let value = |j: usize| -> i32 {
+                                match form {
+                                    Form::Nibbles if j < 16 => i32::from(bytes[j] & 0x0F),
+                                    Form::Nibbles => i32::from(bytes[j - 16] >> 4),
+                                    Form::Bytes => i32::from(bytes[j] as i8),
+                                }
+                            };
+                            let isum: i32 = (0..QK)
+                                .map(|j| value(j) * i32::from(row.qs[b * QK + j]))
+                                .sum();
+                            acc[b % 2] += (d[o * nb + b] * row.d[b]) * isum as f32;
+                            if with_min {
+                                acc[b % 2] += m[o * nb + b] * row.s[b];
+                            }
+                        }
+                        let mut got = [0f32; LANES];
+                        packed.group_scalar(o / LANES, std::slice::from_ref(row), &mut got);
+                        assert_eq!(
+                            got[o % LANES].to_bits(),
+                            (acc[0] + acc[1]).to_bits(),
+                            "{form:?}, row {o}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
