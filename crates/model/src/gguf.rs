@@ -889,4 +889,55 @@ pub(crate) mod tests {
             .to_string();
         assert!(source.contains("unknown dtype for tensor 21"), "{source}");
     }
+
+    /// `model info` counts IQ4_NL and IQ4_XS tensors by their ggml names, and the others
+    /// by candle's as before.
+    #[test]
+    fn model_info_counts_iq4_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("info.gguf");
+        let string = |s: &str| {
+            let mut v = (s.len() as u64).to_le_bytes().to_vec();
+            v.extend(s.as_bytes());
+            (8, v)
+        };
+        let u32 = |n: u32| (4, n.to_le_bytes().to_vec());
+        let metadata: Vec<(&str, (u32, Vec<u8>))> = vec![
+            ("general.architecture", string("llama")),
+            ("llama.embedding_length", u32(256)),
+            ("llama.attention.head_count", u32(4)),
+            ("llama.block_count", u32(1)),
+            ("llama.feed_forward_length", u32(512)),
+            ("llama.vocab_size", u32(8)),
+        ];
+        let metadata: Vec<(&str, u32, Vec<u8>)> =
+            metadata.into_iter().map(|(k, (t, v))| (k, t, v)).collect();
+        let nl = sample(RawType::Iq4Nl, 2, 256, 1);
+        let xs = sample(RawType::Iq4Xs, 3, 256, 2);
+        write_gguf(
+            &path,
+            &metadata,
+            &[
+                ("a.weight", 20, nl.dims.clone(), nl.data.clone()),
+                ("b.weight", 23, xs.dims.clone(), xs.data.clone()),
+                ("c.weight", 0, vec![256], vec![0; 1024]),
+                ("d.weight", 12, vec![1, 256], vec![0; 144]),
+            ],
+        );
+        let info = crate::ModelInfo::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+        let types: Vec<(&str, usize, u64)> = info
+            .tensor_types
+            .iter()
+            .map(|(k, &n)| (k.as_str(), n, info.parameters_by_type[k]))
+            .collect();
+        assert_eq!(
+            types,
+            [
+                ("F32", 1, 256),
+                ("IQ4_NL", 1, 512),
+                ("IQ4_XS", 1, 768),
+                ("Q4K", 1, 256)
+            ]
+        );
+    }
 }

@@ -89,7 +89,7 @@ impl ModelInfo {
         let mut parameters = 0u64;
         for (dtype, shape) in file.tensors().values() {
             let n: u64 = shape.iter().map(|&d| d as u64).product();
-            let key = format!("{dtype:?}").to_uppercase();
+            let key = dtype.to_string();
             *tensor_types.entry(key.clone()).or_default() += 1;
             *parameters_by_type.entry(key).or_default() += n;
             parameters += n;

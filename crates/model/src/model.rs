@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, Weight};
 use crate::grad::{self, RopeTables};
 use crate::kernels::{self, FastLinear, QuantKind};
 
@@ -412,8 +412,8 @@ fn linear_from(
     shape: (usize, usize),
     bias: bool,
 ) -> Result<Linear> {
-    let q = file.tensor(&format!("{name}.weight"))?;
-    check_shape(name, q.shape().dims(), &[shape.0, shape.1])?;
+    let w = file.weight(&format!("{name}.weight"))?;
+    check_shape(name, w.dims(), &[shape.0, shape.1])?;
     let bias = if bias {
         let b = file
             .tensor(&format!("{name}.bias"))?
@@ -425,28 +425,36 @@ fn linear_from(
     } else {
         None
     };
-    Ok(match form {
-        WeightForm::Dense(dtype) => Linear::Dense {
-            weight: q.dequantize(&Device::Cpu)?.to_dtype(dtype)?,
+    Ok(match (form, w) {
+        (WeightForm::Dense(dtype), w) => Linear::Dense {
+            weight: w.dequantize()?.to_dtype(dtype)?,
             bias,
         },
-        WeightForm::Quantized if on_fast_path(q.dtype()) => Linear::Fast {
-            weight: Arc::new(FastLinear::from_qtensor(&q)?),
-            bias,
-        },
-        WeightForm::Quantized => Linear::Quantized {
+        (WeightForm::Quantized, Weight::Ggml(q)) if !on_fast_path(&q) => Linear::Quantized {
             weight: QMatMul::from_qtensor(q)?,
+            bias,
+        },
+        (WeightForm::Quantized, w) => Linear::Fast {
+            weight: Arc::new(fast_linear(&w)?),
             bias,
         },
     })
 }
 
 /// Whether a quantized weight of this type runs on this crate's kernels at inference:
-/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K). The others
-/// (Q2_K, Q3_K, Q5_K, Q8_K) stay on candle's quantized matmul until they have kernels
-/// (issue 21).
-fn on_fast_path(dtype: candle_core::quantized::GgmlDType) -> bool {
-    QuantKind::of(dtype).is_some()
+/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) and the types
+/// candle cannot read (IQ4_NL, IQ4_XS). The others (Q2_K, Q3_K, Q5_K, Q8_K) stay on
+/// candle's quantized matmul until they have kernels (issue 21).
+fn on_fast_path(q: &QTensor) -> bool {
+    QuantKind::of(q.dtype()).is_some()
+}
+
+/// A weight on this crate's kernels.
+fn fast_linear(w: &Weight) -> Result<FastLinear> {
+    match w {
+        Weight::Ggml(q) => FastLinear::from_qtensor(q),
+        Weight::Raw(r) => FastLinear::from_raw(r),
+    }
 }
 
 fn check_shape(name: &str, got: &[usize], want: &[usize]) -> Result<()> {
@@ -532,19 +540,23 @@ impl Model {
             });
         }
         let norm = norm_from(file, "output_norm.weight", h, dtype)?;
-        let embd = file.tensor("token_embd.weight")?;
-        check_shape("token_embd", embd.shape().dims(), &[config.vocab_size, h])?;
+        let embd = file.weight("token_embd.weight")?;
+        check_shape("token_embd", embd.dims(), &[config.vocab_size, h])?;
+        let embd_fast = match &embd {
+            Weight::Ggml(q) => on_fast_path(q),
+            Weight::Raw(_) => true,
+        };
         let output = if file.has_tensor("output.weight") {
             linear_from(file, "output", form, (config.vocab_size, h), false)?
         } else {
             // Tied embeddings: the output projection is the embedding table.
             match form {
                 WeightForm::Dense(dtype) => Linear::Dense {
-                    weight: embd.dequantize(&Device::Cpu)?.to_dtype(dtype)?,
+                    weight: embd.dequantize()?.to_dtype(dtype)?,
                     bias: None,
                 },
-                WeightForm::Quantized if on_fast_path(embd.dtype()) => Linear::Fast {
-                    weight: Arc::new(FastLinear::from_qtensor(&embd)?),
+                WeightForm::Quantized if embd_fast => Linear::Fast {
+                    weight: Arc::new(fast_linear(&embd)?),
                     bias: None,
                 },
                 WeightForm::Quantized => Linear::Quantized {
@@ -554,19 +566,20 @@ impl Model {
             }
         };
         let embedding = match (form, &output) {
-            (WeightForm::Dense(dtype), _) => {
-                Embedding::Dense(embd.dequantize(&Device::Cpu)?.to_dtype(dtype)?)
-            }
+            (WeightForm::Dense(dtype), _) => Embedding::Dense(embd.dequantize()?.to_dtype(dtype)?),
             // Tied: the output layer's copy serves lookups too.
             (WeightForm::Quantized, Linear::Fast { weight, .. })
                 if !file.has_tensor("output.weight") =>
             {
                 Embedding::Fast(weight.clone())
             }
-            (WeightForm::Quantized, _) if on_fast_path(embd.dtype()) => {
-                Embedding::Fast(Arc::new(FastLinear::from_qtensor(&embd)?))
+            (WeightForm::Quantized, _) if embd_fast => {
+                Embedding::Fast(Arc::new(fast_linear(&embd)?))
             }
-            (WeightForm::Quantized, _) => Embedding::Quantized(Arc::new(embd)),
+            (WeightForm::Quantized, _) => match embd {
+                Weight::Ggml(q) => Embedding::Quantized(Arc::new(q)),
+                Weight::Raw(_) => unreachable!("raw weights are on the fast path"),
+            },
         };
         Ok(
             Self::assemble(config, form, embedding, blocks, norm, output)?
@@ -1272,5 +1285,53 @@ mod tests {
         let [a, b] = Linear::forward_many([&layers[0], &layers[1]], &x).unwrap();
         assert_eq!(rows(&a), rows(&layers[0].forward(&x).unwrap()));
         assert_eq!(rows(&b), rows(&layers[1].forward(&x).unwrap()));
+    }
+
+    /// IQ4_NL and IQ4_XS weights (which candle cannot read) load on this crate's
+    /// kernels holding ggml's dequantized values, and in the dense form as those values.
+    #[test]
+    fn iq4_weights_load_fast_and_dense() {
+        use crate::gguf::RawType;
+        use crate::gguf::tests::{ggml_dequantize, sample, write_gguf};
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("iq4.gguf");
+        let (out, inp) = (12, 512);
+        let nl = sample(RawType::Iq4Nl, out, inp, 1);
+        let xs = sample(RawType::Iq4Xs, out, inp, 2);
+        write_gguf(
+            &path,
+            &[],
+            &[
+                ("nl.weight", 20, nl.dims.clone(), nl.data.clone()),
+                ("xs.weight", 23, xs.dims.clone(), xs.data.clone()),
+            ],
+        );
+        let mut file = GgufFile::open(&path).unwrap();
+        for (name, raw) in [("nl", &nl), ("xs", &xs)] {
+            let want = ggml_dequantize(raw);
+            let fast =
+                linear_from(&mut file, name, WeightForm::Quantized, (out, inp), false).unwrap();
+            assert!(matches!(fast, Linear::Fast { .. }), "{name}");
+            let dense = linear_from(
+                &mut file,
+                name,
+                WeightForm::Dense(DType::F32),
+                (out, inp),
+                false,
+            )
+            .unwrap();
+            assert!(matches!(dense, Linear::Dense { .. }), "{name}");
+            for layer in [&fast, &dense] {
+                let got: Vec<f32> = layer
+                    .dense_weight()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert_eq!(got, want, "{name}");
+            }
+        }
     }
 }
