@@ -7,11 +7,17 @@
 //! each 32-value sub-block of an IQ4_XS super-block becomes a block with scale
 //! `d·(ls − 32)` (an f16 times a 6-bit integer: exact in f32, and the very float
 //! ggml's `dequantize_row_iq4_xs` computes). Dequantized values are therefore ggml's.
+//!
+//! Activations are quantized as ggml quantizes them for each type: Q8_0 (a scale per 32)
+//! for IQ4_NL, Q8_K (one f32 scale per 256) for IQ4_XS, held per block of 32 with the
+//! scale repeated ([`quantize_row_k_in_32`]). Every block's `Σ q_w·q_a` is then the
+//! integer ggml's `ggml_vec_dot_iq4_nl_q8_0` / `ggml_vec_dot_iq4_xs_q8_K` sums; only the
+//! order of the float steps differs.
 //! The weight takes twice the memory of the file's 4.25 bits per value.
 
 use half::f16;
 
-use super::{FastLinear, QK, QuantKind};
+use super::{ActRow, FastLinear, QK, QK_K, QuantKind, quantize_row_k};
 use crate::error::{ModelError, Result};
 use crate::gguf::{RawTensor, RawType};
 
@@ -33,6 +39,23 @@ fn push_values(nibbles: &[u8], quants: &mut Vec<u8>) {
             .iter()
             .map(|&b| KVALUES_IQ4NL[usize::from(b >> 4)] as u8),
     );
+}
+
+/// ggml's Q8_K activations (one f32 scale per 256 values) in the form the blocks-of-32
+/// kernels read: each block of 32 with its super-block's scale and its own sum.
+pub(super) fn quantize_row_k_in_32(x: &[f32]) -> ActRow {
+    let k = quantize_row_k(x);
+    ActRow {
+        d: k.d.iter().flat_map(|&d| [d; QK_K / QK]).collect(),
+        isums: k
+            .qs
+            .chunks_exact(QK)
+            .map(|b| b.iter().map(|&q| i32::from(q)).sum())
+            .collect(),
+        qs: k.qs,
+        s: Vec::new(),
+        sums: Vec::new(),
+    }
 }
 
 impl FastLinear {
@@ -139,9 +162,9 @@ mod tests {
     }
 
     /// Each output equals the product of ggml's dequantized weight with the activations
-    /// after their 8-bit quantization (ggml's Q8_0), to float rounding. One to six
-    /// activation rows; 5 and 20 weight rows (a group of 16 with padding, and a second
-    /// group); one and three super-blocks per row.
+    /// after the 8-bit quantization ggml gives them (Q8_0 for IQ4_NL, Q8_K for IQ4_XS),
+    /// to float rounding. One to six activation rows; 5 and 20 weight rows (a group of
+    /// 16 with padding, and a second group); one and three super-blocks per row.
     #[test]
     fn product_is_the_dequantized_weight_times_the_quantized_activations() {
         let device = candle_core::Device::Cpu;
@@ -162,12 +185,16 @@ mod tests {
                         .to_vec1()
                         .unwrap();
                     for (r, xr) in xs.chunks_exact(k).enumerate() {
-                        let act = quantize_row(xr, Sums::None);
+                        // ggml's activation blocks for each type.
+                        let (act, block) = match ty {
+                            RawType::Iq4Nl => (quantize_row(xr, Sums::None), QK),
+                            RawType::Iq4Xs => (quantize_row_k(xr), QK_K),
+                        };
                         for (o, wr) in weights.chunks_exact(k).enumerate() {
                             let (exact, size) =
                                 wr.iter().enumerate().fold((0f64, 0f64), |(s, a), (i, &w)| {
                                     let p = f64::from(w)
-                                        * f64::from(act.d[i / QK])
+                                        * f64::from(act.d[i / block])
                                         * f64::from(act.qs[i]);
                                     (s + p, a + p.abs())
                                 });
@@ -196,10 +223,8 @@ mod tests {
             let xs: Vec<f32> = (0..4 * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
                 .collect();
-            let rows: Vec<_> = xs
-                .chunks_exact(k)
-                .map(|r| quantize_row(r, Sums::Exact))
-                .collect();
+            // The activations as this type's weights take them.
+            let rows = fast.quantize(&xs);
             for g in 0..p.groups {
                 for n in 1..=4 {
                     let mut want = [0f32; 64];

@@ -1,16 +1,17 @@
 //! Quantized matrix multiplication and attention kernels.
 //!
-//! [`FastLinear`] holds a Q4_1 weight (blocks of 32: `x = d·q + m`, 4-bit `q`) or a Q8_0
-//! weight (`x = d·q`, 8-bit `q`) split into separate arrays of quants, scales and
-//! minimums, and multiplies it with activations quantized the way ggml does
-//! (`quantize_row_q8_1` / `quantize_row_q8_0`, then `ggml_vec_dot_q4_1_q8_1` /
-//! `ggml_vec_dot_q8_0_q8_0`): per block `d_w·d_a·Σ q_w·q_a (+ m_w·s_a)`. AVX2 when the CPU
-//! has it, scalar otherwise. Rows of the weight are split across rayon's threads.
+//! [`FastLinear`] holds a weight repacked sixteen rows at a time, and multiplies it with
+//! activations quantized the way ggml does (`quantize_row_q8_1` / `quantize_row_q8_0` /
+//! Q8_K). Blocks of 32 ([`packed32`]): Q4_1 (`x = d·q + m`, 4-bit `q`) and Q8_0 (`x =
+//! d·q`, 8-bit `q`), per block `d_w·d_a·Σ q_w·q_a (+ m_w·s_a)`. AVX-512 VNNI or AVX2 when
+//! the CPU has them, scalar otherwise, all with the same bits. Groups of rows are split
+//! across rayon's threads.
 //!
-//! Q4_0, Q5_0 and Q5_1 are converted at load to run on those two kernels: Q4_0 as Q4_1
-//! with minimum `−8d`; Q5_0 as Q8_0 with `q − 16` in a signed byte (ggml's exact
-//! integers); Q5_1 as Q8_0 plus a minimum `m + 16d`. The two with a large minimum term
-//! take the activations' block sums in f32 rather than f16.
+//! Q4_0, Q5_0 and Q5_1 are converted at load to those two forms: Q4_0 as 4-bit `q` with
+//! the offset 8 taken off through the activations' block sums (ggml's exact integers);
+//! Q5_0 as Q8_0 with `q − 16` in a signed byte (ggml's exact integers); Q5_1 as Q8_0
+//! plus a minimum `m + 16d`, whose activations keep their block sums in f32 rather than
+//! f16.
 //!
 //! IQ4_NL and IQ4_XS are converted at load to the Q8_0 kernel ([`iq4`]): their 4-bit
 //! indices replaced by the codebook's signed bytes, one block per 32 values.
@@ -97,7 +98,7 @@ fn detected_simd() -> Simd {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantKind {
     /// 4-bit with a scale per block of 32 (`x = d·(q − 8)`); runs on the Q4_1 kernel
-    /// with minimum `−8d`, activations as Q8_1 with exact sums.
+    /// without minimum, the offset taken off with the activations' block sums.
     Q4_0,
     /// 4-bit with scale and minimum per block of 32; activations as Q8_1.
     Q4_1,
@@ -137,6 +138,9 @@ enum ActFormat {
     Q8_0,
     /// Blocks of 256, f32 scale, sums of 16.
     Q8K,
+    /// Q8_K's quants and scales held per block of 32 (the scale repeated, the block's
+    /// sum), for IQ4_XS on the Q8_0 kernel: ggml's IQ4_XS × Q8_K integers ([`iq4`]).
+    Q8KIn32,
 }
 
 impl QuantKind {
@@ -164,14 +168,6 @@ impl QuantKind {
         }
     }
 
-    /// The kind whose kernel runs this one (the weight is converted at load).
-    fn kernel(self) -> Self {
-        match self {
-            Self::Q4_0 => Self::Q4_1,
-            Self::Q5_0 | Self::Q5_1 | Self::Iq4Nl | Self::Iq4Xs => Self::Q8_0,
-            other => other,
-        }
-    }
 
     /// Bytes of quants per block, as the kernel holds them.
     fn quant_bytes(self) -> usize {
@@ -187,8 +183,9 @@ impl QuantKind {
     fn act_format(self) -> ActFormat {
         match self {
             Self::Q4_1 => ActFormat::Q8_1,
-            Self::Q4_0 | Self::Q5_1 => ActFormat::Q8_1Exact,
-            Self::Q5_0 | Self::Q8_0 | Self::Iq4Nl | Self::Iq4Xs => ActFormat::Q8_0,
+            Self::Q5_1 => ActFormat::Q8_1Exact,
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::Iq4Nl => ActFormat::Q8_0,
+            Self::Iq4Xs => ActFormat::Q8KIn32,
             Self::Q4K | Self::Q6K => ActFormat::Q8K,
         }
     }
@@ -301,9 +298,7 @@ impl FastLinear {
                     quants.extend_from_slice(&block[2..34]);
                 }
                 QuantKind::Q4_0 => {
-                    let d = half_at(block, 0);
-                    scales.push(d);
-                    mins.push(-8.0 * d);
+                    scales.push(half_at(block, 0));
                     quants.extend_from_slice(&block[2..18]);
                 }
                 // d, (Q5_1: m), 4 bytes of fifth bits, 16 of nibbles: value j takes the
@@ -352,8 +347,9 @@ impl FastLinear {
         scales: &[f32],
         mins: &[f32],
     ) -> Self {
-        let form = match kind.kernel() {
-            QuantKind::Q4_1 => Form::Nibbles,
+        let form = match kind {
+            QuantKind::Q4_0 => Form::Nibbles { offset: 8 },
+            QuantKind::Q4_1 => Form::Nibbles { offset: 0 },
             _ => Form::Bytes,
         };
         let nb = in_features / QK;
@@ -445,6 +441,7 @@ impl FastLinear {
                 ActFormat::Q8_1Exact => quantize_row(r, Sums::Exact),
                 ActFormat::Q8_0 => quantize_row(r, Sums::None),
                 ActFormat::Q8K => quantize_row_k(r),
+                ActFormat::Q8KIn32 => iq4::quantize_row_k_in_32(r),
             })
             .collect()
     }

@@ -4,12 +4,12 @@
 //! side by side, one 32-bit lane per row, so four broadcast activation bytes give all
 //! sixteen rows' partial sums in one multiply-add and lane `l` holds row `l`'s output.
 //!
-//! Two forms: *nibbles* (unsigned 4-bit `q`, weight `d·q + m`: Q4_1, and Q4_0 with
-//! `m = −8d`) and *bytes* (signed 8-bit `q`, weight `d·q (+ m)`: Q8_0, Q5_0 as `q − 16`,
-//! Q5_1 as `q − 16` with `m + 16d`).
+//! Two forms: *nibbles* (unsigned 4-bit `q`, weight `d·(q − offset) (+ m)`: Q4_1 with
+//! offset 0 and `m`, Q4_0 with offset 8) and *bytes* (signed 8-bit `q`, weight
+//! `d·q (+ m)`: Q8_0, Q5_0 as `q − 16`, Q5_1 as `q − 16` with `m + 16d`).
 //!
-//! Per output, whatever the instruction set: each block's `Σ q_w·q_a` is an exact
-//! integer, then `acc[b mod 2] = acc[b mod 2] + (d_w·d_a)·Σ` and, with a minimum,
+//! Per output, whatever the instruction set: each block's `Σ (q_w − offset)·q_a` is an
+//! exact integer (the offset taken off as `offset·Σ q_a`), then `acc[b mod 2] = acc[b mod 2] + (d_w·d_a)·Σ` and, with a minimum,
 //! `acc[b mod 2] = acc[b mod 2] + m·s_a` (`s_a = d_a·Σ q_a`), and the output is
 //! `acc[0] + acc[1]`: two chains of float adds, the same in the scalar, AVX2 and AVX-512
 //! kernels, so all give the same bits for any number of activation rows.
@@ -28,7 +28,10 @@ pub(super) const LANES: usize = 16;
 /// The two forms of quants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Form {
-    Nibbles,
+    /// 4-bit quants; the weight's integer is `q − offset`.
+    Nibbles {
+        offset: i32,
+    },
     Bytes,
 }
 
@@ -36,7 +39,7 @@ impl Form {
     /// Bytes of quants per row and block, as the per-row arrays hold them.
     pub(super) fn row_bytes(self) -> usize {
         match self {
-            Self::Nibbles => QK / 2,
+            Self::Nibbles { .. } => QK / 2,
             Self::Bytes => QK,
         }
     }
@@ -128,10 +131,10 @@ impl Packed32 {
     /// signed byte).
     fn quant(&self, blk: &Block<'_>, lane: usize, j: usize) -> i32 {
         match self.form {
-            Form::Nibbles => {
+            Form::Nibbles { offset } => {
                 let (t, k) = ((j % 16) / 4, j % 4);
                 let byte = blk.quants[(t * LANES + lane) * 4 + k];
-                i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 })
+                i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 }) - offset
             }
             Form::Bytes => {
                 let (t, k) = (j / 4, j % 4);
@@ -274,7 +277,7 @@ mod avx512 {
                 std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
             let mut isum = [[_mm512_setzero_si512(); R]; 2];
             match p.form {
-                Form::Nibbles => {
+                Form::Nibbles { offset } => {
                     for t in 0..4 {
                         // SAFETY: step t is 64 of the block's 256 bytes; the activation
                         // words lie within the row's block.
@@ -288,6 +291,12 @@ mod avx512 {
                                 isum[0][r] = _mm512_dpbusd_epi32(isum[0][r], wl, al);
                                 isum[1][r] = _mm512_dpbusd_epi32(isum[1][r], wh, ah);
                             }
+                        }
+                    }
+                    if offset != 0 {
+                        for r in 0..R {
+                            let off = _mm512_set1_epi32(offset * rows[r].isums[b]);
+                            isum[0][r] = _mm512_sub_epi32(isum[0][r], off);
                         }
                     }
                 }
@@ -390,7 +399,7 @@ mod avx2 {
                 std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
             let mut isum = [_mm256_setzero_si256(); R];
             match p.form {
-                Form::Nibbles => {
+                Form::Nibbles { offset } => {
                     let mut sum16 = [_mm256_setzero_si256(); R];
                     for t in 0..4 {
                         // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
@@ -411,7 +420,8 @@ mod avx2 {
                         }
                     }
                     for r in 0..R {
-                        isum[r] = _mm256_madd_epi16(sum16[r], ones);
+                        let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
+                        isum[r] = _mm256_sub_epi32(_mm256_madd_epi16(sum16[r], ones), off);
                     }
                 }
                 Form::Bytes => {
@@ -470,7 +480,7 @@ mod tests {
             *q = [0x00, 0xFF, 0x0F, 0xF0, 0x80, 0x7F][i % 6];
         }
         quants[nb * rb..nb * rb + rb].fill(match form {
-            Form::Nibbles => 0xFF,
+            Form::Nibbles { .. } => 0xFF,
             Form::Bytes => 0x80,
         });
         let d: Vec<f32> = (0..out * nb)
@@ -516,7 +526,11 @@ mod tests {
             return;
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
-        for form in [Form::Nibbles, Form::Bytes] {
+        for form in [
+            Form::Nibbles { offset: 0 },
+            Form::Nibbles { offset: 8 },
+            Form::Bytes,
+        ] {
             for with_min in [false, true] {
                 for nb in [1, 2, 3, 19] {
                     let out = 20;
@@ -562,7 +576,11 @@ mod tests {
     /// here from the unpacked arrays.
     #[test]
     fn scalar_group_kernel_is_the_definition() {
-        for form in [Form::Nibbles, Form::Bytes] {
+        for form in [
+            Form::Nibbles { offset: 0 },
+            Form::Nibbles { offset: 8 },
+            Form::Bytes,
+        ] {
             for with_min in [false, true] {
                 let (out, nb) = (18, 3);
                 let (q, d, m) = rows_of(form, out, nb, with_min);
@@ -576,8 +594,12 @@ mod tests {
                             let bytes = &q[(o * nb + b) * rb..(o * nb + b + 1) * rb];
                             let value = |j: usize| -> i32 {
                                 match form {
-                                    Form::Nibbles if j < 16 => i32::from(bytes[j] & 0x0F),
-                                    Form::Nibbles => i32::from(bytes[j - 16] >> 4),
+                                    Form::Nibbles { offset } if j < 16 => {
+                                        i32::from(bytes[j] & 0x0F) - offset
+                                    }
+                                    Form::Nibbles { offset } => {
+                                        i32::from(bytes[j - 16] >> 4) - offset
+                                    }
                                     Form::Bytes => i32::from(bytes[j] as i8),
                                 }
                             };
