@@ -668,7 +668,9 @@ impl CustomOp1 for Op<'_> {
 /// `q` is `[n, heads·hd]` (rotary already applied), `k` and `v` are `[s, kv_heads·hd]`
 /// with the new positions last (`s ≥ n`): query `t` sees keys `0..=s−n+t`. Returns
 /// `[n, heads·hd]`. Each output row is computed in one fixed order whatever `n` is, so a
-/// position attends identically in a prefill, a decode step or a batch.
+/// position attends identically in a prefill, a decode step or a batch. With AVX2 the
+/// same operations run eight lanes wide (the arithmetic is written lane by lane, so
+/// the bits are those of the baseline build).
 #[expect(clippy::too_many_arguments, reason = "the shape of one attention call")]
 pub fn attention(
     q: &[f32],
@@ -680,21 +682,91 @@ pub fn attention(
     hd: usize,
     scale: f32,
 ) -> Vec<f32> {
-    let q_dim = heads * hd;
-    let kv_dim = kv_heads * hd;
-    let s = k.len() / kv_dim.max(1);
-    let start = s - n;
-    let groups = heads / kv_heads;
-    let mut out = vec![0f32; n * q_dim];
-    let task = |(t, h): (usize, usize), dst: &mut [f32]| {
-        let qrow = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
-        let g = h / groups;
+    #[cfg(target_arch = "x86_64")]
+    let wide = simd() >= Simd::Avx2;
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
+    let shape = Attend {
+        q,
+        k,
+        v,
+        n,
+        heads,
+        kv_heads,
+        hd,
+        scale,
+    };
+    shape.all(wide)
+}
+
+/// One attention call's inputs and shape.
+struct Attend<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    n: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    scale: f32,
+}
+
+impl Attend<'_> {
+    /// Every query and head, each computed by [`Self::one`]; `wide` runs its AVX2 build.
+    fn all(&self, wide: bool) -> Vec<f32> {
+        let s = self.k.len() / (self.kv_heads * self.hd).max(1);
+        let mut out = vec![0f32; self.n * self.heads * self.hd];
+        let task = |i: usize, dst: &mut [f32]| {
+            let (t, h) = (i / self.heads, i % self.heads);
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
+                // SAFETY: `wide` only when simd() found AVX2 and FMA.
+                unsafe {
+                    self.one_avx2(t, h, dst)
+                };
+                return;
+            }
+            let _ = wide;
+            self.one(t, h, dst);
+        };
+        if self.n * self.heads * s >= 1 << 14 {
+            out.par_chunks_mut(self.hd)
+                .enumerate()
+                .for_each(|(i, dst)| task(i, dst));
+        } else {
+            for (i, dst) in out.chunks_mut(self.hd).enumerate() {
+                task(i, dst);
+            }
+        }
+        out
+    }
+
+    /// [`Self::one`] compiled for AVX2: the same lane-by-lane arithmetic, eight wide.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[expect(unsafe_code, reason = "a target-feature function")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn one_avx2(&self, t: usize, h: usize, dst: &mut [f32]) {
+        self.one(t, h, dst);
+    }
+
+    /// Query `t`, head `h` into `dst`.
+    #[inline(always)]
+    fn one(&self, t: usize, h: usize, dst: &mut [f32]) {
+        let (hd, q_dim, kv_dim) = (self.hd, self.heads * self.hd, self.kv_heads * self.hd);
+        let s = self.k.len() / kv_dim.max(1);
+        let start = s - self.n;
+        let g = h / (self.heads / self.kv_heads);
+        let qrow = &self.q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
         let visible = start + t + 1;
         let mut scores = Vec::with_capacity(visible);
         let mut max = f32::NEG_INFINITY;
         for j in 0..visible {
-            let krow = &k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-            let score = dot(qrow, krow) * scale;
+            let krow = &self.k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+            let score = dot(qrow, krow) * self.scale;
             max = max.max(score);
             scores.push(score);
         }
@@ -706,26 +778,17 @@ pub fn attention(
         let inv = 1.0 / total;
         dst.fill(0.0);
         for (j, &p) in scores.iter().enumerate() {
-            let vrow = &v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+            let vrow = &self.v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
             let p = p * inv;
             for (o, &x) in dst.iter_mut().zip(vrow) {
                 *o += p * x;
             }
         }
-    };
-    if n * heads * s >= 1 << 14 {
-        out.par_chunks_mut(hd)
-            .enumerate()
-            .for_each(|(i, dst)| task((i / heads, i % heads), dst));
-    } else {
-        for (i, dst) in out.chunks_mut(hd).enumerate() {
-            task((i / heads, i % heads), dst);
-        }
     }
-    out
 }
 
 /// A dot product with eight independent lanes (vectorizable, same order every time).
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -1058,6 +1121,45 @@ mod tests {
                     .unwrap();
                 assert_eq!(&one[0], row, "{dtype:?} row {i}");
             }
+        }
+    }
+
+    /// The AVX2 build of attention gives the baseline build's bits (prefill and decode
+    /// shapes, grouped heads, a head size that is not a multiple of 8).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn attention_avx2_equals_the_baseline() {
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        for (n, s, heads, kv_heads, hd) in [(1, 37, 9, 3, 64), (7, 7, 4, 4, 20), (5, 300, 8, 2, 64)]
+        {
+            let values = |len: usize, seed: usize| -> Vec<f32> {
+                (0..len)
+                    .map(|i| (((i * 7919 + seed) % 1009) as f32 - 504.0) / 97.0)
+                    .collect()
+            };
+            let q = values(n * heads * hd, 1);
+            let k = values(s * kv_heads * hd, 2);
+            let v = values(s * kv_heads * hd, 3);
+            let shape = Attend {
+                q: &q,
+                k: &k,
+                v: &v,
+                n,
+                heads,
+                kv_heads,
+                hd,
+                scale: 0.125,
+            };
+            let (base, wide) = (shape.all(false), shape.all(true));
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&wide),
+                bits(&base),
+                "n {n}, s {s}, heads {heads}/{kv_heads}, hd {hd}"
+            );
         }
     }
 
