@@ -345,14 +345,17 @@ impl GgufFile {
             source,
         };
         match info.ty {
-            TensorType::Ggml(ggml_dtype) => gguf_file::TensorInfo {
-                ggml_dtype,
-                shape: info.dims.clone().into(),
-                offset: info.offset,
-            }
-            .read(&mut self.reader, self.data_offset, &Device::Cpu)
-            .map(Weight::Ggml)
-            .map_err(gguf),
+            TensorType::Ggml(ggml_dtype) => elements(&info.dims)
+                .and_then(|_| {
+                    gguf_file::TensorInfo {
+                        ggml_dtype,
+                        shape: info.dims.clone().into(),
+                        offset: info.offset,
+                    }
+                    .read(&mut self.reader, self.data_offset, &Device::Cpu)
+                })
+                .map(Weight::Ggml)
+                .map_err(gguf),
             TensorType::Raw(ty) => {
                 read_raw(&mut self.reader, self.size, self.data_offset, info, ty)
                     .map(|data| {
@@ -368,6 +371,15 @@ impl GgufFile {
     }
 }
 
+/// Values in a tensor of shape `dims`, refused when they overflow (candle's reader
+/// would overflow computing them).
+fn elements(dims: &[usize]) -> candle_core::Result<usize> {
+    match dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) {
+        Some(n) => Ok(n),
+        None => candle_core::bail!("tensor shape {dims:?} has too many elements"),
+    }
+}
+
 /// Reads the blocks of a raw tensor, with the checks candle makes for its own.
 fn read_raw(
     reader: &mut BufReader<File>,
@@ -376,7 +388,7 @@ fn read_raw(
     info: &TensorInfo,
     ty: RawType,
 ) -> candle_core::Result<Vec<u8>> {
-    let elems: usize = info.dims.iter().product();
+    let elems = elements(&info.dims)?;
     let block_size = ty.block_size();
     if !elems.is_multiple_of(block_size) {
         candle_core::bail!(
@@ -888,6 +900,17 @@ pub(crate) mod tests {
             .unwrap()
             .to_string();
         assert!(source.contains("unknown dtype for tensor 21"), "{source}");
+        // Dimensions whose product overflows are refused, for every type.
+        for ty in [0, 20, 23] {
+            write_gguf(
+                &path,
+                &[],
+                &[("t", ty, vec![1 << 40, 1 << 40, 1 << 40], vec![0; 32])],
+            );
+            let err = GgufFile::open(&path).unwrap().weight("t").unwrap_err();
+            let source = std::error::Error::source(&err).unwrap().to_string();
+            assert!(source.contains("too many elements"), "{source}");
+        }
     }
 
     /// `model info` counts IQ4_NL and IQ4_XS tensors by their ggml names, and the others
@@ -939,5 +962,45 @@ pub(crate) mod tests {
                 ("Q4K", 1, 256)
             ]
         );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// A damaged file (bytes changed or cut off anywhere, header included) never
+        /// panics the reader: it opens or fails, and every tensor reads or fails.
+        #[test]
+        fn damaged_files_never_panic_the_reader(
+            edits in proptest::collection::vec((0usize..4096, proptest::prelude::any::<u8>()), 1..6),
+            cut in 0usize..4096,
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("damaged.gguf");
+            let nl = sample(RawType::Iq4Nl, 2, 64, 1);
+            let xs = sample(RawType::Iq4Xs, 1, 256, 2);
+            write_gguf(
+                &path,
+                &[("general.alignment", 4, 32u32.to_le_bytes().to_vec())],
+                &[
+                    ("nl.weight", 20, nl.dims.clone(), nl.data.clone()),
+                    ("norm.weight", 0, vec![8], vec![0; 32]),
+                    ("xs.weight", 23, xs.dims.clone(), xs.data.clone()),
+                ],
+            );
+            let mut bytes = std::fs::read(&path).unwrap();
+            for (at, byte) in edits {
+                let at = at % bytes.len();
+                bytes[at] = byte;
+            }
+            bytes.truncate(cut.max(1));
+            std::fs::write(&path, &bytes).unwrap();
+            if let Ok(mut file) = GgufFile::open(&path) {
+                let names: Vec<String> = file.tensors().keys().map(|n| (*n).to_owned()).collect();
+                for name in names {
+                    if let Ok(w) = file.weight(&name) {
+                        let _ = w.dequantize();
+                    }
+                }
+            }
+        }
     }
 }
