@@ -442,8 +442,8 @@ fn linear_from(
 }
 
 /// Whether a quantized weight of this type runs on this crate's kernels at inference:
-/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K) and the types
-/// candle cannot read (IQ4_NL, IQ4_XS). The others (Q2_K, Q3_K, Q5_K, Q8_K) stay on
+/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and the
+/// types candle cannot read (IQ4_NL, IQ4_XS). The others (Q2_K, Q3_K, Q8_K) stay on
 /// candle's quantized matmul until they have kernels (issue 21).
 fn on_fast_path(q: &QTensor) -> bool {
     QuantKind::of(q.dtype()).is_some()

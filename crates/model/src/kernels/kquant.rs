@@ -38,11 +38,15 @@ const Q4K_QUANTS: usize = 128 * LANES;
 const Q6K_QUANTS: usize = QK_K * LANES;
 /// Bytes of scales (and minimums) per group and super-block.
 const SMALL: usize = 16 * LANES;
+/// Bytes of Q5_K's fifth bits per group and super-block.
+const HIGH: usize = 32 * LANES;
 
 /// Which K-quant a [`KPacked`] holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum KType {
     Q4K,
+    /// Q4_K's layout plus one high bit per value ([`KPacked`]'s `high`).
+    Q5K,
     Q6K,
 }
 
@@ -51,13 +55,14 @@ impl KType {
     fn block_bytes(self) -> usize {
         match self {
             Self::Q4K => 144,
+            Self::Q5K => 176,
             Self::Q6K => 210,
         }
     }
 
     fn quant_bytes(self) -> usize {
         match self {
-            Self::Q4K => Q4K_QUANTS,
+            Self::Q4K | Self::Q5K => Q4K_QUANTS,
             Self::Q6K => Q6K_QUANTS,
         }
     }
@@ -74,8 +79,11 @@ pub(super) struct KPacked {
     quants: Vec<u8>,
     small: Vec<u8>,
     d: Vec<f32>,
-    /// Q4_K only.
+    /// Q4_K and Q5_K.
     dmin: Vec<f32>,
+    /// Q5_K only: the fifth bits, `[chunk i: 4][step t: 8][lane: 16]` one byte each:
+    /// bit `k` for value `64i + 4t + k`, bit `4 + k` for value `64i + 32 + 4t + k`.
+    high: Vec<u8>,
 }
 
 /// One group's buffers for one super-block.
@@ -84,6 +92,7 @@ struct Block<'a> {
     small: &'a [u8],
     d: &'a [f32],
     dmin: &'a [f32],
+    high: &'a [u8],
 }
 
 impl KPacked {
@@ -98,8 +107,13 @@ impl KPacked {
             quants: vec![0; slots * ty.quant_bytes()],
             small: vec![0; slots * SMALL],
             d: vec![0.0; slots * LANES],
-            dmin: if ty == KType::Q4K {
+            dmin: if ty == KType::Q6K {
+                Vec::new()
+            } else {
                 vec![0.0; slots * LANES]
+            },
+            high: if ty == KType::Q5K {
+                vec![0; slots * HIGH]
             } else {
                 Vec::new()
             },
@@ -115,7 +129,7 @@ impl KPacked {
                 let q = &mut p.quants[gs * ty.quant_bytes()..(gs + 1) * ty.quant_bytes()];
                 let small = &mut p.small[gs * SMALL..(gs + 1) * SMALL];
                 match ty {
-                    KType::Q4K => {
+                    KType::Q4K | KType::Q5K => {
                         p.d[gs * LANES + lane] = half_at(block, 0);
                         p.dmin[gs * LANES + lane] = half_at(block, 2);
                         let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
@@ -128,12 +142,27 @@ impl KPacked {
                                 small[128 + (pair * LANES + lane) * 2 + e] = sub[8 + 2 * pair + e];
                             }
                         }
-                        let qs = &block[16..144];
+                        // Q5_K: 32 bytes of fifth bits before the nibbles; value l of chunk
+                        // i takes bit 2i (low nibbles) or 2i + 1 (high) of byte l.
+                        let (qh, qs) = if ty == KType::Q5K {
+                            (&block[16..48], &block[48..176])
+                        } else {
+                            (&block[..0], &block[16..144])
+                        };
                         for i in 0..4 {
                             for t in 0..8 {
                                 let at = ((i * 8 + t) * LANES + lane) * 4;
                                 q[at..at + 4]
                                     .copy_from_slice(&qs[32 * i + 4 * t..32 * i + 4 * t + 4]);
+                                if ty == KType::Q5K {
+                                    let mut byte = 0u8;
+                                    for k in 0..4 {
+                                        let h = qh[4 * t + k];
+                                        byte |= ((h >> (2 * i)) & 1) << k;
+                                        byte |= ((h >> (2 * i + 1)) & 1) << (4 + k);
+                                    }
+                                    p.high[gs * HIGH + (i * 8 + t) * LANES + lane] = byte;
+                                }
                             }
                         }
                     }
@@ -170,7 +199,24 @@ impl KPacked {
             } else {
                 &self.dmin[gs * LANES..(gs + 1) * LANES]
             },
+            high: if self.high.is_empty() {
+                &[]
+            } else {
+                &self.high[gs * HIGH..(gs + 1) * HIGH]
+            },
         }
+    }
+
+    /// Value `64i + 32·hi + 4t + k` of lane `lane` in a Q4_K / Q5_K block: the nibble,
+    /// plus 16 for a set fifth bit (Q5_K).
+    fn q45_value(blk: &Block<'_>, lane: usize, (i, t, k): (usize, usize, usize), hi: bool) -> u8 {
+        let byte = blk.quants[((i * 8 + t) * LANES + lane) * 4 + k];
+        let nibble = if hi { byte >> 4 } else { byte & 0x0F };
+        if blk.high.is_empty() {
+            return nibble;
+        }
+        let bit = (blk.high[(i * 8 + t) * LANES + lane] >> (k + 4 * usize::from(hi))) & 1;
+        nibble | (bit << 4)
     }
 
     /// Row `o`'s super-block `b` as f32 (ggml's dequantization arithmetic), appended.
@@ -179,7 +225,7 @@ impl KPacked {
         let blk = self.block(g, b);
         let d = blk.d[lane];
         match self.ty {
-            KType::Q4K => {
+            KType::Q4K | KType::Q5K => {
                 let dmin = blk.dmin[lane];
                 let mut values = [0f32; QK_K];
                 for j in 0..8 {
@@ -189,8 +235,7 @@ impl KPacked {
                         dmin * f32::from(blk.small[128 + ((j / 2) * LANES + lane) * 2 + j % 2]);
                     for t in 0..8 {
                         for k in 0..4 {
-                            let byte = blk.quants[((i * 8 + t) * LANES + lane) * 4 + k];
-                            let q = if high { byte >> 4 } else { byte & 0x0F };
+                            let q = Self::q45_value(&blk, lane, (i, t, k), high);
                             values[32 * j + 4 * t + k] = scale * f32::from(q) - min;
                         }
                     }
@@ -253,7 +298,7 @@ impl KPacked {
         for (r, row) in rows.iter().enumerate() {
             for lane in 0..LANES {
                 out[r * LANES + lane] = match self.ty {
-                    KType::Q4K => self.dot_q4k(g, lane, row),
+                    KType::Q4K | KType::Q5K => self.dot_q4k(g, lane, row),
                     KType::Q6K => self.dot_q6k(g, lane, row),
                 };
             }
@@ -271,9 +316,10 @@ impl KPacked {
                 let (mut lo, mut hi) = (0i32, 0i32);
                 for t in 0..8 {
                     for k in 0..4 {
-                        let byte = blk.quants[((i * 8 + t) * LANES + lane) * 4 + k];
-                        lo += i32::from(byte & 0x0F) * i32::from(a[64 * i + 4 * t + k]);
-                        hi += i32::from(byte >> 4) * i32::from(a[64 * i + 32 + 4 * t + k]);
+                        let ql = Self::q45_value(&blk, lane, (i, t, k), false);
+                        let qh = Self::q45_value(&blk, lane, (i, t, k), true);
+                        lo += i32::from(ql) * i32::from(a[64 * i + 4 * t + k]);
+                        hi += i32::from(qh) * i32::from(a[64 * i + 32 + 4 * t + k]);
                     }
                 }
                 isum += i32::from(blk.small[2 * i * LANES + lane]) * lo
@@ -352,10 +398,14 @@ mod avx512 {
         unsafe {
             match (p.ty, rows.len()) {
                 (_, 0) => {}
-                (KType::Q4K, 1) => q4k::<1>(p, g, rows, out),
-                (KType::Q4K, 2) => q4k::<2>(p, g, rows, out),
-                (KType::Q4K, 3) => q4k::<3>(p, g, rows, out),
-                (KType::Q4K, _) => q4k::<4>(p, g, rows, out),
+                (KType::Q4K, 1) => q4k::<1, false>(p, g, rows, out),
+                (KType::Q4K, 2) => q4k::<2, false>(p, g, rows, out),
+                (KType::Q4K, 3) => q4k::<3, false>(p, g, rows, out),
+                (KType::Q4K, _) => q4k::<4, false>(p, g, rows, out),
+                (KType::Q5K, 1) => q4k::<1, true>(p, g, rows, out),
+                (KType::Q5K, 2) => q4k::<2, true>(p, g, rows, out),
+                (KType::Q5K, 3) => q4k::<3, true>(p, g, rows, out),
+                (KType::Q5K, _) => q4k::<4, true>(p, g, rows, out),
                 (KType::Q6K, 1) => q6k::<1>(p, g, rows, out),
                 (KType::Q6K, 2) => q6k::<2>(p, g, rows, out),
                 (KType::Q6K, 3) => q6k::<3>(p, g, rows, out),
@@ -370,8 +420,18 @@ mod avx512 {
     /// # Safety
     /// As [`group`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn q4k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    unsafe fn q4k<const R: usize, const FIVE: bool>(
+        p: &KPacked,
+        g: usize,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
         let low = _mm512_set1_epi8(0x0F);
+        // Q5_K: byte k of a lane tests bit k (low nibbles) or 4 + k (high nibbles) of the
+        // lane's fifth-bit byte, spread over the lane's four bytes.
+        let bits_lo = _mm512_set1_epi32(0x0804_0201);
+        let bits_hi = _mm512_set1_epi32(0x8040_2010u32 as i32);
+        let sixteen = _mm512_set1_epi8(16);
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..p.nb {
             let blk = p.block(g, b);
@@ -392,8 +452,20 @@ mod avx512 {
                     // activation words lie within the row's super-block.
                     unsafe {
                         let w = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
-                        let wl = _mm512_and_si512(w, low);
-                        let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
+                        let mut wl = _mm512_and_si512(w, low);
+                        let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
+                        if FIVE {
+                            // 16 bytes of the block's 512 for step (i, t), one per lane,
+                            // times 0x01010101: the byte in all four of the lane's bytes.
+                            let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                blk.high.as_ptr().add((i * 8 + t) * LANES).cast(),
+                            ));
+                            let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
+                            let ml = _mm512_test_epi8_mask(hb, bits_lo);
+                            let mh = _mm512_test_epi8_mask(hb, bits_hi);
+                            wl = _mm512_mask_add_epi8(wl, ml, wl, sixteen);
+                            wh = _mm512_mask_add_epi8(wh, mh, wh, sixteen);
+                        }
                         for r in 0..R {
                             let al = _mm512_set1_epi32(word_at(a[r].add(64 * i + 4 * t)));
                             let ah = _mm512_set1_epi32(word_at(a[r].add(64 * i + 32 + 4 * t)));
@@ -543,10 +615,14 @@ mod avx2 {
             unsafe {
                 match (p.ty, rows.len()) {
                     (_, 0) => {}
-                    (KType::Q4K, 1) => q4k::<1>(p, g, h, rows, out),
-                    (KType::Q4K, 2) => q4k::<2>(p, g, h, rows, out),
-                    (KType::Q4K, 3) => q4k::<3>(p, g, h, rows, out),
-                    (KType::Q4K, _) => q4k::<4>(p, g, h, rows, out),
+                    (KType::Q4K, 1) => q4k::<1, false>(p, g, h, rows, out),
+                    (KType::Q4K, 2) => q4k::<2, false>(p, g, h, rows, out),
+                    (KType::Q4K, 3) => q4k::<3, false>(p, g, h, rows, out),
+                    (KType::Q4K, _) => q4k::<4, false>(p, g, h, rows, out),
+                    (KType::Q5K, 1) => q4k::<1, true>(p, g, h, rows, out),
+                    (KType::Q5K, 2) => q4k::<2, true>(p, g, h, rows, out),
+                    (KType::Q5K, 3) => q4k::<3, true>(p, g, h, rows, out),
+                    (KType::Q5K, _) => q4k::<4, true>(p, g, h, rows, out),
                     (KType::Q6K, 1) => q6k::<1>(p, g, h, rows, out),
                     (KType::Q6K, 2) => q6k::<2>(p, g, h, rows, out),
                     (KType::Q6K, 3) => q6k::<3>(p, g, h, rows, out),
@@ -566,6 +642,12 @@ mod avx2 {
         )
     }
 
+    /// The block's fifth bits (Q5_K).
+    #[inline(always)]
+    fn p_high(blk: &super::Block<'_>) -> *const u8 {
+        blk.high.as_ptr()
+    }
+
     /// Q4_K, lanes `8h..8h + 8`: `vpmaddubsw` pair sums of nibbles and broadcast
     /// activation bytes, added in 16 bits over a sub-block's 8 steps (no overflow:
     /// 8·2·15·128 < 2¹⁵), then `vpmaddwd` with the lane's scale in both halves.
@@ -573,7 +655,7 @@ mod avx2 {
     /// # Safety
     /// As [`group`].
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn q4k<const R: usize>(
+    unsafe fn q4k<const R: usize, const FIVE: bool>(
         p: &KPacked,
         g: usize,
         h: usize,
@@ -581,6 +663,8 @@ mod avx2 {
         out: &mut [f32],
     ) {
         let low = _mm256_set1_epi8(0x0F);
+        // Q5_K's 5-bit values: pair sums up to 2·31·128, so at most 4 steps fit in 16 bits.
+        let flush = if FIVE { 4 } else { 8 };
         let mut acc = [_mm256_setzero_ps(); R];
         for b in 0..p.nb {
             let blk = p.block(g, b);
@@ -594,26 +678,41 @@ mod avx2 {
                 // Sub-block j: chunk j / 2, the low nibbles for even j, the high for odd
                 // (one nibble half at a time: 16 registers hold four rows' sums then).
                 let (i, shift) = (j / 2, 4 * (j % 2) as i32);
+                // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
+                let s = doubled(_mm256_cvtepu8_epi32(unsafe {
+                    _mm_loadl_epi64(small.add(j * LANES + 8 * h).cast())
+                }));
+                // Q5_K: byte k of a lane tests the fifth bit of value k of this nibble half.
+                let bits = _mm256_set1_epi32(0x0804_0201 << shift);
                 let mut sum16 = [_mm256_setzero_si256(); R];
                 for t in 0..8 {
                     // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
                     // them; the activation words lie within the row's super-block.
                     unsafe {
                         let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
-                        let w =
+                        let mut w =
                             _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
+                        if FIVE {
+                            // The lanes' fifth-bit bytes of step (i, t) (8 of the block's
+                            // 512 from lane 8h), each in all four of its lane's bytes.
+                            let hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                p_high(&blk).add((i * 8 + t) * LANES + 8 * h).cast(),
+                            ));
+                            let hb = _mm256_mullo_epi32(hb, _mm256_set1_epi32(0x0101_0101));
+                            let set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bits), bits);
+                            w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                        }
                         for r in 0..R {
                             let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
                             sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(w, x));
                         }
                     }
-                }
-                // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
-                let s = doubled(_mm256_cvtepu8_epi32(unsafe {
-                    _mm_loadl_epi64(small.add(j * LANES + 8 * h).cast())
-                }));
-                for r in 0..R {
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
+                    if (t + 1) % flush == 0 {
+                        for r in 0..R {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
+                            sum16[r] = _mm256_setzero_si256();
+                        }
+                    }
                 }
             }
             let mut msum = [_mm256_setzero_si256(); R];
@@ -741,6 +840,7 @@ mod tests {
     fn extreme_weight(ty: KType, out: usize, nb: usize) -> Vec<u8> {
         let dtype = match ty {
             KType::Q4K => GgmlDType::Q4K,
+            KType::Q5K => GgmlDType::Q5K,
             KType::Q6K => GgmlDType::Q6K,
         };
         let w = Tensor::randn(0f32, 1.0, (out, nb * QK_K), &Device::Cpu).unwrap();
@@ -752,6 +852,8 @@ mod tests {
         let bb = ty.block_bytes();
         let (quants, scales) = match ty {
             KType::Q4K => (16..144, 4..16),
+            // Fifth bits and nibbles.
+            KType::Q5K => (16..176, 4..16),
             KType::Q6K => (0..192, 192..208),
         };
         let row0 = &mut data[..bb];
@@ -760,14 +862,14 @@ mod tests {
         }
         for (i, s) in row0[scales.clone()].iter_mut().enumerate() {
             *s = match ty {
-                KType::Q4K => [0xFF, 0x00, 0xFF, 0x01][i % 4],
+                KType::Q4K | KType::Q5K => [0xFF, 0x00, 0xFF, 0x01][i % 4],
                 KType::Q6K => [0x7F, 0x80, 0x7F, 0x01][i % 4],
             };
         }
         let row1 = &mut data[nb * bb..nb * bb + bb];
         row1[quants].fill(0xFF);
         row1[scales].fill(match ty {
-            KType::Q4K => 0xFF,
+            KType::Q4K | KType::Q5K => 0xFF,
             KType::Q6K => 0x80,
         });
         data
@@ -787,7 +889,7 @@ mod tests {
         if !avx512 {
             eprintln!("AVX-512 kernels skipped: this CPU has no AVX-512 VNNI");
         }
-        for ty in [KType::Q4K, KType::Q6K] {
+        for ty in [KType::Q4K, KType::Q5K, KType::Q6K] {
             for nb in [1, 2, 3, 5] {
                 let out = 20;
                 let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
@@ -838,7 +940,7 @@ mod tests {
     /// then the shared float step.
     #[test]
     fn scalar_group_kernel_is_the_definition() {
-        for ty in [KType::Q4K, KType::Q6K] {
+        for ty in [KType::Q4K, KType::Q5K, KType::Q6K] {
             let (out, nb) = (18, 2);
             let data = extreme_weight(ty, out, nb);
             let packed = KPacked::pack(ty, &data, out, nb);
@@ -856,13 +958,21 @@ mod tests {
                         let a = &row.qs[b * QK_K..(b + 1) * QK_K];
                         let sums = &row.sums[b * K_SUMS..(b + 1) * K_SUMS];
                         match ty {
-                            KType::Q4K => {
+                            KType::Q4K | KType::Q5K => {
                                 let sub = unpack_q4k_scales(block[4..16].try_into().unwrap());
                                 let (mut isum, mut msum) = (0i64, 0i64);
+                                // ggml's dequantize_row_q5_K: value l of chunk c takes bit
+                                // 2c (low nibble) or 2c + 1 (high) of fifth-bit byte l.
+                                let five = ty == KType::Q5K;
+                                let nibbles = if five { 48 } else { 16 };
                                 for (v, &av) in a.iter().enumerate() {
                                     let (chunk, within) = (v / 64, v % 64);
-                                    let byte = block[16 + 32 * chunk + within % 32];
-                                    let q = if within < 32 { byte & 0x0F } else { byte >> 4 };
+                                    let byte = block[nibbles + 32 * chunk + within % 32];
+                                    let mut q = if within < 32 { byte & 0x0F } else { byte >> 4 };
+                                    if five {
+                                        let bit = 2 * chunk + usize::from(within >= 32);
+                                        q |= ((block[16 + within % 32] >> bit) & 1) << 4;
+                                    }
                                     isum += i64::from(sub[v / 32]) * i64::from(q) * i64::from(av);
                                 }
                                 for j in 0..8 {

@@ -16,7 +16,7 @@
 //! IQ4_NL and IQ4_XS are converted at load to the Q8_0 kernel ([`iq4`]): their 4-bit
 //! indices replaced by the codebook's signed bytes, one block per 32 values.
 //!
-//! The K-quants Q4_K and Q6_K (super-blocks of 256 with integer sub-block scales: what
+//! The K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256 with integer sub-block scales: what
 //! Q4_K_M files hold) are repacked sixteen rows at a time ([`kquant`]) and take
 //! activations quantized per 256 values with an f32 scale and the sum of every 16
 //! quants, as ggml's Q8_K. Within a super-block every sum is then an integer, exact in
@@ -114,6 +114,8 @@ pub enum QuantKind {
     /// Q4_K: super-blocks of 256 (`d`, `dmin`), 8 sub-blocks of 32 with 6-bit scales
     /// and minimums, 4-bit quants; activations as Q8_K.
     Q4K,
+    /// Q5_K: Q4_K with a fifth bit per quant; activations as Q8_K.
+    Q5K,
     /// Q6_K: super-blocks of 256 (`d`), 16 sub-blocks of 16 with 8-bit scales, 6-bit
     /// quants; activations as Q8_K.
     Q6K,
@@ -150,6 +152,7 @@ impl QuantKind {
             GgmlDType::Q5_1 => Some(Self::Q5_1),
             GgmlDType::Q8_0 => Some(Self::Q8_0),
             GgmlDType::Q4K => Some(Self::Q4K),
+            GgmlDType::Q5K => Some(Self::Q5K),
             GgmlDType::Q6K => Some(Self::Q6K),
             _ => None,
         }
@@ -161,7 +164,7 @@ impl QuantKind {
         match self {
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => QK,
             Self::Iq4Nl | Self::Iq4Xs => QK,
-            Self::Q4K | Self::Q6K => QK_K,
+            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
         }
     }
 
@@ -171,6 +174,7 @@ impl QuantKind {
             Self::Q4_0 | Self::Q4_1 => 16,
             Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Iq4Nl | Self::Iq4Xs => 32,
             Self::Q4K => 128,
+            Self::Q5K => 160,
             // 128 bytes of low 4 bits, then 64 of high 2 bits (the file's order).
             Self::Q6K => 192,
         }
@@ -181,7 +185,7 @@ impl QuantKind {
             Self::Q4_1 => ActFormat::Q8_1,
             Self::Q5_1 => ActFormat::Q8_1Exact,
             Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::Iq4Nl | Self::Iq4Xs => ActFormat::Q8_0,
-            Self::Q4K | Self::Q6K => ActFormat::Q8K,
+            Self::Q4K | Self::Q5K | Self::Q6K => ActFormat::Q8K,
         }
     }
 }
@@ -264,6 +268,7 @@ impl FastLinear {
         }
         if let Some(ty) = match kind {
             QuantKind::Q4K => Some(KType::Q4K),
+            QuantKind::Q5K => Some(KType::Q5K),
             QuantKind::Q6K => Some(KType::Q6K),
             _ => None,
         } {
@@ -318,7 +323,7 @@ impl FastLinear {
                         mins.push(half_at(block, 2) + 16.0 * d);
                     }
                 }
-                QuantKind::Q4K | QuantKind::Q6K => unreachable!("packed above"),
+                QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => unreachable!("packed above"),
                 QuantKind::Iq4Nl | QuantKind::Iq4Xs => unreachable!("no candle type"),
             }
         }
@@ -853,6 +858,7 @@ mod tests {
             (GgmlDType::Q5_1, 64),
             (GgmlDType::Q8_0, 64),
             (GgmlDType::Q4K, 512),
+            (GgmlDType::Q5K, 512),
             (GgmlDType::Q6K, 512),
         ] {
             let w = Tensor::randn(0f32, 1.0, (8, width), &device).unwrap();
@@ -950,7 +956,7 @@ mod tests {
         }
     }
 
-    const K_KINDS: [GgmlDType; 2] = [GgmlDType::Q4K, GgmlDType::Q6K];
+    const K_KINDS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
 
     /// Kernel against `x'·Wᵀ` summed in f64, `W` dequantized by candle and `x'` the
     /// activations after their 8-bit quantization: the same numbers summed in another
