@@ -8,17 +8,21 @@
 //! `d·(ls − 32)` (an f16 times a 6-bit integer: exact in f32, and the very float
 //! ggml's `dequantize_row_iq4_xs` computes). Dequantized values are therefore ggml's.
 //!
-//! Activations are quantized to Q8_0 (an f16 scale per 32 values) for both. For IQ4_NL
-//! each block's `Σ q_w·q_a` is then the integer ggml's `ggml_vec_dot_iq4_nl_q8_0` sums.
-//! ggml takes Q8_K activations for IQ4_XS (one scale per 256); with those, SmolLM2's
-//! log-probabilities moved 0.2–0.3 nats from both the f32 model's and llama.cpp's, where
-//! Q8_0's stayed within 0.1 of them, so IQ4_XS takes Q8_0's finer scales too (issue 21).
+//! Activations are quantized as ggml quantizes them for each type: Q8_0 (an f16 scale
+//! per 32) for IQ4_NL, Q8_K (one f32 scale per 256) for IQ4_XS, held per block of 32
+//! with the scale repeated ([`quantize_row_k_in_32`]). Every block's `Σ q_w·q_a` is then
+//! the integer ggml's `ggml_vec_dot_iq4_nl_q8_0` / `ggml_vec_dot_iq4_xs_q8_K` sums; only
+//! the order of the float steps differs. Q8_K is coarser than Q8_0, but it is what
+//! llama.cpp computes: on SmolLM2-135M IQ4_XS, 525 next-token log-probabilities
+//! (`tests/llamacpp`, `prompt_logprobs_match_llama_cpp`) differ from llama.cpp's by 0.137
+//! nats on average with Q8_K for IQ4_XS and 0.149 with Q8_0 (llama.cpp differs from
+//! itself, flash attention off and an f32 cache, by 0.125).
 //!
 //! The weight takes twice the memory of the file's 4.25 bits per value.
 
 use half::f16;
 
-use super::{FastLinear, QK, QuantKind};
+use super::{ActRow, FastLinear, QK, QK_K, QuantKind, quantize_row_k};
 use crate::error::{ModelError, Result};
 use crate::gguf::{RawTensor, RawType};
 
@@ -40,6 +44,23 @@ fn push_values(nibbles: &[u8], quants: &mut Vec<u8>) {
             .iter()
             .map(|&b| KVALUES_IQ4NL[usize::from(b >> 4)] as u8),
     );
+}
+
+/// ggml's Q8_K activations (one f32 scale per 256 values) in the form the blocks-of-32
+/// kernels read: each block of 32 with its super-block's scale and its own sum.
+pub(super) fn quantize_row_k_in_32(x: &[f32]) -> ActRow {
+    let k = quantize_row_k(x);
+    ActRow {
+        d: k.d.iter().flat_map(|&d| [d; QK_K / QK]).collect(),
+        isums: k
+            .qs
+            .chunks_exact(QK)
+            .map(|b| b.iter().map(|&q| i32::from(q)).sum())
+            .collect(),
+        qs: k.qs,
+        s: Vec::new(),
+        sums: Vec::new(),
+    }
 }
 
 impl FastLinear {
@@ -146,7 +167,8 @@ mod tests {
     }
 
     /// Each output equals the product of ggml's dequantized weight with the activations
-    /// after their 8-bit quantization (Q8_0), to float rounding. One to six activation rows; 5 and 20 weight rows (a group of
+    /// after the 8-bit quantization ggml gives them (Q8_0 for IQ4_NL, Q8_K for IQ4_XS),
+    /// to float rounding. One to six activation rows; 5 and 20 weight rows (a group of
     /// 16 with padding, and a second group); one and three super-blocks per row.
     #[test]
     fn product_is_the_dequantized_weight_times_the_quantized_activations() {
@@ -168,12 +190,16 @@ mod tests {
                         .to_vec1()
                         .unwrap();
                     for (r, xr) in xs.chunks_exact(k).enumerate() {
-                        let act = quantize_row(xr, Sums::None);
+                        // ggml's activation blocks for each type.
+                        let (act, block) = match ty {
+                            RawType::Iq4Nl => (quantize_row(xr, Sums::None), QK),
+                            RawType::Iq4Xs => (quantize_row_k(xr), QK_K),
+                        };
                         for (o, wr) in weights.chunks_exact(k).enumerate() {
                             let (exact, size) =
                                 wr.iter().enumerate().fold((0f64, 0f64), |(s, a), (i, &w)| {
                                     let p = f64::from(w)
-                                        * f64::from(act.d[i / QK])
+                                        * f64::from(act.d[i / block])
                                         * f64::from(act.qs[i]);
                                     (s + p, a + p.abs())
                                 });

@@ -140,6 +140,9 @@ enum ActFormat {
     Q8_0,
     /// Blocks of 256, f32 scale, sums of 16.
     Q8K,
+    /// Q8_K's quants and scales held per block of 32 (the scale repeated, the block's
+    /// sum), for IQ4_XS on the Q8_0 kernel: ggml's IQ4_XS × Q8_K integers ([`iq4`]).
+    Q8KIn32,
 }
 
 impl QuantKind {
@@ -184,7 +187,8 @@ impl QuantKind {
         match self {
             Self::Q4_1 => ActFormat::Q8_1,
             Self::Q5_1 => ActFormat::Q8_1Exact,
-            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::Iq4Nl | Self::Iq4Xs => ActFormat::Q8_0,
+            Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::Iq4Nl => ActFormat::Q8_0,
+            Self::Iq4Xs => ActFormat::Q8KIn32,
             Self::Q4K | Self::Q5K | Self::Q6K => ActFormat::Q8K,
         }
     }
@@ -441,6 +445,7 @@ impl FastLinear {
                 ActFormat::Q8_1Exact => quantize_row(r, Sums::Exact),
                 ActFormat::Q8_0 => quantize_row(r, Sums::None),
                 ActFormat::Q8K => quantize_row_k(r),
+                ActFormat::Q8KIn32 => iq4::quantize_row_k_in_32(r),
             })
             .collect()
     }
