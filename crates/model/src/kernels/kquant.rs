@@ -23,9 +23,15 @@
 //!   `64i + 4t..` (sub-block `2i`), high nibbles values `64i + 32 + 4t..` (sub-block
 //!   `2i + 1`). `small[gs·256..]`: the 8 scales as `[j][lane]`, then the 8 minimums as
 //!   `[pair p: 4][lane][2]` (minimums `2p`, `2p + 1`). `d`, `dmin`: `[gs·16 + lane]`.
-//! - Q6_K: `quants[gs·4096..]` as `[group of 16 values g: 16][step t: 4][lane][4 bytes]`,
-//!   each byte one value's unsigned 6 bits (the weight plus 32). `small[gs·256..]`: the
-//!   16 signed scales as `[g][lane]`. `d`: `[gs·16 + lane]`.
+//! - Q5_K: Q4_K's, plus `high[gs·512..]` as `[chunk i][step t][lane]`, one byte of fifth
+//!   bits each (bit `k` for the low nibble's value `k`, bit `4 + k` for the high one's).
+//! - Q6_K (212 bytes per row and super-block, the file's 210 plus f32 `d`):
+//!   `quants[gs·2048..]` as `[step s = 4·g8 + t: 32][lane][4 bytes]`, low nibbles the
+//!   low 4 bits of values `16·g8 + 4t..` (group `g8`), high nibbles those of group
+//!   `g8 + 8`; `high[gs·1024..]` as `[step][lane][2 bytes]`, the top two bits of the
+//!   four low-nibble values (bits `2k..2k + 2` of the first byte) and of the four
+//!   high-nibble values (the second). `small[gs·256..]`: the 16 signed scales as
+//!   `[g][lane]`. `d`: `[gs·16 + lane]`. The weight is the unsigned 6 bits minus 32.
 
 use half::f16;
 
@@ -35,11 +41,13 @@ use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scal
 pub(super) const LANES: usize = 16;
 /// Bytes of quants per group and super-block.
 const Q4K_QUANTS: usize = 128 * LANES;
-const Q6K_QUANTS: usize = QK_K * LANES;
+const Q6K_QUANTS: usize = 128 * LANES;
 /// Bytes of scales (and minimums) per group and super-block.
 const SMALL: usize = 16 * LANES;
 /// Bytes of Q5_K's fifth bits per group and super-block.
 const HIGH: usize = 32 * LANES;
+/// Bytes of Q6_K's top two bits per group and super-block.
+const HIGH6: usize = 64 * LANES;
 
 /// Which K-quant a [`KPacked`] holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,10 +120,10 @@ impl KPacked {
             } else {
                 vec![0.0; slots * LANES]
             },
-            high: if ty == KType::Q5K {
-                vec![0; slots * HIGH]
-            } else {
-                Vec::new()
+            high: match ty {
+                KType::Q4K => Vec::new(),
+                KType::Q5K => vec![0; slots * HIGH],
+                KType::Q6K => vec![0; slots * HIGH6],
             },
         };
         let half_at =
@@ -173,10 +181,14 @@ impl KPacked {
                         }
                         let (low, high) = block[..192].split_at(128);
                         for g16 in 0..16 {
+                            let hi = usize::from(g16 >= 8);
                             for t in 0..4 {
-                                let at = ((g16 * 4 + t) * LANES + lane) * 4;
+                                let step = (g16 % 8) * 4 + t;
                                 for k in 0..4 {
-                                    q[at + k] = q6k_value(low, high, 16 * g16 + 4 * t + k);
+                                    let v = q6k_value(low, high, 16 * g16 + 4 * t + k);
+                                    q[(step * LANES + lane) * 4 + k] |= (v & 0x0F) << (4 * hi);
+                                    p.high[gs * HIGH6 + (step * LANES + lane) * 2 + hi] |=
+                                        (v >> 4) << (2 * k);
                                 }
                             }
                         }
@@ -199,10 +211,10 @@ impl KPacked {
             } else {
                 &self.dmin[gs * LANES..(gs + 1) * LANES]
             },
-            high: if self.high.is_empty() {
-                &[]
-            } else {
-                &self.high[gs * HIGH..(gs + 1) * HIGH]
+            high: match self.ty {
+                KType::Q4K => &[],
+                KType::Q5K => &self.high[gs * HIGH..(gs + 1) * HIGH],
+                KType::Q6K => &self.high[gs * HIGH6..(gs + 1) * HIGH6],
             },
         }
     }
@@ -217,6 +229,17 @@ impl KPacked {
         }
         let bit = (blk.high[(i * 8 + t) * LANES + lane] >> (k + 4 * usize::from(hi))) & 1;
         nibble | (bit << 4)
+    }
+
+    /// Value `16·g16 + 4t + k` of lane `lane` in a Q6_K block, unsigned 6 bits: the
+    /// nibble (low for groups 0–7, high for 8–15 of step `(g16 mod 8, t)`) and the top
+    /// two bits.
+    fn q6_value(blk: &Block<'_>, lane: usize, (g16, t, k): (usize, usize, usize)) -> u8 {
+        let (step, hi) = ((g16 % 8) * 4 + t, usize::from(g16 >= 8));
+        let byte = blk.quants[(step * LANES + lane) * 4 + k];
+        let nibble = (byte >> (4 * hi)) & 0x0F;
+        let top = (blk.high[(step * LANES + lane) * 2 + hi] >> (2 * k)) & 3;
+        nibble | (top << 4)
     }
 
     /// Row `o`'s super-block `b` as f32 (ggml's dequantization arithmetic), appended.
@@ -248,7 +271,7 @@ impl KPacked {
                     let scale = f32::from(blk.small[g16 * LANES + lane] as i8);
                     for t in 0..4 {
                         for k in 0..4 {
-                            let q = blk.quants[((g16 * 4 + t) * LANES + lane) * 4 + k];
+                            let q = Self::q6_value(&blk, lane, (g16, t, k));
                             values[16 * g16 + 4 * t + k] = d * scale * (i32::from(q) - 32) as f32;
                         }
                     }
@@ -346,7 +369,7 @@ impl KPacked {
                 let mut dot = 0i32;
                 for t in 0..4 {
                     for k in 0..4 {
-                        let q = blk.quants[((g16 * 4 + t) * LANES + lane) * 4 + k];
+                        let q = Self::q6_value(&blk, lane, (g16, t, k));
                         dot += i32::from(q) * i32::from(a[16 * g16 + 4 * t + k]);
                     }
                 }
@@ -533,6 +556,44 @@ mod avx512 {
         }
     }
 
+    /// `_mm512_shuffle_epi8` indices: `base`'s bytes offset by each lane's first byte
+    /// within its 128-bit half (0, 4, 8, 12).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn lane_bytes(base: __m512i) -> __m512i {
+        _mm512_add_epi8(
+            base,
+            _mm512_set_epi32(
+                12 * 0x0101_0101,
+                8 * 0x0101_0101,
+                4 * 0x0101_0101,
+                0,
+                12 * 0x0101_0101,
+                8 * 0x0101_0101,
+                4 * 0x0101_0101,
+                0,
+                12 * 0x0101_0101,
+                8 * 0x0101_0101,
+                4 * 0x0101_0101,
+                0,
+                12 * 0x0101_0101,
+                8 * 0x0101_0101,
+                4 * 0x0101_0101,
+                0,
+            ),
+        )
+    }
+
+    /// Nibbles plus 16 and 32 where byte k's top-bit byte has bit 2k and 2k + 1 set.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    fn six_bits(nibbles: __m512i, top: __m512i) -> __m512i {
+        let b0 = _mm512_test_epi8_mask(top, _mm512_set1_epi32(0x4010_0401));
+        let b1 = _mm512_test_epi8_mask(top, _mm512_set1_epi32(0x8020_0802u32 as i32));
+        let x = _mm512_mask_add_epi8(nibbles, b0, nibbles, _mm512_set1_epi8(16));
+        _mm512_mask_add_epi8(x, b1, x, _mm512_set1_epi8(32))
+    }
+
     /// Q6_K: per 16-value group, `vpdpbusd` of the unsigned 6-bit weights (no overflow),
     /// the −32 offset taken off with the group's activation sum, times the lane's scale.
     ///
@@ -540,6 +601,11 @@ mod avx512 {
     /// As [`group`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        let low = _mm512_set1_epi8(0x0F);
+        // The lane's top-bit byte for the low (high) nibbles in all four of its bytes.
+        let spread_lo = _mm512_set1_epi32(0);
+        let spread_hi = _mm512_set1_epi32(0x0101_0101);
+        let (spread_lo, spread_hi) = (lane_bytes(spread_lo), lane_bytes(spread_hi));
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..p.nb {
             let blk = p.block(g, b);
@@ -549,31 +615,51 @@ mod avx512 {
             let a: [*const i8; R] =
                 std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [_mm512_setzero_si512(); R];
-            for g16 in 0..16 {
-                // With one or two rows, even and odd steps in separate accumulators
-                // (independent chains).
-                let chains = if R <= 2 { 2 } else { 1 };
-                let mut dot = [[_mm512_setzero_si512(); R]; 2];
+            let hp = blk.high.as_ptr();
+            for g8 in 0..8 {
+                // Groups g8 (low nibbles) and g8 + 8 (high nibbles) of steps (g8, t).
+                let mut lo = [_mm512_setzero_si512(); R];
+                let mut hi = [_mm512_setzero_si512(); R];
                 for t in 0..4 {
-                    // SAFETY: 256·16 bytes per block: step (g16, t) is 64 of them; the
-                    // activation words lie within the row's super-block.
+                    let step = g8 * 4 + t;
+                    // SAFETY: step's 64 of the block's 2048 nibble bytes and 32 of its
+                    // 1024 top-bit bytes; the activation words lie within the row's
+                    // super-block.
                     unsafe {
-                        let w = _mm512_loadu_si512(q.add((g16 * 4 + t) * 64).cast());
+                        let w = _mm512_loadu_si512(q.add(step * 64).cast());
+                        let top =
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256(hp.add(step * 32).cast()));
+                        let wl = six_bits(
+                            _mm512_and_si512(w, low),
+                            _mm512_shuffle_epi8(top, spread_lo),
+                        );
+                        let wh = six_bits(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(w), low),
+                            _mm512_shuffle_epi8(top, spread_hi),
+                        );
                         for r in 0..R {
-                            let x = _mm512_set1_epi32(word_at(a[r].add(16 * g16 + 4 * t)));
-                            let c = t % chains;
-                            dot[c][r] = _mm512_dpbusd_epi32(dot[c][r], w, x);
+                            let xl = _mm512_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
+                            let xh = _mm512_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
+                            lo[r] = _mm512_dpbusd_epi32(lo[r], wl, xl);
+                            hi[r] = _mm512_dpbusd_epi32(hi[r], wh, xh);
                         }
                     }
                 }
-                let dot: [__m512i; R] =
-                    std::array::from_fn(|r| _mm512_add_epi32(dot[0][r], dot[1][r]));
-                // SAFETY: scale g16, 16 bytes within the 256.
-                let s =
-                    unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(g16 * LANES).cast())) };
+                // SAFETY: scales g8 and g8 + 8, 16 bytes each within the 256.
+                let (sl, sh) = unsafe {
+                    (
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(g8 * LANES).cast())),
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add((g8 + 8) * LANES).cast())),
+                    )
+                };
                 for r in 0..R {
-                    let offset = _mm512_set1_epi32(32 * i32::from(rows[r].sums[b * K_SUMS + g16]));
-                    let x = _mm512_mullo_epi32(_mm512_sub_epi32(dot[r], offset), s);
+                    let sums = &rows[r].sums[b * K_SUMS..];
+                    let ol = _mm512_set1_epi32(32 * i32::from(sums[g8]));
+                    let oh = _mm512_set1_epi32(32 * i32::from(sums[g8 + 8]));
+                    let x = _mm512_add_epi32(
+                        _mm512_mullo_epi32(_mm512_sub_epi32(lo[r], ol), sl),
+                        _mm512_mullo_epi32(_mm512_sub_epi32(hi[r], oh), sh),
+                    );
                     isum[r] = _mm512_add_epi32(isum[r], x);
                 }
             }
@@ -640,6 +726,19 @@ mod avx2 {
             _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)),
             _mm256_slli_epi32::<16>(x),
         )
+    }
+
+    /// Nibbles plus 16 and 32 where byte k's top-bit byte has bit 2k and 2k + 1 set.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn six_bits(nibbles: __m256i, top: __m256i) -> __m256i {
+        let bit = |pattern: i32, add: i8| {
+            let p = _mm256_set1_epi32(pattern);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(top, p), p);
+            _mm256_and_si256(set, _mm256_set1_epi8(add))
+        };
+        let x = _mm256_add_epi8(nibbles, bit(0x4010_0401, 16));
+        _mm256_add_epi8(x, bit(0x8020_0802u32 as i32, 32))
     }
 
     /// The block's fifth bits (Q5_K).
@@ -766,6 +865,12 @@ mod avx2 {
         rows: &[ActRow],
         out: &mut [f32],
     ) {
+        let low = _mm256_set1_epi8(0x0F);
+        let spread_lo = _mm256_setr_epi8(
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
+            12, 12, 12, 12,
+        );
+        let spread_hi = _mm256_add_epi8(spread_lo, _mm256_set1_epi8(1));
         let mut acc = [_mm256_setzero_ps(); R];
         for b in 0..p.nb {
             let blk = p.block(g, b);
@@ -776,36 +881,66 @@ mod avx2 {
                 std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [_mm256_setzero_si256(); R];
             let mut offset = [_mm256_setzero_si256(); R];
-            for g16 in 0..16 {
-                // SAFETY: scale g16 of lanes 8h..8h + 8, within the 256.
-                let s = doubled(_mm256_cvtepi8_epi32(unsafe {
-                    _mm_loadl_epi64(small.add(g16 * LANES + 8 * h).cast())
-                }));
+            let hp = blk.high.as_ptr();
+            for g8 in 0..8 {
+                // SAFETY: scales g8 and g8 + 8 of lanes 8h..8h + 8, within the 256.
+                let (sl, sh) = unsafe {
+                    (
+                        doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            small.add(g8 * LANES + 8 * h).cast(),
+                        ))),
+                        doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            small.add((g8 + 8) * LANES + 8 * h).cast(),
+                        ))),
+                    )
+                };
                 for half in 0..2 {
-                    // SAFETY: steps (g16, 2·half) and (g16, 2·half + 1), 64 bytes each of
-                    // the block's 4096; half h is 32.
-                    let (w0, w1) = unsafe {
-                        let at = q.add((g16 * 4 + 2 * half) * 64 + 32 * h);
-                        (
-                            _mm256_loadu_si256(at.cast()),
-                            _mm256_loadu_si256(at.add(64).cast()),
-                        )
-                    };
+                    // Two steps summed in 16 bits (no overflow: 2·2·63·128 < 2¹⁵).
+                    let mut lo = [_mm256_setzero_si256(); R];
+                    let mut hi = [_mm256_setzero_si256(); R];
+                    for t in 2 * half..2 * half + 2 {
+                        let step = g8 * 4 + t;
+                        // SAFETY: step's 64 nibble bytes (half h: 32) and 32 top-bit bytes
+                        // (half h: 16); the activation words lie within the row's block.
+                        unsafe {
+                            let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
+                            let top = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                hp.add(step * 32 + 16 * h).cast(),
+                            ));
+                            let wl = six_bits(
+                                _mm256_and_si256(w, low),
+                                _mm256_shuffle_epi8(top, spread_lo),
+                            );
+                            let wh = six_bits(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                                _mm256_shuffle_epi8(top, spread_hi),
+                            );
+                            for r in 0..R {
+                                let xl = _mm256_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
+                                let xh =
+                                    _mm256_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
+                                lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
+                                hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xh));
+                            }
+                        }
+                    }
                     for r in 0..R {
-                        let t = 16 * g16 + 8 * half;
-                        // SAFETY: the activation words lie within the row's super-block.
-                        let (x0, x1) = unsafe { (word_at(a[r].add(t)), word_at(a[r].add(t + 4))) };
-                        let x = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
-                            _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)),
+                        let x = _mm256_add_epi32(
+                            _mm256_madd_epi16(lo[r], sl),
+                            _mm256_madd_epi16(hi[r], sh),
                         );
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(x, s));
+                        isum[r] = _mm256_add_epi32(isum[r], x);
                     }
                 }
                 for r in 0..R {
                     // scale·Σ q_a in 32 bits: the sum in the low half, 0 in the high.
-                    let sum = _mm256_set1_epi32(pair(i32::from(rows[r].sums[b * K_SUMS + g16]), 0));
-                    offset[r] = _mm256_add_epi32(offset[r], _mm256_madd_epi16(s, sum));
+                    let sums = &rows[r].sums[b * K_SUMS..];
+                    let (ol, oh) = (
+                        _mm256_set1_epi32(pair(i32::from(sums[g8]), 0)),
+                        _mm256_set1_epi32(pair(i32::from(sums[g8 + 8]), 0)),
+                    );
+                    let x = _mm256_add_epi32(_mm256_madd_epi16(sl, ol), _mm256_madd_epi16(sh, oh));
+                    offset[r] = _mm256_add_epi32(offset[r], x);
                 }
             }
             // SAFETY: 8 f32 values from lane 8h.
