@@ -1,10 +1,11 @@
-//! IQ4_NL and IQ4_XS weights on the Q8_0 kernel.
+//! IQ4_NL and IQ4_XS weights on the blocks-of-32 kernels' codebook form.
 //!
 //! Both types store 4-bit indices into one non-uniform codebook of 16 signed integers,
-//! each of which fits a signed byte. Replacing every index by its codebook value gives
-//! a Q8_0 block (`x = d·q`, 32 signed bytes) with the very integers ggml's IQ4 dot
-//! products multiply, so no new SIMD is needed: an IQ4_NL block keeps its scale `d`, and
-//! each 32-value sub-block of an IQ4_XS super-block becomes a block with scale
+//! each of which fits a signed byte. The kernels keep the indices (4 bits per value, as
+//! in the file) and look the integers up in registers (`vpshufb`), so each block's
+//! product is the very integer ggml's IQ4 dot products compute: an IQ4_NL block keeps
+//! its scale `d`, and each 32-value sub-block of an IQ4_XS super-block becomes a block
+//! with scale
 //! `d·(ls − 32)` (an f16 times a 6-bit integer: exact in f32, and the very float
 //! ggml's `dequantize_row_iq4_xs` computes). Dequantized values are therefore ggml's.
 //!
@@ -18,7 +19,8 @@
 //! nats on average with Q8_K for IQ4_XS and 0.149 with Q8_0 (llama.cpp differs from
 //! itself, flash attention off and an f32 cache, by 0.125).
 //!
-//! The weight takes twice the memory of the file's 4.25 bits per value.
+//! The weight takes 5 bits per value (4-bit indices and an f32 scale per 32), against
+//! the file's 4.5 (IQ4_NL) and 4.25 (IQ4_XS).
 
 use half::f16;
 
@@ -26,24 +28,10 @@ use super::{ActRow, FastLinear, QK, QK_K, QuantKind, quantize_row_k};
 use crate::error::{ModelError, Result};
 use crate::gguf::{RawTensor, RawType};
 
-/// ggml's `kvalues_iq4nl`.
-const KVALUES_IQ4NL: [i8; 16] = [
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-];
-
-/// Appends the 32 codebook values of 16 bytes of indices: value j is the low nibble of
-/// byte j, value j + 16 its high nibble.
+/// Appends a block's 16 bytes of indices (value j the low nibble of byte j, value
+/// j + 16 its high nibble: the kernels' nibble layout).
 fn push_values(nibbles: &[u8], quants: &mut Vec<u8>) {
-    quants.extend(
-        nibbles
-            .iter()
-            .map(|&b| KVALUES_IQ4NL[usize::from(b & 0x0F)] as u8),
-    );
-    quants.extend(
-        nibbles
-            .iter()
-            .map(|&b| KVALUES_IQ4NL[usize::from(b >> 4)] as u8),
-    );
+    quants.extend_from_slice(nibbles);
 }
 
 /// ggml's Q8_K activations (one f32 scale per 256 values) in the form the blocks-of-32
@@ -87,7 +75,7 @@ impl FastLinear {
             return Err(bad(format!("{} bytes for {blocks} blocks", t.data.len())));
         }
         let kernel_blocks = out_features * in_features / QK;
-        let mut quants = Vec::with_capacity(kernel_blocks * QK);
+        let mut quants = Vec::with_capacity(kernel_blocks * QK / 2);
         let mut scales = Vec::with_capacity(kernel_blocks);
         let half_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
         for block in t.data.chunks_exact(block_bytes) {

@@ -354,6 +354,7 @@ impl FastLinear {
         let form = match kind {
             QuantKind::Q4_0 => Form::Nibbles { offset: 8 },
             QuantKind::Q4_1 => Form::Nibbles { offset: 0 },
+            QuantKind::Iq4Nl | QuantKind::Iq4Xs => Form::Codebook,
             _ => Form::Bytes,
         };
         let nb = in_features / QK;

@@ -32,14 +32,21 @@ pub(super) enum Form {
     Nibbles {
         offset: i32,
     },
+    /// 4-bit indices into IQ4_NL's codebook of signed bytes ([`CODEBOOK`]).
+    Codebook,
     Bytes,
 }
+
+/// ggml's `kvalues_iq4nl`: the integers IQ4_NL and IQ4_XS indices stand for.
+pub(super) const CODEBOOK: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 impl Form {
     /// Bytes of quants per row and block, as the per-row arrays hold them.
     pub(super) fn row_bytes(self) -> usize {
         match self {
-            Self::Nibbles { .. } => QK / 2,
+            Self::Nibbles { .. } | Self::Codebook => QK / 2,
             Self::Bytes => QK,
         }
     }
@@ -135,6 +142,12 @@ impl Packed32 {
                 let (t, k) = ((j % 16) / 4, j % 4);
                 let byte = blk.quants[(t * LANES + lane) * 4 + k];
                 i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 }) - offset
+            }
+            Form::Codebook => {
+                let (t, k) = ((j % 16) / 4, j % 4);
+                let byte = blk.quants[(t * LANES + lane) * 4 + k];
+                let index = if j < 16 { byte & 0x0F } else { byte >> 4 };
+                i32::from(CODEBOOK[usize::from(index)])
             }
             Form::Bytes => {
                 let (t, k) = (j / 4, j % 4);
@@ -238,7 +251,7 @@ unsafe fn word_at(p: *const i8) -> i32 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{ActRow, Form, LANES, Packed32, QK, word_at};
+    use super::{ActRow, CODEBOOK, Form, LANES, Packed32, QK, word_at};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
@@ -267,6 +280,10 @@ mod avx512 {
     unsafe fn rows_n<const R: usize>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
         let low = _mm512_set1_epi8(0x0F);
         let flip = _mm512_set1_epi8(i8::MIN);
+        // The codebook plus 128 (unsigned bytes), in every 128-bit half.
+        let shifted = CODEBOOK.map(|v| (i16::from(v) + 128) as u8 as i8);
+        // SAFETY: 16 readable bytes.
+        let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(shifted.as_ptr().cast()) });
         let mut acc = [[_mm512_setzero_ps(); R]; 2];
         let has_min = p.has_min();
         for b in 0..p.nb {
@@ -298,6 +315,30 @@ mod avx512 {
                             let off = _mm512_set1_epi32(offset * rows[r].isums[b]);
                             isum[0][r] = _mm512_sub_epi32(isum[0][r], off);
                         }
+                    }
+                }
+                Form::Codebook => {
+                    for t in 0..4 {
+                        // SAFETY: step t is 64 of the block's 256 bytes; the activation
+                        // words lie within the row's block.
+                        unsafe {
+                            let w = _mm512_loadu_si512(q.add(t * 64).cast());
+                            let wl = _mm512_shuffle_epi8(table, _mm512_and_si512(w, low));
+                            let wh = _mm512_shuffle_epi8(
+                                table,
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(w), low),
+                            );
+                            for r in 0..R {
+                                let al = _mm512_set1_epi32(word_at(a[r].add(4 * t)));
+                                let ah = _mm512_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                isum[0][r] = _mm512_dpbusd_epi32(isum[0][r], wl, al);
+                                isum[1][r] = _mm512_dpbusd_epi32(isum[1][r], wh, ah);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        let offset = _mm512_set1_epi32(128 * rows[r].isums[b]);
+                        isum[0][r] = _mm512_sub_epi32(isum[0][r], offset);
                     }
                 }
                 Form::Bytes => {
@@ -353,7 +394,7 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{ActRow, Form, LANES, Packed32, QK, word_at};
+    use super::{ActRow, CODEBOOK, Form, LANES, Packed32, QK, word_at};
 
     /// # Safety
     /// The CPU must support AVX2 and FMA; otherwise as `avx512::group`.
@@ -389,6 +430,9 @@ mod avx2 {
     ) {
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
+        // SAFETY: 16 readable bytes.
+        let table =
+            _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
         let mut acc = [[_mm256_setzero_ps(); R]; 2];
         let has_min = p.has_min();
         for b in 0..p.nb {
@@ -422,6 +466,37 @@ mod avx2 {
                     for r in 0..R {
                         let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
                         isum[r] = _mm256_sub_epi32(_mm256_madd_epi16(sum16[r], ones), off);
+                    }
+                }
+                Form::Codebook => {
+                    for t in 0..4 {
+                        // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                        // them; the activation words lie within the row's block.
+                        unsafe {
+                            let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                            let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low));
+                            let wh = _mm256_shuffle_epi8(
+                                table,
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                            );
+                            let (absl, absh) = (_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(wh, wh));
+                            for r in 0..R {
+                                let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                // No pair overflows: 2·127·127 < 2¹⁵.
+                                let x = _mm256_add_epi32(
+                                    _mm256_madd_epi16(
+                                        _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
+                                        ones,
+                                    ),
+                                    _mm256_madd_epi16(
+                                        _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
+                                        ones,
+                                    ),
+                                );
+                                isum[r] = _mm256_add_epi32(isum[r], x);
+                            }
+                        }
                     }
                 }
                 Form::Bytes => {
@@ -481,6 +556,8 @@ mod tests {
         }
         quants[nb * rb..nb * rb + rb].fill(match form {
             Form::Nibbles { .. } => 0xFF,
+            // Index 0: −127.
+            Form::Codebook => 0x00,
             Form::Bytes => 0x80,
         });
         let d: Vec<f32> = (0..out * nb)
@@ -599,6 +676,12 @@ mod tests {
                                     }
                                     Form::Nibbles { offset } => {
                                         i32::from(bytes[j - 16] >> 4) - offset
+                                    }
+                                    Form::Codebook if j < 16 => {
+                                        i32::from(CODEBOOK[usize::from(bytes[j] & 0x0F)])
+                                    }
+                                    Form::Codebook => {
+                                        i32::from(CODEBOOK[usize::from(bytes[j - 16] >> 4)])
                                     }
                                     Form::Bytes => i32::from(bytes[j] as i8),
                                 }
