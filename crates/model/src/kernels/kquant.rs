@@ -199,6 +199,7 @@ impl KPacked {
         p
     }
 
+    #[inline(always)]
     fn block(&self, g: usize, b: usize) -> Block<'_> {
         let gs = g * self.nb + b;
         let qb = self.ty.quant_bytes();

@@ -120,6 +120,7 @@ impl Packed32 {
         !self.m.is_empty()
     }
 
+    #[inline(always)]
     fn block(&self, g: usize, b: usize) -> Block<'_> {
         let gb = g * self.nb + b;
         let qb = self.form.row_bytes() * LANES;
