@@ -118,6 +118,7 @@ impl FastLinear {
 mod tests {
     use candle_core::Tensor;
 
+    use super::super::tests::values;
     use super::super::{Packing, Sums, quantize_row};
     use super::*;
     use crate::gguf::tests::{ggml_dequantize, sample};
@@ -140,13 +141,7 @@ mod tests {
             assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v < 0.0));
             let fast = FastLinear::from_raw(&raw).unwrap();
             assert_eq!(fast.shape(), (out, inp));
-            let got: Vec<f32> = fast
-                .dequantize()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let got: Vec<f32> = values(&fast.dequantize().unwrap());
             assert_eq!(got, want, "{ty:?}");
             let rows = fast.rows(&[4, 1]);
             assert_eq!(rows[..inp], want[4 * inp..5 * inp], "{ty:?}");
@@ -169,14 +164,8 @@ mod tests {
                 let fast = FastLinear::from_raw(&raw).unwrap();
                 for n in [1, 4, 6] {
                     let x = Tensor::randn(0f32, 1.0, (n, k), &device).unwrap();
-                    let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-                    let got: Vec<f32> = fast
-                        .forward(&x)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
+                    let xs: Vec<f32> = values(&x);
+                    let got: Vec<f32> = values(&fast.forward(&x).unwrap());
                     for (r, xr) in xs.chunks_exact(k).enumerate() {
                         // ggml's activation blocks for each type.
                         let (act, block) = match ty {

@@ -818,6 +818,11 @@ mod tests {
 
     use super::*;
 
+    /// A tensor's values, flattened.
+    pub(super) fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
     /// Tolerance against candle's own (scalar) Q4_1×Q8_1 product: the arithmetic is the
     /// same up to rounding of the activation scale (f16) and summation order.
     const MAX_REL_ERROR: f32 = 2e-3;
@@ -831,20 +836,8 @@ mod tests {
         let reference = QMatMul::from_qtensor(q).unwrap();
         for n in [1, 3, 4, 7] {
             let x = Tensor::randn(0f32, 1.0, (n, 128), &device).unwrap();
-            let got: Vec<f32> = fast
-                .forward(&x)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let want: Vec<f32> = reference
-                .forward(&x)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let got: Vec<f32> = values(&fast.forward(&x).unwrap());
+            let want: Vec<f32> = values(&reference.forward(&x).unwrap());
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() <= MAX_REL_ERROR * scale, "n={n}: {g} vs {w}");
@@ -870,20 +863,8 @@ mod tests {
             let w = Tensor::randn(0f32, 1.0, (8, width), &device).unwrap();
             let q = QTensor::quantize(&w, dtype).unwrap();
             let fast = FastLinear::from_qtensor(&q).unwrap();
-            let ours: Vec<f32> = fast
-                .dequantize()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let theirs: Vec<f32> = q
-                .dequantize(&device)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let ours: Vec<f32> = values(&fast.dequantize().unwrap());
+            let theirs: Vec<f32> = values(&q.dequantize(&device).unwrap());
             if dtype == GgmlDType::Q5_1 {
                 // Held as `d·(q − 16) + (m + 16d)`: the minimum's sum is rounded once.
                 for (a, b) in ours.iter().zip(&theirs) {
@@ -922,24 +903,12 @@ mod tests {
                 let k = blocks * QK;
                 let w = Tensor::randn(0f32, 1.0, (out, k), &device).unwrap();
                 let q = QTensor::quantize(&w, dtype).unwrap();
-                let weights: Vec<f32> = q
-                    .dequantize(&device)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let weights: Vec<f32> = values(&q.dequantize(&device).unwrap());
                 let fast = FastLinear::from_qtensor(&q).unwrap();
                 for n in [1, 4, 6] {
                     let x = Tensor::randn(0f32, 1.0, (n, k), &device).unwrap();
-                    let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-                    let got: Vec<f32> = fast
-                        .forward(&x)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
+                    let xs: Vec<f32> = values(&x);
+                    let got: Vec<f32> = values(&fast.forward(&x).unwrap());
                     for (r, xr) in xs.chunks_exact(k).enumerate() {
                         let act = quantize_row(xr, Sums::None);
                         for (o, wr) in weights.chunks_exact(k).enumerate() {
@@ -982,24 +951,12 @@ mod tests {
                 let k = superblocks * QK_K;
                 let w = Tensor::randn(0f32, 1.0, (out, k), &device).unwrap();
                 let q = QTensor::quantize(&w, dtype).unwrap();
-                let weights: Vec<f32> = q
-                    .dequantize(&device)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let weights: Vec<f32> = values(&q.dequantize(&device).unwrap());
                 let fast = FastLinear::from_qtensor(&q).unwrap();
                 for n in [1, 3, 4, 6] {
                     let x = Tensor::randn(0f32, 1.0, (n, k), &device).unwrap();
-                    let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-                    let got: Vec<f32> = fast
-                        .forward(&x)
-                        .unwrap()
-                        .flatten_all()
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
+                    let xs: Vec<f32> = values(&x);
+                    let got: Vec<f32> = values(&fast.forward(&x).unwrap());
                     for (r, xr) in xs.chunks_exact(k).enumerate() {
                         let act = quantize_row_k(xr);
                         let step = |i: usize| f64::from(act.d[i / QK_K]);
@@ -1075,32 +1032,14 @@ mod tests {
         let fast = FastLinear::from_qtensor(&q).unwrap();
         let reference = QMatMul::from_qtensor(q).unwrap();
         let x = Tensor::randn(0f32, 1.0, (5, 128), &device).unwrap();
-        let got: Vec<f32> = fast
-            .forward(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let want: Vec<f32> = reference
-            .forward(&x)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let got: Vec<f32> = values(&fast.forward(&x).unwrap());
+        let want: Vec<f32> = values(&reference.forward(&x).unwrap());
         // Both quantize the activations to 8 bits, each its own way (candle may take
         // Q8_K for Q8_0 weights): the two differ by up to the activations' rounding, a
         // small fraction of Σ|w·x| (a fixed fraction of |y| alone fails when y is a
         // near-cancelling sum).
-        let weights: Vec<f32> = fast
-            .dequantize()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+        let weights: Vec<f32> = values(&fast.dequantize().unwrap());
+        let xs: Vec<f32> = values(&x);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let (r, o) = (i / 24, i % 24);
             let size: f32 = (0..128)
