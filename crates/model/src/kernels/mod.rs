@@ -133,8 +133,8 @@ pub enum QuantKind {
 enum ActFormat {
     /// Blocks of 32, f16-rounded scale and sum (ggml's Q8_1).
     Q8_1,
-    /// Blocks of 32, f16-rounded scale, the sum `d·Σq` in f32 (for weights whose
-    /// minimum term is large: Q4_0 and Q5_1 as offset kernels).
+    /// Blocks of 32, f16-rounded scale, the sum `d·Σq` in f32 (Q5_1: its minimum term
+    /// then carries no f16 rounding of the activations' sums, unlike ggml's).
     Q8_1Exact,
     /// Blocks of 32, f16-rounded scale.
     Q8_0,
@@ -174,8 +174,10 @@ impl QuantKind {
     /// Bytes of quants per block, as the kernel holds them.
     fn quant_bytes(self) -> usize {
         match self {
-            Self::Q4_0 | Self::Q4_1 => 16,
-            Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::Iq4Nl | Self::Iq4Xs => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Iq4Nl | Self::Iq4Xs => 16,
+            // 16 bytes of nibbles, then 4 of fifth bits.
+            Self::Q5_0 | Self::Q5_1 => 20,
+            Self::Q8_0 => 32,
             Self::Q4K => 128,
             Self::Q5K => 160,
             // 128 bytes of low 4 bits, then 64 of high 2 bits (the file's order).
@@ -309,22 +311,13 @@ impl FastLinear {
                 // low nibble of byte j and bit j, value j + 16 the high nibble and bit
                 // j + 16.
                 QuantKind::Q5_0 | QuantKind::Q5_1 => {
-                    let d = half_at(block, 0);
                     let at = if kind == QuantKind::Q5_1 { 4 } else { 2 };
-                    let high = u32::from_le_bytes(block[at..at + 4].try_into().expect("4 bytes"));
-                    let nibbles = &block[at + 4..at + 20];
-                    let value = |j: usize| {
-                        let nibble = if j < 16 {
-                            nibbles[j] & 0x0F
-                        } else {
-                            nibbles[j - 16] >> 4
-                        };
-                        (nibble | (((high >> j) & 1) as u8) << 4) as i8 - 16
-                    };
-                    quants.extend((0..QK).map(|j| value(j) as u8));
-                    scales.push(d);
+                    // The kernel's order: nibbles, then the fifth bits.
+                    quants.extend_from_slice(&block[at + 4..at + 20]);
+                    quants.extend_from_slice(&block[at..at + 4]);
+                    scales.push(half_at(block, 0));
                     if kind == QuantKind::Q5_1 {
-                        mins.push(half_at(block, 2) + 16.0 * d);
+                        mins.push(half_at(block, 2));
                     }
                 }
                 QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => unreachable!("packed above"),
@@ -352,8 +345,22 @@ impl FastLinear {
         mins: &[f32],
     ) -> Self {
         let form = match kind {
-            QuantKind::Q4_0 => Form::Nibbles { offset: 8 },
-            QuantKind::Q4_1 => Form::Nibbles { offset: 0 },
+            QuantKind::Q4_0 => Form::Nibbles {
+                offset: 8,
+                five: false,
+            },
+            QuantKind::Q4_1 => Form::Nibbles {
+                offset: 0,
+                five: false,
+            },
+            QuantKind::Q5_0 => Form::Nibbles {
+                offset: 16,
+                five: true,
+            },
+            QuantKind::Q5_1 => Form::Nibbles {
+                offset: 0,
+                five: true,
+            },
             QuantKind::Iq4Nl | QuantKind::Iq4Xs => Form::Codebook,
             _ => Form::Bytes,
         };
@@ -444,6 +451,7 @@ impl FastLinear {
             .map(|r| match format {
                 ActFormat::Q8_1 => quantize_row(r, Sums::F16),
                 ActFormat::Q8_1Exact => quantize_row(r, Sums::Exact),
+
                 ActFormat::Q8_0 => quantize_row(r, Sums::None),
                 ActFormat::Q8K => quantize_row_k(r),
                 ActFormat::Q8KIn32 => iq4::quantize_row_k_in_32(r),

@@ -28,9 +28,11 @@ pub(super) const LANES: usize = 16;
 /// The two forms of quants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Form {
-    /// 4-bit quants; the weight's integer is `q − offset`.
+    /// 4-bit quants (with `five`, plus a fifth bit from `high`: Q5_0, Q5_1); the
+    /// weight's integer is `q − offset`.
     Nibbles {
         offset: i32,
+        five: bool,
     },
     /// 4-bit indices into IQ4_NL's codebook of signed bytes ([`CODEBOOK`]).
     Codebook,
@@ -43,8 +45,19 @@ pub(super) const CODEBOOK: [i8; 16] = [
 ];
 
 impl Form {
-    /// Bytes of quants per row and block, as the per-row arrays hold them.
+    /// Bytes of quants per row and block, as the per-row arrays hold them: with
+    /// fifth bits, the 16 bytes of nibbles and then the 4 of fifth bits (ggml's `qh`,
+    /// bit `j` for value `j`).
     pub(super) fn row_bytes(self) -> usize {
+        match self {
+            Self::Nibbles { five: true, .. } => QK / 2 + 4,
+            Self::Nibbles { .. } | Self::Codebook => QK / 2,
+            Self::Bytes => QK,
+        }
+    }
+
+    /// Bytes of packed quants per row and block (fifth bits apart).
+    fn packed_bytes(self) -> usize {
         match self {
             Self::Nibbles { .. } | Self::Codebook => QK / 2,
             Self::Bytes => QK,
@@ -62,12 +75,16 @@ pub(super) struct Packed32 {
     quants: Vec<u8>,
     d: Vec<f32>,
     m: Vec<f32>,
+    /// Fifth bits: `[step t: 4][lane]` one byte each per group and block, bit `k` for
+    /// value `4t + k`, bit `4 + k` for value `16 + 4t + k`.
+    high: Vec<u8>,
 }
 
 struct Block<'a> {
     quants: &'a [u8],
     d: &'a [f32],
     m: &'a [f32],
+    high: &'a [u8],
 }
 
 impl Packed32 {
@@ -83,7 +100,8 @@ impl Packed32 {
     ) -> Self {
         let groups = out.div_ceil(LANES);
         let slots = groups * nb;
-        let qb = form.row_bytes() * LANES;
+        let qb = form.packed_bytes() * LANES;
+        let five = matches!(form, Form::Nibbles { five: true, .. });
         let mut p = Self {
             form,
             nb,
@@ -95,6 +113,11 @@ impl Packed32 {
             } else {
                 vec![0.0; slots * LANES]
             },
+            high: if five {
+                vec![0; slots * 4 * LANES]
+            } else {
+                Vec::new()
+            },
         };
         let rb = form.row_bytes();
         for o in 0..out {
@@ -103,9 +126,20 @@ impl Packed32 {
                 let gb = g * nb + b;
                 let src = &quants[(o * nb + b) * rb..(o * nb + b + 1) * rb];
                 let dst = &mut p.quants[gb * qb..(gb + 1) * qb];
-                for t in 0..rb / 4 {
+                for t in 0..qb / LANES / 4 {
                     let at = (t * LANES + lane) * 4;
                     dst[at..at + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
+                }
+                if five {
+                    let qh = u32::from_le_bytes(src[16..20].try_into().expect("4 bytes"));
+                    for t in 0..4 {
+                        let mut byte = 0u8;
+                        for k in 0..4 {
+                            byte |= (((qh >> (4 * t + k)) & 1) as u8) << k;
+                            byte |= (((qh >> (16 + 4 * t + k)) & 1) as u8) << (4 + k);
+                        }
+                        p.high[gb * 4 * LANES + t * LANES + lane] = byte;
+                    }
                 }
                 p.d[gb * LANES + lane] = d[o * nb + b];
                 if !m.is_empty() {
@@ -123,7 +157,7 @@ impl Packed32 {
     #[inline(always)]
     fn block(&self, g: usize, b: usize) -> Block<'_> {
         let gb = g * self.nb + b;
-        let qb = self.form.row_bytes() * LANES;
+        let qb = self.form.packed_bytes() * LANES;
         Block {
             quants: &self.quants[gb * qb..(gb + 1) * qb],
             d: &self.d[gb * LANES..(gb + 1) * LANES],
@@ -132,6 +166,11 @@ impl Packed32 {
             } else {
                 &self.m[gb * LANES..(gb + 1) * LANES]
             },
+            high: if self.high.is_empty() {
+                &[]
+            } else {
+                &self.high[gb * 4 * LANES..(gb + 1) * 4 * LANES]
+            },
         }
     }
 
@@ -139,10 +178,15 @@ impl Packed32 {
     /// signed byte).
     fn quant(&self, blk: &Block<'_>, lane: usize, j: usize) -> i32 {
         match self.form {
-            Form::Nibbles { offset } => {
+            Form::Nibbles { offset, five } => {
                 let (t, k) = ((j % 16) / 4, j % 4);
                 let byte = blk.quants[(t * LANES + lane) * 4 + k];
-                i32::from(if j < 16 { byte & 0x0F } else { byte >> 4 }) - offset
+                let mut q = if j < 16 { byte & 0x0F } else { byte >> 4 };
+                if five {
+                    let bit = (blk.high[t * LANES + lane] >> (k + 4 * usize::from(j >= 16))) & 1;
+                    q |= bit << 4;
+                }
+                i32::from(q) - offset
             }
             Form::Codebook => {
                 let (t, k) = ((j % 16) / 4, j % 4);
@@ -295,14 +339,30 @@ mod avx512 {
                 std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
             let mut isum = [[_mm512_setzero_si512(); R]; 2];
             match p.form {
-                Form::Nibbles { offset } => {
+                Form::Nibbles { offset, five } => {
                     for t in 0..4 {
-                        // SAFETY: step t is 64 of the block's 256 bytes; the activation
-                        // words lie within the row's block.
+                        // SAFETY: step t is 64 of the block's 256 bytes (and 16 of its 64
+                        // bytes of fifth bits); the activation words lie within the row's
+                        // block.
                         unsafe {
                             let w = _mm512_loadu_si512(q.add(t * 64).cast());
-                            let wl = _mm512_and_si512(w, low);
-                            let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
+                            let mut wl = _mm512_and_si512(w, low);
+                            let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
+                            if five {
+                                // The lane's fifth-bit byte in all four of its bytes; byte k
+                                // tests bit k (low nibbles) or 4 + k (high nibbles).
+                                let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                    blk.high.as_ptr().add(t * LANES).cast(),
+                                ));
+                                let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
+                                let ml = _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x0804_0201));
+                                let mh = _mm512_test_epi8_mask(
+                                    hb,
+                                    _mm512_set1_epi32(0x8040_2010u32 as i32),
+                                );
+                                wl = _mm512_mask_add_epi8(wl, ml, wl, _mm512_set1_epi8(16));
+                                wh = _mm512_mask_add_epi8(wh, mh, wh, _mm512_set1_epi8(16));
+                            }
                             for r in 0..R {
                                 let al = _mm512_set1_epi32(word_at(a[r].add(4 * t)));
                                 let ah = _mm512_set1_epi32(word_at(a[r].add(16 + 4 * t)));
@@ -444,15 +504,29 @@ mod avx2 {
                 std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
             let mut isum = [_mm256_setzero_si256(); R];
             match p.form {
-                Form::Nibbles { offset } => {
+                Form::Nibbles { offset, five } => {
                     let mut sum16 = [_mm256_setzero_si256(); R];
                     for t in 0..4 {
                         // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
-                        // them; the activation words lie within the row's block.
+                        // them (and 8 of its 64 bytes of fifth bits); the activation words
+                        // lie within the row's block.
                         unsafe {
                             let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
-                            let wl = _mm256_and_si256(w, low);
-                            let wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                            let mut wl = _mm256_and_si256(w, low);
+                            let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                            if five {
+                                let hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                    blk.high.as_ptr().add(t * LANES + 8 * h).cast(),
+                                ));
+                                let hb = _mm256_mullo_epi32(hb, _mm256_set1_epi32(0x0101_0101));
+                                let bit = |pattern: i32| {
+                                    let p = _mm256_set1_epi32(pattern);
+                                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, p), p);
+                                    _mm256_and_si256(set, _mm256_set1_epi8(16))
+                                };
+                                wl = _mm256_or_si256(wl, bit(0x0804_0201));
+                                wh = _mm256_or_si256(wh, bit(0x8040_2010u32 as i32));
+                            }
                             for r in 0..R {
                                 let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
                                 let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
@@ -463,10 +537,20 @@ mod avx2 {
                                 sum16[r] = _mm256_add_epi16(sum16[r], x);
                             }
                         }
+                        // Five bits: pair sums up to 2·2·31·127 per step, so two steps
+                        // fit 16 bits (nibbles: all four).
+                        if five && t % 2 == 1 {
+                            for r in 0..R {
+                                isum[r] =
+                                    _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
+                                sum16[r] = _mm256_setzero_si256();
+                            }
+                        }
                     }
                     for r in 0..R {
                         let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
-                        isum[r] = _mm256_sub_epi32(_mm256_madd_epi16(sum16[r], ones), off);
+                        let rest = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
+                        isum[r] = _mm256_sub_epi32(rest, off);
                     }
                 }
                 Form::Codebook => {
@@ -589,7 +673,7 @@ mod tests {
             }
         }
         x.chunks_exact(k)
-            .map(|r| quantize_row(r, Sums::Exact))
+            .map(|r| quantize_row(r, Sums::F16))
             .collect()
     }
 
@@ -605,8 +689,22 @@ mod tests {
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
         for form in [
-            Form::Nibbles { offset: 0 },
-            Form::Nibbles { offset: 8 },
+            Form::Nibbles {
+                offset: 0,
+                five: false,
+            },
+            Form::Nibbles {
+                offset: 8,
+                five: false,
+            },
+            Form::Nibbles {
+                offset: 16,
+                five: true,
+            },
+            Form::Nibbles {
+                offset: 0,
+                five: true,
+            },
             Form::Bytes,
         ] {
             for with_min in [false, true] {
@@ -655,8 +753,22 @@ mod tests {
     #[test]
     fn scalar_group_kernel_is_the_definition() {
         for form in [
-            Form::Nibbles { offset: 0 },
-            Form::Nibbles { offset: 8 },
+            Form::Nibbles {
+                offset: 0,
+                five: false,
+            },
+            Form::Nibbles {
+                offset: 8,
+                five: false,
+            },
+            Form::Nibbles {
+                offset: 16,
+                five: true,
+            },
+            Form::Nibbles {
+                offset: 0,
+                five: true,
+            },
             Form::Bytes,
         ] {
             for with_min in [false, true] {
@@ -672,11 +784,18 @@ mod tests {
                             let bytes = &q[(o * nb + b) * rb..(o * nb + b + 1) * rb];
                             let value = |j: usize| -> i32 {
                                 match form {
-                                    Form::Nibbles { offset } if j < 16 => {
-                                        i32::from(bytes[j] & 0x0F) - offset
-                                    }
-                                    Form::Nibbles { offset } => {
-                                        i32::from(bytes[j - 16] >> 4) - offset
+                                    Form::Nibbles { offset, five } => {
+                                        let n = if j < 16 {
+                                            bytes[j] & 0x0F
+                                        } else {
+                                            bytes[j - 16] >> 4
+                                        };
+                                        let qh = if five {
+                                            u32::from_le_bytes(bytes[16..20].try_into().unwrap())
+                                        } else {
+                                            0
+                                        };
+                                        i32::from(n) + 16 * ((qh >> j) & 1) as i32 - offset
                                     }
                                     Form::Codebook if j < 16 => {
                                         i32::from(CODEBOOK[usize::from(bytes[j] & 0x0F)])
