@@ -2,22 +2,21 @@
 //!
 //! [`FastLinear`] holds a weight repacked sixteen rows at a time, and multiplies it with
 //! activations quantized the way ggml does (`quantize_row_q8_1` / `quantize_row_q8_0` /
-//! Q8_K). Blocks of 32 ([`packed32`]): Q4_1 (`x = d·q + m`, 4-bit `q`) and Q8_0 (`x =
+//! Q8_K). Blocks of 32 (`packed32.rs`): Q4_1 (`x = d·q + m`, 4-bit `q`) and Q8_0 (`x =
 //! d·q`, 8-bit `q`), per block `d_w·d_a·Σ q_w·q_a (+ m_w·s_a)`. AVX-512 VNNI or AVX2 when
 //! the CPU has them, scalar otherwise, all with the same bits. Groups of rows are split
 //! across rayon's threads.
 //!
-//! Q4_0, Q5_0 and Q5_1 are converted at load to those two forms: Q4_0 as 4-bit `q` with
-//! the offset 8 taken off through the activations' block sums (ggml's exact integers);
-//! Q5_0 as Q8_0 with `q − 16` in a signed byte (ggml's exact integers); Q5_1 as Q8_0
-//! plus a minimum `m + 16d`, whose activations keep their block sums in f32 rather than
-//! f16.
+//! Q4_0, Q5_0 and Q5_1 run on the nibble form: Q4_0 with the offset 8 taken off through
+//! the activations' block sums (ggml's exact integers), Q5_0 and Q5_1 with their fifth
+//! bits beside the nibbles (Q5_0: offset 16, ggml's exact integers; Q5_1: its minimum,
+//! with the activations' block sums in f32 rather than f16).
 //!
-//! IQ4_NL and IQ4_XS are converted at load to the Q8_0 kernel ([`iq4`]): their 4-bit
+//! IQ4_NL and IQ4_XS run on the codebook form (`iq4.rs`): their 4-bit
 //! indices replaced by the codebook's signed bytes, one block per 32 values.
 //!
 //! The K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256 with integer sub-block scales: what
-//! Q4_K_M files hold) are repacked sixteen rows at a time ([`kquant`]) and take
+//! Q4_K_M files hold) are repacked sixteen rows at a time (`kquant.rs`) and take
 //! activations quantized per 256 values with an f32 scale and the sum of every 16
 //! quants, as ggml's Q8_K. Within a super-block every sum is then an integer, exact in
 //! any order, and the float arithmetic is one step per super-block shared by the
@@ -102,12 +101,12 @@ pub enum QuantKind {
     Q4_0,
     /// 4-bit with scale and minimum per block of 32; activations as Q8_1.
     Q4_1,
-    /// 5-bit with a scale per block of 32 (`x = d·(q − 16)`); runs on the Q8_0 kernel
-    /// with `q − 16` as a signed byte (the same integers as ggml's Q5_0 × Q8_0).
+    /// 5-bit with a scale per block of 32 (`x = d·(q − 16)`); nibbles plus fifth bits,
+    /// the offset taken off with the activations' block sums (ggml's Q5_0 × Q8_0
+    /// integers).
     Q5_0,
-    /// 5-bit with scale and minimum per block of 32 (`x = d·q + m`); runs on the Q8_0
-    /// kernel with `q − 16` as a signed byte and minimum `m + 16d`, activations as
-    /// Q8_1 with exact sums.
+    /// 5-bit with scale and minimum per block of 32 (`x = d·q + m`); nibbles plus fifth
+    /// bits, activations as Q8_1 with exact sums.
     Q5_1,
     /// 8-bit with a scale per block of 32; activations as Q8_0.
     Q8_0,
@@ -119,11 +118,11 @@ pub enum QuantKind {
     /// Q6_K: super-blocks of 256 (`d`), 16 sub-blocks of 16 with 8-bit scales, 6-bit
     /// quants; activations as Q8_K.
     Q6K,
-    /// IQ4_NL: 4-bit codebook indices with a scale per block of 32; runs on the Q8_0
-    /// kernel with the codebook values as signed bytes (ggml's IQ4_NL × Q8_0 integers).
+    /// IQ4_NL: 4-bit codebook indices with a scale per block of 32; the codebook form
+    /// (ggml's IQ4_NL × Q8_0 integers).
     Iq4Nl,
     /// IQ4_XS: super-blocks of 256 with 6-bit sub-block scales over IQ4_NL's indices;
-    /// runs on the Q8_0 kernel, one block of scale `d·(ls − 32)` per sub-block of 32.
+    /// the codebook form, one block of scale `d·(ls − 32)` per sub-block of 32.
     Iq4Xs,
 }
 
@@ -141,7 +140,7 @@ enum ActFormat {
     /// Blocks of 256, f32 scale, sums of 16.
     Q8K,
     /// Q8_K's quants and scales held per block of 32 (the scale repeated, the block's
-    /// sum), for IQ4_XS on the Q8_0 kernel: ggml's IQ4_XS × Q8_K integers ([`iq4`]).
+    /// sum), for IQ4_XS on the Q8_0 kernel: ggml's IQ4_XS × Q8_K integers (`iq4.rs`).
     Q8KIn32,
 }
 
@@ -209,9 +208,9 @@ pub struct FastLinear {
 /// How a [`FastLinear`] holds its weight.
 #[derive(Debug)]
 enum Packing {
-    /// Q4_K, Q6_K ([`kquant`]).
+    /// Q4_K, Q6_K (`kquant.rs`).
     K(KPacked),
-    /// Blocks of 32 ([`packed32`]).
+    /// Blocks of 32 (`packed32.rs`).
     B32(Packed32),
 }
 

@@ -4,9 +4,11 @@
 //! side by side, one 32-bit lane per row, so four broadcast activation bytes give all
 //! sixteen rows' partial sums in one multiply-add and lane `l` holds row `l`'s output.
 //!
-//! Two forms: *nibbles* (unsigned 4-bit `q`, weight `d·(q − offset) (+ m)`: Q4_1 with
-//! offset 0 and `m`, Q4_0 with offset 8) and *bytes* (signed 8-bit `q`, weight
-//! `d·q (+ m)`: Q8_0, Q5_0 as `q − 16`, Q5_1 as `q − 16` with `m + 16d`).
+//! Three forms: *nibbles* (unsigned 4-bit `q`, or 5-bit with a fifth-bit byte per lane
+//! and step; weight `d·(q − offset) (+ m)`: Q4_1 with offset 0 and `m`, Q4_0 with
+//! offset 8, Q5_0 5-bit with offset 16, Q5_1 5-bit with `m`), *codebook* (4-bit indices
+//! into IQ4_NL's signed bytes: IQ4_NL, IQ4_XS) and *bytes* (signed 8-bit `q`, weight
+//! `d·q`: Q8_0).
 //!
 //! Per output, whatever the instruction set: each block's `Σ (q_w − offset)·q_a` is an
 //! exact integer (the offset taken off as `offset·Σ q_a`), then `acc[b mod 2] = acc[b mod 2] + (d_w·d_a)·Σ` and, with a minimum,
@@ -15,8 +17,10 @@
 //! kernels, so all give the same bits for any number of activation rows.
 //!
 //! Layout per group and block (`gb = group·nb + b`; padding rows are zeros):
-//! - nibbles: `quants[gb·256..]` as `[step t: 4][lane: 16][4 bytes]`, the row's file bytes
-//!   `4t..4t + 4`: low nibbles are values `4t..`, high nibbles values `16 + 4t..`;
+//! - nibbles and codebook: `quants[gb·256..]` as `[step t: 4][lane: 16][4 bytes]`, the
+//!   row's file bytes `4t..4t + 4`: low nibbles are values `4t..`, high nibbles values
+//!   `16 + 4t..`; 5-bit: `high[gb·64..]` as `[step t][lane]`, bit `k` the fifth bit of
+//!   value `4t + k`, bit `4 + k` that of value `16 + 4t + k`;
 //! - bytes: `quants[gb·512..]` as `[step t: 8][lane][4 bytes]`, values `4t..4t + 4`;
 //! - `d`, `m`: `[gb·16 + lane]` (`m` empty without minimums).
 
@@ -25,7 +29,7 @@ use super::{ActRow, QK};
 /// Weight rows per group.
 pub(super) const LANES: usize = 16;
 
-/// The two forms of quants.
+/// The forms of quants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Form {
     /// 4-bit quants (with `five`, plus a fifth bit from `high`: Q5_0, Q5_1); the
