@@ -35,7 +35,7 @@
 
 use half::f16;
 
-use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scales};
+use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scales, word_at};
 
 /// Weight rows per group: one 32-bit lane each in a 512-bit register.
 pub(super) const LANES: usize = 16;
@@ -381,20 +381,6 @@ impl KPacked {
         }
         acc
     }
-}
-
-/// Four activation bytes at `p` as one 32-bit word.
-///
-/// # Safety
-/// `p..p + 4` must be readable.
-#[inline(always)]
-#[expect(
-    unsafe_code,
-    reason = "an unaligned read the SIMD kernels guarantee in bounds"
-)]
-unsafe fn word_at(p: *const i8) -> i32 {
-    // SAFETY: as the caller guarantees.
-    unsafe { p.cast::<i32>().read_unaligned() }
 }
 
 /// Two 16-value activation sums as the halves of one 32-bit word (for `madd_epi16`).

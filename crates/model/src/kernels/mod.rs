@@ -616,6 +616,21 @@ fn quantize_row_k(x: &[f32]) -> ActRow {
     }
 }
 
+/// Four activation bytes at `p` as one 32-bit word (for broadcasting to every lane of
+/// a repacked kernel).
+///
+/// # Safety
+/// `p..p + 4` must be readable.
+#[inline(always)]
+#[expect(
+    unsafe_code,
+    reason = "an unaligned read the SIMD kernels guarantee in bounds"
+)]
+unsafe fn word_at(p: *const i8) -> i32 {
+    // SAFETY: as the caller guarantees.
+    unsafe { p.cast::<i32>().read_unaligned() }
+}
+
 /// Round half to even for |x| ≤ 2²², as `_mm256_round_ps(_MM_ROUND_NEAREST)` does:
 /// adding and subtracting 1.5·2²³ leaves the float unit's default rounding to do the
 /// work (libm's `rintf` is a function call per value).

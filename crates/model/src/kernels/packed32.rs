@@ -24,7 +24,7 @@
 //! - bytes: `quants[gb·512..]` as `[step t: 8][lane][4 bytes]`, values `4t..4t + 4`;
 //! - `d`, `m`: `[gb·16 + lane]` (`m` empty without minimums).
 
-use super::{ActRow, QK};
+use super::{ActRow, QK, word_at};
 
 /// Weight rows per group.
 pub(super) const LANES: usize = 16;
@@ -276,20 +276,6 @@ impl Packed32 {
             }
         }
     }
-}
-
-/// Four activation bytes at `p` as one 32-bit word.
-///
-/// # Safety
-/// `p..p + 4` must be readable.
-#[inline(always)]
-#[expect(
-    unsafe_code,
-    reason = "an unaligned read the SIMD kernels guarantee in bounds"
-)]
-unsafe fn word_at(p: *const i8) -> i32 {
-    // SAFETY: as the caller guarantees.
-    unsafe { p.cast::<i32>().read_unaligned() }
 }
 
 #[cfg(target_arch = "x86_64")]
