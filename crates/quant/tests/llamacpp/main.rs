@@ -395,8 +395,12 @@ const KLD_RELATIVE_TOLERANCE: f64 = 0.05;
 /// same file (`llama_cpp_and_agentstack_agree_on_files_we_write`), so each side's share
 /// against the base moves by a few near-ties: measured 1 and 5 tokens apart.
 const SAME_TOP_TOLERANCE: f64 = 4.0;
-/// Perplexities, relative.
-const PPL_RELATIVE_TOLERANCE: f64 = 0.01;
+/// Perplexities, relative. The two engines' perplexities of one file on this
+/// 189-token text differ by up to 1.45% (measured over Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+/// Q4_K, Q5_K and Q6_K files, both with candle's kernels and with ours: each engine's
+/// own rounding moves a few near-tied tokens, and 189 tokens average little of it
+/// away); a wrong dequantization moves it by tens of percent.
+const PPL_RELATIVE_TOLERANCE: f64 = 0.025;
 
 #[test]
 #[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
