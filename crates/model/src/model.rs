@@ -442,9 +442,10 @@ fn linear_from(
 }
 
 /// Whether a quantized weight of this type runs on this crate's kernels at inference:
-/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and the
-/// types candle cannot read (IQ4_NL, IQ4_XS). The others (Q2_K, Q3_K, Q8_K) stay on
-/// candle's quantized matmul until they have kernels (issue 21).
+/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
+/// Q6_K) and the types candle cannot read (IQ4_NL, IQ4_XS). The others (float
+/// weights, and Q8_1 and Q8_K: ggml's activation formats, not found as weights in
+/// practice) stay on candle's quantized matmul.
 fn on_fast_path(q: &QTensor) -> bool {
     QuantKind::of(q.dtype()).is_some()
 }
@@ -1251,10 +1252,11 @@ mod tests {
         assert_eq!(rows(&vm), rows(&v.forward(&x).unwrap()));
     }
 
-    /// Q4_K and Q6_K weights (what Q4_K_M files hold) load on this crate's kernels (see
-    /// [`on_fast_path`]), hold the file's values, and layers of the two types side by
-    /// side (as q/k and v in a Q4_K_M layer) share one quantized input and give each
-    /// layer's own bits. 12 rows: one group of 16 with 4 padding rows.
+    /// K-quant weights (Q4_K and Q6_K: what Q4_K_M files hold; Q2_K and Q3_K: what
+    /// Q2_K and Q3_K_M files add) load on this crate's kernels (see [`on_fast_path`]),
+    /// hold the file's values, and layers of different types side by side (as q/k and
+    /// v in a Q4_K_M layer) share one quantized input and give each layer's own bits.
+    /// 12 rows: one group of 16 with 4 padding rows.
     #[test]
     fn k_quant_weights_as_fast_layers() {
         let device = Device::Cpu;
@@ -1265,13 +1267,15 @@ mod tests {
         let tensors = [
             ("q4k.weight", QTensor::quantize(&w, GgmlDType::Q4K).unwrap()),
             ("q6k.weight", QTensor::quantize(&w, GgmlDType::Q6K).unwrap()),
+            ("q2k.weight", QTensor::quantize(&w, GgmlDType::Q2K).unwrap()),
+            ("q3k.weight", QTensor::quantize(&w, GgmlDType::Q3K).unwrap()),
         ];
         let refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
         let mut f = std::fs::File::create(&path).unwrap();
         candle_core::quantized::gguf_file::write(&mut f, &[], &refs).unwrap();
         drop(f);
         let mut file = GgufFile::open(&path).unwrap();
-        let layers = ["q4k", "q6k"].map(|name| {
+        let layers = ["q4k", "q6k", "q2k", "q3k"].map(|name| {
             let loaded =
                 linear_from(&mut file, name, WeightForm::Quantized, (out, inp), false).unwrap();
             assert!(matches!(loaded, Linear::Fast { .. }), "{name}");
@@ -1282,9 +1286,10 @@ mod tests {
             assert_eq!(rows(&layer.dense_weight().unwrap()), rows(&want), "{name}");
         }
         let x = Tensor::randn(0f32, 1.0, (3, inp), &device).unwrap();
-        let [a, b] = Linear::forward_many([&layers[0], &layers[1]], &x).unwrap();
-        assert_eq!(rows(&a), rows(&layers[0].forward(&x).unwrap()));
-        assert_eq!(rows(&b), rows(&layers[1].forward(&x).unwrap()));
+        let all = [&layers[0], &layers[1], &layers[2], &layers[3]];
+        for (many, layer) in Linear::forward_many(all, &x).unwrap().iter().zip(all) {
+            assert_eq!(rows(many), rows(&layer.forward(&x).unwrap()));
+        }
     }
 
     /// IQ4_NL and IQ4_XS weights (which candle cannot read) load on this crate's

@@ -37,6 +37,8 @@ use half::f16;
 
 use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scales, word_at};
 
+mod lowk;
+
 /// Weight rows per group: one 32-bit lane each in a 512-bit register.
 pub(super) const LANES: usize = 16;
 /// Bytes of quants per group and super-block.
@@ -52,6 +54,10 @@ const HIGH6: usize = 64 * LANES;
 /// Which K-quant a [`KPacked`] holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum KType {
+    /// 2-bit quants, 4-bit scales and minimums per 16 values (`lowk.rs`).
+    Q2K,
+    /// 2-bit quants plus a high bit, 6-bit signed scales per 16 values (`lowk.rs`).
+    Q3K,
     Q4K,
     /// Q4_K's layout plus one high bit per value ([`KPacked`]'s `high`).
     Q5K,
@@ -62,6 +68,8 @@ impl KType {
     /// Bytes of one super-block in a file.
     fn block_bytes(self) -> usize {
         match self {
+            Self::Q2K => 84,
+            Self::Q3K => 110,
             Self::Q4K => 144,
             Self::Q5K => 176,
             Self::Q6K => 210,
@@ -70,6 +78,7 @@ impl KType {
 
     fn quant_bytes(self) -> usize {
         match self {
+            Self::Q2K | Self::Q3K => lowk::QUANTS,
             Self::Q4K | Self::Q5K => Q4K_QUANTS,
             Self::Q6K => Q6K_QUANTS,
         }
@@ -115,14 +124,14 @@ impl KPacked {
             quants: vec![0; slots * ty.quant_bytes()],
             small: vec![0; slots * SMALL],
             d: vec![0.0; slots * LANES],
-            dmin: if ty == KType::Q6K {
+            dmin: if matches!(ty, KType::Q3K | KType::Q6K) {
                 Vec::new()
             } else {
                 vec![0.0; slots * LANES]
             },
             high: match ty {
-                KType::Q4K => Vec::new(),
-                KType::Q5K => vec![0; slots * HIGH],
+                KType::Q2K | KType::Q4K => Vec::new(),
+                KType::Q3K | KType::Q5K => vec![0; slots * HIGH],
                 KType::Q6K => vec![0; slots * HIGH6],
             },
         };
@@ -137,6 +146,17 @@ impl KPacked {
                 let q = &mut p.quants[gs * ty.quant_bytes()..(gs + 1) * ty.quant_bytes()];
                 let small = &mut p.small[gs * SMALL..(gs + 1) * SMALL];
                 match ty {
+                    KType::Q2K | KType::Q3K => {
+                        let high = match ty {
+                            KType::Q3K => &mut p.high[gs * HIGH..(gs + 1) * HIGH],
+                            _ => &mut [],
+                        };
+                        let (d, dmin) = Self::pack_low(ty, block, lane, (q, small, high));
+                        p.d[gs * LANES + lane] = d;
+                        if ty == KType::Q2K {
+                            p.dmin[gs * LANES + lane] = dmin;
+                        }
+                    }
                     KType::Q4K | KType::Q5K => {
                         p.d[gs * LANES + lane] = half_at(block, 0);
                         p.dmin[gs * LANES + lane] = half_at(block, 2);
@@ -213,8 +233,8 @@ impl KPacked {
                 &self.dmin[gs * LANES..(gs + 1) * LANES]
             },
             high: match self.ty {
-                KType::Q4K => &[],
-                KType::Q5K => &self.high[gs * HIGH..(gs + 1) * HIGH],
+                KType::Q2K | KType::Q4K => &[],
+                KType::Q3K | KType::Q5K => &self.high[gs * HIGH..(gs + 1) * HIGH],
                 KType::Q6K => &self.high[gs * HIGH6..(gs + 1) * HIGH6],
             },
         }
@@ -249,6 +269,7 @@ impl KPacked {
         let blk = self.block(g, b);
         let d = blk.d[lane];
         match self.ty {
+            KType::Q2K | KType::Q3K => self.dequantize_low(o, b, out),
             KType::Q4K | KType::Q5K => {
                 let dmin = blk.dmin[lane];
                 let mut values = [0f32; QK_K];
@@ -322,6 +343,7 @@ impl KPacked {
         for (r, row) in rows.iter().enumerate() {
             for lane in 0..LANES {
                 out[r * LANES + lane] = match self.ty {
+                    KType::Q2K | KType::Q3K => self.dot_low(g, lane, row),
                     KType::Q4K | KType::Q5K => self.dot_q4k(g, lane, row),
                     KType::Q6K => self.dot_q6k(g, lane, row),
                 };
@@ -397,6 +419,7 @@ fn pair(x: i32, y: i32) -> i32 {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    use super::lowk::avx512::q23k;
     use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair, word_at};
 
     /// # Safety
@@ -408,6 +431,14 @@ mod avx512 {
         unsafe {
             match (p.ty, rows.len()) {
                 (_, 0) => {}
+                (KType::Q2K, 1) => q23k::<1, false>(p, g, rows, out),
+                (KType::Q2K, 2) => q23k::<2, false>(p, g, rows, out),
+                (KType::Q2K, 3) => q23k::<3, false>(p, g, rows, out),
+                (KType::Q2K, _) => q23k::<4, false>(p, g, rows, out),
+                (KType::Q3K, 1) => q23k::<1, true>(p, g, rows, out),
+                (KType::Q3K, 2) => q23k::<2, true>(p, g, rows, out),
+                (KType::Q3K, 3) => q23k::<3, true>(p, g, rows, out),
+                (KType::Q3K, _) => q23k::<4, true>(p, g, rows, out),
                 (KType::Q4K, 1) => q4k::<1, false>(p, g, rows, out),
                 (KType::Q4K, 2) => q4k::<2, false>(p, g, rows, out),
                 (KType::Q4K, 3) => q4k::<3, false>(p, g, rows, out),
@@ -674,6 +705,7 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::lowk::avx2::q23k;
     use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair, word_at};
 
     /// # Safety
@@ -688,6 +720,14 @@ mod avx2 {
             unsafe {
                 match (p.ty, rows.len()) {
                     (_, 0) => {}
+                    (KType::Q2K, 1) => q23k::<1, false>(p, g, h, rows, out),
+                    (KType::Q2K, 2) => q23k::<2, false>(p, g, h, rows, out),
+                    (KType::Q2K, 3) => q23k::<3, false>(p, g, h, rows, out),
+                    (KType::Q2K, _) => q23k::<4, false>(p, g, h, rows, out),
+                    (KType::Q3K, 1) => q23k::<1, true>(p, g, h, rows, out),
+                    (KType::Q3K, 2) => q23k::<2, true>(p, g, h, rows, out),
+                    (KType::Q3K, 3) => q23k::<3, true>(p, g, h, rows, out),
+                    (KType::Q3K, _) => q23k::<4, true>(p, g, h, rows, out),
                     (KType::Q4K, 1) => q4k::<1, false>(p, g, h, rows, out),
                     (KType::Q4K, 2) => q4k::<2, false>(p, g, h, rows, out),
                     (KType::Q4K, 3) => q4k::<3, false>(p, g, h, rows, out),
@@ -708,7 +748,7 @@ mod avx2 {
     /// The low 16 bits of each 32-bit lane in both halves (for `madd_epi16`).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn doubled(x: __m256i) -> __m256i {
+    pub(super) fn doubled(x: __m256i) -> __m256i {
         _mm256_or_si256(
             _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)),
             _mm256_slli_epi32::<16>(x),
@@ -955,12 +995,18 @@ mod tests {
     use super::super::{Simd, detected_simd, quantize_row_k};
     use super::*;
 
-    /// Weights quantized by candle, then the first super-block of rows 0 and 1 set to
-    /// extremes in the file's bytes: row 0 a pattern of extreme quant bytes and the
+    /// Every K-quant type.
+    const TYPES: [KType; 5] = [KType::Q2K, KType::Q3K, KType::Q4K, KType::Q5K, KType::Q6K];
+
+    /// Weights quantized by candle, then the first super-block of rows 0, 1 and 2 set
+    /// to extremes in the file's bytes: row 0 a pattern of extreme quant bytes and the
     /// largest and smallest scales (and minimums), row 1 every quant bit set and every
-    /// scale at its largest (Q6_K: −128).
+    /// scale at its largest (Q6_K: −128), row 2 every quant and scale byte zero (Q3_K:
+    /// weights −4 and scales −32).
     fn extreme_weight(ty: KType, out: usize, nb: usize) -> Vec<u8> {
         let dtype = match ty {
+            KType::Q2K => GgmlDType::Q2K,
+            KType::Q3K => GgmlDType::Q3K,
             KType::Q4K => GgmlDType::Q4K,
             KType::Q5K => GgmlDType::Q5K,
             KType::Q6K => GgmlDType::Q6K,
@@ -973,6 +1019,9 @@ mod tests {
             .to_vec();
         let bb = ty.block_bytes();
         let (quants, scales) = match ty {
+            KType::Q2K => (16..80, 0..16),
+            // High bits and low 2 bits.
+            KType::Q3K => (0..96, 96..108),
             KType::Q4K => (16..144, 4..16),
             // Fifth bits and nibbles.
             KType::Q5K => (16..176, 4..16),
@@ -984,16 +1033,21 @@ mod tests {
         }
         for (i, s) in row0[scales.clone()].iter_mut().enumerate() {
             *s = match ty {
-                KType::Q4K | KType::Q5K => [0xFF, 0x00, 0xFF, 0x01][i % 4],
+                KType::Q2K | KType::Q3K | KType::Q4K | KType::Q5K => {
+                    [0xFF, 0x00, 0xFF, 0x01][i % 4]
+                }
                 KType::Q6K => [0x7F, 0x80, 0x7F, 0x01][i % 4],
             };
         }
         let row1 = &mut data[nb * bb..nb * bb + bb];
-        row1[quants].fill(0xFF);
-        row1[scales].fill(match ty {
-            KType::Q4K | KType::Q5K => 0xFF,
+        row1[quants.clone()].fill(0xFF);
+        row1[scales.clone()].fill(match ty {
             KType::Q6K => 0x80,
+            _ => 0xFF,
         });
+        let row2 = &mut data[2 * nb * bb..2 * nb * bb + bb];
+        row2[quants].fill(0);
+        row2[scales].fill(0);
         data
     }
 
@@ -1011,7 +1065,7 @@ mod tests {
         if !avx512 {
             eprintln!("AVX-512 kernels skipped: this CPU has no AVX-512 VNNI");
         }
-        for ty in [KType::Q4K, KType::Q5K, KType::Q6K] {
+        for ty in TYPES {
             for nb in [1, 2, 3, 5] {
                 let out = 20;
                 let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
@@ -1062,7 +1116,7 @@ mod tests {
     /// then the shared float step.
     #[test]
     fn scalar_group_kernel_is_the_definition() {
-        for ty in [KType::Q4K, KType::Q5K, KType::Q6K] {
+        for ty in TYPES {
             let (out, nb) = (18, 2);
             let data = extreme_weight(ty, out, nb);
             let packed = KPacked::pack(ty, &data, out, nb);
@@ -1080,6 +1134,62 @@ mod tests {
                         let a = &row.qs[b * QK_K..(b + 1) * QK_K];
                         let sums = &row.sums[b * K_SUMS..(b + 1) * K_SUMS];
                         match ty {
+                            KType::Q2K => {
+                                // ggml's dequantize_row_q2_K: value 128n + 32j + l takes bits
+                                // 2j, 2j + 1 of quant byte 32n + l; scale byte v / 16 holds
+                                // the scale (low nibble) and the minimum (high).
+                                let (mut isum, mut msum) = (0i64, 0i64);
+                                for (v, &av) in a.iter().enumerate() {
+                                    let (n, j, l) = (v / 128, v % 128 / 32, v % 32);
+                                    let q = (block[16 + 32 * n + l] >> (2 * j)) & 3;
+                                    let scale = block[v / 16] & 0x0F;
+                                    isum += i64::from(scale) * i64::from(q) * i64::from(av);
+                                }
+                                for (s, &sum) in sums.iter().enumerate() {
+                                    msum += i64::from(block[s] >> 4) * i64::from(sum);
+                                }
+                                let (i, m) =
+                                    (i32::try_from(isum).unwrap(), i32::try_from(msum).unwrap());
+                                acc =
+                                    q4k_step(acc, half(block, 80), half(block, 82), row.d[b], i, m);
+                            }
+                            KType::Q3K => {
+                                // ggml's dequantize_row_q3_K: the scales through its
+                                // kmask words, value 128n + 32j + l from bits 2j, 2j + 1 of
+                                // quant byte 32n + l, minus 4 where bit 4n + j of high-bit
+                                // byte l is clear.
+                                let (kmask1, kmask2) = (0x0303_0303u32, 0x0f0f_0f0fu32);
+                                let word = |i: usize| {
+                                    u32::from_le_bytes(
+                                        block[96 + 4 * i..100 + 4 * i].try_into().unwrap(),
+                                    )
+                                };
+                                let mut aux = [word(0), word(1), word(2), 0];
+                                let tmp = aux[2];
+                                aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+                                aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+                                aux[0] = (aux[0] & kmask2) | ((tmp & kmask1) << 4);
+                                aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+                                let scales: Vec<i64> = aux
+                                    .iter()
+                                    .flat_map(|w| w.to_le_bytes())
+                                    .map(|s| i64::from(s as i8) - 32)
+                                    .collect();
+                                let mut isum = 0i64;
+                                for (v, &av) in a.iter().enumerate() {
+                                    let (n, j, l) = (v / 128, v % 128 / 32, v % 32);
+                                    let q = i64::from((block[32 + 32 * n + l] >> (2 * j)) & 3);
+                                    let set = (block[l] >> (4 * n + j)) & 1 == 1;
+                                    let w = if set { q } else { q - 4 };
+                                    isum += scales[v / 16] * w * i64::from(av);
+                                }
+                                acc = q6k_step(
+                                    acc,
+                                    half(block, 108),
+                                    row.d[b],
+                                    i32::try_from(isum).unwrap(),
+                                );
+                            }
                             KType::Q4K | KType::Q5K => {
                                 let sub = unpack_q4k_scales(block[4..16].try_into().unwrap());
                                 let (mut isum, mut msum) = (0i64, 0i64);

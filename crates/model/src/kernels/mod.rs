@@ -15,8 +15,9 @@
 //! IQ4_NL and IQ4_XS run on the codebook form (`iq4.rs`): their 4-bit
 //! indices replaced by the codebook's signed bytes, one block per 32 values.
 //!
-//! The K-quants Q4_K, Q5_K and Q6_K (super-blocks of 256 with integer sub-block scales: what
-//! Q4_K_M files hold) are repacked sixteen rows at a time (`kquant.rs`) and take
+//! The K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (super-blocks of 256 with integer
+//! sub-block scales: what Q4_K_M and Q3_K_M files hold) are repacked sixteen rows at a
+//! time (`kquant.rs`; Q2_K and Q3_K in `kquant/lowk.rs`) and take
 //! activations quantized per 256 values with an f32 scale and the sum of every 16
 //! quants, as ggml's Q8_K. Within a super-block every sum is then an integer, exact in
 //! any order, and the float arithmetic is one step per super-block shared by the
@@ -110,6 +111,12 @@ pub enum QuantKind {
     Q5_1,
     /// 8-bit with a scale per block of 32; activations as Q8_0.
     Q8_0,
+    /// Q2_K: super-blocks of 256 (`d`, `dmin`), 16 sub-blocks of 16 with 4-bit scales
+    /// and minimums, 2-bit quants; activations as Q8_K.
+    Q2K,
+    /// Q3_K: super-blocks of 256 (`d`), 16 sub-blocks of 16 with 6-bit scales (minus
+    /// 32), 2-bit quants plus a high bit (`q − 4` where it is clear); activations as Q8_K.
+    Q3K,
     /// Q4_K: super-blocks of 256 (`d`, `dmin`), 8 sub-blocks of 32 with 6-bit scales
     /// and minimums, 4-bit quants; activations as Q8_K.
     Q4K,
@@ -153,6 +160,8 @@ impl QuantKind {
             GgmlDType::Q5_0 => Some(Self::Q5_0),
             GgmlDType::Q5_1 => Some(Self::Q5_1),
             GgmlDType::Q8_0 => Some(Self::Q8_0),
+            GgmlDType::Q2K => Some(Self::Q2K),
+            GgmlDType::Q3K => Some(Self::Q3K),
             GgmlDType::Q4K => Some(Self::Q4K),
             GgmlDType::Q5K => Some(Self::Q5K),
             GgmlDType::Q6K => Some(Self::Q6K),
@@ -166,7 +175,7 @@ impl QuantKind {
         match self {
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => QK,
             Self::Iq4Nl | Self::Iq4Xs => QK,
-            Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K => QK_K,
         }
     }
 
@@ -177,6 +186,9 @@ impl QuantKind {
             // 16 bytes of nibbles, then 4 of fifth bits.
             Self::Q5_0 | Self::Q5_1 => 20,
             Self::Q8_0 => 32,
+            Self::Q2K => 64,
+            // 64 bytes of low 2 bits, 32 of high bits.
+            Self::Q3K => 96,
             Self::Q4K => 128,
             Self::Q5K => 160,
             // 128 bytes of low 4 bits, then 64 of high 2 bits (the file's order).
@@ -190,7 +202,7 @@ impl QuantKind {
             Self::Q5_1 => ActFormat::Q8_1Exact,
             Self::Q4_0 | Self::Q5_0 | Self::Q8_0 | Self::Iq4Nl => ActFormat::Q8_0,
             Self::Iq4Xs => ActFormat::Q8KIn32,
-            Self::Q4K | Self::Q5K | Self::Q6K => ActFormat::Q8K,
+            Self::Q2K | Self::Q3K | Self::Q4K | Self::Q5K | Self::Q6K => ActFormat::Q8K,
         }
     }
 }
@@ -208,7 +220,7 @@ pub struct FastLinear {
 /// How a [`FastLinear`] holds its weight.
 #[derive(Debug)]
 enum Packing {
-    /// Q4_K, Q6_K (`kquant.rs`).
+    /// The K-quants (`kquant.rs`).
     K(KPacked),
     /// Blocks of 32 (`packed32.rs`).
     B32(Packed32),
@@ -251,7 +263,7 @@ struct ActRow {
 }
 
 impl FastLinear {
-    /// Takes a Q4_1, Q8_0, Q4_K or Q6_K tensor `[out, in]`.
+    /// Takes a tensor `[out, in]` of a type with a [`QuantKind`].
     pub fn from_qtensor(q: &QTensor) -> Result<Self> {
         let (out_features, in_features) = q.shape().dims2()?;
         let bad = |reason: String| ModelError::BadTensor {
@@ -272,6 +284,8 @@ impl FastLinear {
             return Err(bad(format!("{} bytes for {blocks} blocks", data.len())));
         }
         if let Some(ty) = match kind {
+            QuantKind::Q2K => Some(KType::Q2K),
+            QuantKind::Q3K => Some(KType::Q3K),
             QuantKind::Q4K => Some(KType::Q4K),
             QuantKind::Q5K => Some(KType::Q5K),
             QuantKind::Q6K => Some(KType::Q6K),
@@ -319,7 +333,11 @@ impl FastLinear {
                         mins.push(half_at(block, 2));
                     }
                 }
-                QuantKind::Q4K | QuantKind::Q5K | QuantKind::Q6K => unreachable!("packed above"),
+                QuantKind::Q2K
+                | QuantKind::Q3K
+                | QuantKind::Q4K
+                | QuantKind::Q5K
+                | QuantKind::Q6K => unreachable!("packed above"),
                 QuantKind::Iq4Nl | QuantKind::Iq4Xs => unreachable!("no candle type"),
             }
         }
@@ -878,6 +896,8 @@ mod tests {
             (GgmlDType::Q5_0, 64),
             (GgmlDType::Q5_1, 64),
             (GgmlDType::Q8_0, 64),
+            (GgmlDType::Q2K, 512),
+            (GgmlDType::Q3K, 512),
             (GgmlDType::Q4K, 512),
             (GgmlDType::Q5K, 512),
             (GgmlDType::Q6K, 512),
@@ -953,14 +973,20 @@ mod tests {
         }
     }
 
-    const K_KINDS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+    const K_KINDS: [GgmlDType; 5] = [
+        GgmlDType::Q2K,
+        GgmlDType::Q3K,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+    ];
 
     /// Kernel against `x'·Wᵀ` summed in f64, `W` dequantized by candle and `x'` the
     /// activations after their 8-bit quantization: the same numbers summed in another
     /// order and rounded to f32, as a fraction of `Σ |w·x'|`.
     const K_KERNEL_TOLERANCE: f64 = 1e-5;
 
-    /// Q4_K and Q6_K weights quantized by candle: each output equals the product with
+    /// K-quant weights quantized by candle: each output equals the product with
     /// candle's dequantized weight, to rounding once the activations are quantized, and
     /// within the quantization's bound (each activation off by at most half its
     /// super-block's step) of the product with the f32 activations. One to six rows,
