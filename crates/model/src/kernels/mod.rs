@@ -84,7 +84,8 @@ fn detected_simd() -> Simd {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::is_x86_feature_detected as has;
-        if has!("avx2") && has!("fma") {
+        // F16C: Q8_0's f16 scales (every AVX2 CPU has it).
+        if has!("avx2") && has!("fma") && has!("f16c") {
             if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
                 return Simd::Avx512Vnni;
             }
