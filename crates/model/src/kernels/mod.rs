@@ -490,39 +490,43 @@ impl FastLinear {
     /// outputs for up to four activation rows at once, groups split across threads.
     fn matmul_packed(&self, p: &Packing, rows: &[ActRow], n: usize) -> Vec<f32> {
         let out = self.out_features;
+        let groups = p.groups();
         let threads = rayon::current_num_threads();
         // Groups per task: a few tasks per thread, or one task with one thread.
         let per_task = if threads <= 1 || n * out * self.in_features < 1 << 16 {
-            p.groups()
+            groups
         } else {
-            p.groups().div_ceil(threads * 4)
+            groups.div_ceil(threads * 4)
         };
-        // Task results: for each group, [row][lane] for every activation row.
-        let tiles: Vec<Vec<f32>> = (0..p.groups())
-            .step_by(per_task)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .map(|first| {
-                let last = (first + per_task).min(p.groups());
-                let mut tile = vec![0f32; (last - first) * n * LANES];
-                for (g, dst) in (first..last).zip(tile.chunks_exact_mut(n * LANES)) {
-                    for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
-                        p.group(g, chunk, d);
-                    }
+        // Every group's outputs as [group][row][lane], in one buffer the tasks write
+        // in place: with one activation row (decode) it is the result itself.
+        let stride = n * LANES;
+        let mut tiles = vec![0f32; groups * stride];
+        let task = |(t, dst): (usize, &mut [f32])| {
+            for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
+                for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
+                    p.group(g, chunk, d);
                 }
-                tile
-            })
-            .collect();
+            }
+        };
+        if per_task >= groups {
+            task((0, &mut tiles));
+        } else {
+            tiles
+                .par_chunks_mut(per_task * stride)
+                .enumerate()
+                .for_each(task);
+        }
+        if n == 1 {
+            tiles.truncate(out);
+            return tiles;
+        }
         let mut y = vec![0f32; n * out];
-        let mut g = 0;
-        for tile in &tiles {
-            for group in tile.chunks_exact(n * LANES) {
-                let o0 = g * LANES;
-                let width = LANES.min(out - o0);
-                for (r, lanes) in group.chunks_exact(LANES).enumerate() {
-                    y[r * out + o0..r * out + o0 + width].copy_from_slice(&lanes[..width]);
-                }
-                g += 1;
+        for (g, group) in tiles.chunks_exact(stride).enumerate() {
+            let o0 = g * LANES;
+            let width = LANES.min(out - o0);
+            for (r, lanes) in group.chunks_exact(LANES).enumerate() {
+                y[r * out + o0..r * out + o0 + width].copy_from_slice(&lanes[..width]);
             }
         }
         y
@@ -1095,6 +1099,34 @@ mod tests {
                 .map(|j| (weights[o * 128 + j] * xs[r * 128 + j]).abs())
                 .sum();
             assert!((g - w).abs() <= 1e-2 * size, "{g} vs {w} (Σ|w·x| {size})");
+        }
+    }
+
+    /// A product has the same bits on one thread as on three, where the groups are
+    /// split across tasks that write their outputs in place: one row (decode, the
+    /// buffer is the result) and five; a last group with padding lanes.
+    #[test]
+    fn outputs_do_not_depend_on_the_thread_count() {
+        let device = Device::Cpu;
+        let pool = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+        };
+        let (one, three) = (pool(1), pool(3));
+        for dtype in LEGACY_KINDS.into_iter().chain(K_KINDS) {
+            // 200 outputs: 13 groups, the last with 8 lanes.
+            let w = Tensor::randn(0f32, 1.0, (200, 512), &device).unwrap();
+            let fast = FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap();
+            for n in [1, 5] {
+                let x: Vec<f32> = values(&Tensor::randn(0f32, 1.0, (n, 512), &device).unwrap());
+                let want = one.install(|| fast.matmul(&x, n));
+                let got = three.install(|| fast.matmul(&x, n));
+                assert_eq!(got.len(), n * 200);
+                let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{dtype:?}, {n} rows");
+            }
         }
     }
 
