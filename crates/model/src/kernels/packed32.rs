@@ -386,7 +386,16 @@ mod avx512 {
     unsafe fn rows_n<const R: usize>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
         let low = _mm512_set1_epi8(0x0F);
         // The codebook plus 128 (unsigned bytes), in every 128-bit half.
-        let shifted = CODEBOOK.map(|v| (i16::from(v) + 128) as u8 as i8);
+        const SHIFTED: [i8; 16] = {
+            let mut t = [0i8; 16];
+            let mut i = 0;
+            while i < 16 {
+                t[i] = (CODEBOOK[i] as i16 + 128) as u8 as i8;
+                i += 1;
+            }
+            t
+        };
+        let shifted = SHIFTED;
         // SAFETY: 16 readable bytes.
         let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(shifted.as_ptr().cast()) });
         let mut acc = [[_mm512_setzero_ps(); R]; 2];
