@@ -159,6 +159,44 @@ impl Weight {
     }
 }
 
+/// A tensor's blocks as the file holds them, mapped from the file rather than read:
+/// the pages are the page cache's (no allocation, no copy), and they leave this
+/// process's memory when it is dropped. Weights for this crate's kernels are repacked
+/// from these bytes, so loading holds one copy of a weight, plus the one being packed.
+pub struct MappedTensor {
+    ty: TensorType,
+    dims: Vec<usize>,
+    /// None for a tensor of no bytes (the OS maps none).
+    map: Option<memmap2::Mmap>,
+}
+
+impl std::fmt::Debug for MappedTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedTensor")
+            .field("ty", &self.ty)
+            .field("dims", &self.dims)
+            .field("bytes", &self.bytes().len())
+            .finish()
+    }
+}
+
+impl MappedTensor {
+    /// Its type.
+    pub fn ty(&self) -> TensorType {
+        self.ty
+    }
+
+    /// Its shape, the fastest-varying dimension last.
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// Its blocks.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or_default()
+    }
+}
+
 /// One tensor's directory entry.
 #[derive(Debug)]
 struct TensorInfo {
@@ -316,6 +354,56 @@ impl GgufFile {
             .collect()
     }
 
+    /// The type of tensor `name`, if the file has it.
+    pub fn tensor_type(&self, name: &str) -> Option<TensorType> {
+        self.tensor_infos.get(name).map(|info| info.ty)
+    }
+
+    /// Maps tensor `name`'s blocks from the file, with the checks of [`Self::weight`].
+    pub fn map(&self, name: &str) -> Result<MappedTensor> {
+        let Some(info) = self.tensor_infos.get(name) else {
+            return Err(ModelError::BadTensor {
+                name: name.to_owned(),
+                reason: "missing from the file".into(),
+            });
+        };
+        let gguf = |source| ModelError::Gguf {
+            path: self.path.clone(),
+            source,
+        };
+        let (start, len) =
+            tensor_range(self.size, self.data_offset, info, info.ty).map_err(gguf)?;
+        let io = |source| ModelError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        if len == 0 {
+            // The OS refuses a mapping of no bytes.
+            return Ok(MappedTensor {
+                ty: info.ty,
+                dims: info.dims.clone(),
+                map: None,
+            });
+        }
+        // SAFETY: the map is read-only and private. Its contents change only if another
+        // process rewrites the file while it is mapped (then the weights read are the
+        // new bytes, still within bounds): the contract every mmap-ing model loader
+        // (llama.cpp, safetensors) has with its files.
+        #[expect(unsafe_code, reason = "mapping a model file, as llama.cpp does")]
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(start)
+                .len(len)
+                .map(self.reader.get_ref())
+        }
+        .map_err(io)?;
+        Ok(MappedTensor {
+            ty: info.ty,
+            dims: info.dims.clone(),
+            map: Some(map),
+        })
+    }
+
     /// Reads tensor `name`, of a type candle reads, into memory (see [`Self::weight`]
     /// for any type).
     pub fn tensor(&mut self, name: &str) -> Result<QTensor> {
@@ -380,14 +468,14 @@ fn elements(dims: &[usize]) -> candle_core::Result<usize> {
     }
 }
 
-/// Reads the blocks of a raw tensor, with the checks candle makes for its own.
-fn read_raw(
-    reader: &mut BufReader<File>,
+/// Where a tensor's blocks lie in the file (start, bytes), with the checks candle makes
+/// for its own.
+fn tensor_range(
     file_size: u64,
     data_offset: u64,
     info: &TensorInfo,
-    ty: RawType,
-) -> candle_core::Result<Vec<u8>> {
+    ty: TensorType,
+) -> candle_core::Result<(u64, usize)> {
     let elems = elements(&info.dims)?;
     let block_size = ty.block_size();
     if !elems.is_multiple_of(block_size) {
@@ -403,6 +491,18 @@ fn read_raw(
             "tensor needs {size_in_bytes} bytes at offset {start}, only {remaining} remaining in file"
         )
     }
+    Ok((start, size_in_bytes))
+}
+
+/// Reads the blocks of a raw tensor, with the checks candle makes for its own.
+fn read_raw(
+    reader: &mut BufReader<File>,
+    file_size: u64,
+    data_offset: u64,
+    info: &TensorInfo,
+    ty: RawType,
+) -> candle_core::Result<Vec<u8>> {
+    let (start, size_in_bytes) = tensor_range(file_size, data_offset, info, TensorType::Raw(ty))?;
     let mut data = vec![0u8; size_in_bytes];
     reader.seek(SeekFrom::Start(start))?;
     reader.read_exact(&mut data)?;
@@ -834,7 +934,14 @@ pub(crate) mod tests {
             assert_eq!(values, ggml_dequantize(want), "{name}");
             let err = file.tensor(name).unwrap_err().to_string();
             assert!(err.contains("no candle tensor"), "{err}");
+            // Mapped: the same blocks, shape and type, without reading them.
+            let mapped = file.map(name).unwrap();
+            assert_eq!(
+                (mapped.ty(), mapped.dims(), mapped.bytes()),
+                (TensorType::Raw(want.ty), &want.dims[..], &want.data[..])
+            );
         }
+        assert!(file.map("missing.weight").is_err());
     }
 
     /// A file of the types candle knows reads as candle's reader reads it: the same
@@ -879,6 +986,9 @@ pub(crate) mod tests {
             let theirs = content.tensor(&mut reader, name, &device).unwrap();
             let ours = file.tensor(name).unwrap();
             assert_eq!(ours.data().unwrap(), theirs.data().unwrap(), "{name}");
+            let mapped = file.map(name).unwrap();
+            assert_eq!(mapped.bytes(), &theirs.data().unwrap()[..], "{name}");
+            assert_eq!(mapped.ty(), TensorType::Ggml(q.dtype()));
         }
     }
 
@@ -910,7 +1020,18 @@ pub(crate) mod tests {
             let err = GgufFile::open(&path).unwrap().weight("t").unwrap_err();
             let source = std::error::Error::source(&err).unwrap().to_string();
             assert!(source.contains("too many elements"), "{source}");
+            let err = GgufFile::open(&path).unwrap().map("t").unwrap_err();
+            let source = std::error::Error::source(&err).unwrap().to_string();
+            assert!(source.contains("too many elements"), "{source}");
         }
+        // A tensor that runs past the end of the file is refused, not mapped short.
+        write_gguf(&path, &[], &[("t", 8, vec![2, 32], vec![0; 68])]);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let err = file.map("t").unwrap_err();
+        let source = std::error::Error::source(&err).unwrap().to_string();
+        assert!(source.contains("remaining in file"), "{source}");
     }
 
     /// `model info` counts IQ4_NL and IQ4_XS tensors by their ggml names, and the others

@@ -19,7 +19,7 @@ use candle_core::{DType, Device, Module, Tensor};
 
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::gguf::{GgufFile, Weight};
+use crate::gguf::{GgufFile, TensorType, Weight};
 use crate::grad::{self, RopeTables};
 use crate::kernels::{self, FastLinear, QuantKind};
 
@@ -412,8 +412,6 @@ fn linear_from(
     shape: (usize, usize),
     bias: bool,
 ) -> Result<Linear> {
-    let w = file.weight(&format!("{name}.weight"))?;
-    check_shape(name, w.dims(), &[shape.0, shape.1])?;
     let bias = if bias {
         let b = file
             .tensor(&format!("{name}.bias"))?
@@ -425,6 +423,17 @@ fn linear_from(
     } else {
         None
     };
+    let weight_name = format!("{name}.weight");
+    if matches!(form, WeightForm::Quantized) && has_kernel(file, &weight_name) {
+        let w = file.map(&weight_name)?;
+        check_shape(name, w.dims(), &[shape.0, shape.1])?;
+        return Ok(Linear::Fast {
+            weight: Arc::new(FastLinear::from_mapped(&w)?),
+            bias,
+        });
+    }
+    let w = file.weight(&weight_name)?;
+    check_shape(name, w.dims(), &[shape.0, shape.1])?;
     Ok(match (form, w) {
         (WeightForm::Dense(dtype), w) => Linear::Dense {
             weight: w.dequantize()?.to_dtype(dtype)?,
@@ -448,6 +457,16 @@ fn linear_from(
 /// practice) stay on candle's quantized matmul.
 fn on_fast_path(q: &QTensor) -> bool {
     QuantKind::of(q.dtype()).is_some()
+}
+
+/// Whether tensor `name` has a kernel here: weights that do are mapped from the file
+/// and repacked ([`FastLinear::from_mapped`]), never read into memory whole.
+fn has_kernel(file: &GgufFile, name: &str) -> bool {
+    match file.tensor_type(name) {
+        Some(TensorType::Ggml(dtype)) => QuantKind::of(dtype).is_some(),
+        Some(TensorType::Raw(_)) => true,
+        None => false,
+    }
 }
 
 /// A weight on this crate's kernels.
@@ -541,51 +560,52 @@ impl Model {
             });
         }
         let norm = norm_from(file, "output_norm.weight", h, dtype)?;
-        let embd = file.weight("token_embd.weight")?;
-        check_shape("token_embd", embd.dims(), &[config.vocab_size, h])?;
-        let embd_fast = match &embd {
-            Weight::Ggml(q) => on_fast_path(q),
-            Weight::Raw(_) => true,
-        };
-        let output = if file.has_tensor("output.weight") {
-            linear_from(file, "output", form, (config.vocab_size, h), false)?
-        } else {
-            // Tied embeddings: the output projection is the embedding table.
-            match form {
-                WeightForm::Dense(dtype) => Linear::Dense {
-                    weight: embd.dequantize()?.to_dtype(dtype)?,
-                    bias: None,
-                },
-                WeightForm::Quantized if embd_fast => Linear::Fast {
-                    weight: Arc::new(fast_linear(&embd)?),
-                    bias: None,
-                },
-                WeightForm::Quantized => Linear::Quantized {
-                    weight: QMatMul::from_qtensor(file.tensor("token_embd.weight")?)?,
-                    bias: None,
-                },
-            }
-        };
-        let embedding = match (form, &output) {
-            (WeightForm::Dense(dtype), _) => Embedding::Dense(embd.dequantize()?.to_dtype(dtype)?),
-            // Tied: the output layer's copy serves lookups too.
-            (WeightForm::Quantized, Linear::Fast { weight, .. })
-                if !file.has_tensor("output.weight") =>
-            {
-                Embedding::Fast(weight.clone())
-            }
-            (WeightForm::Quantized, _) if embd_fast => {
-                Embedding::Fast(Arc::new(fast_linear(&embd)?))
-            }
-            (WeightForm::Quantized, _) => match embd {
-                Weight::Ggml(q) => Embedding::Quantized(Arc::new(q)),
-                Weight::Raw(_) => unreachable!("raw weights are on the fast path"),
-            },
-        };
-        Ok(
-            Self::assemble(config, form, embedding, blocks, norm, output)?
-                .with_tied_output(!file.has_tensor("output.weight")),
-        )
+        let tied = !file.has_tensor("output.weight");
+        let (embedding, output) =
+            if matches!(form, WeightForm::Quantized) && has_kernel(file, "token_embd.weight") {
+                let embd = file.map("token_embd.weight")?;
+                check_shape("token_embd", embd.dims(), &[config.vocab_size, h])?;
+                let embd = Arc::new(FastLinear::from_mapped(&embd)?);
+                let output = if tied {
+                    // Tied embeddings: the output projection is the embedding table, and
+                    // one copy serves both.
+                    Linear::Fast {
+                        weight: embd.clone(),
+                        bias: None,
+                    }
+                } else {
+                    linear_from(file, "output", form, (config.vocab_size, h), false)?
+                };
+                (Embedding::Fast(embd), output)
+            } else {
+                let embd = file.weight("token_embd.weight")?;
+                check_shape("token_embd", embd.dims(), &[config.vocab_size, h])?;
+                let output = if tied {
+                    match form {
+                        WeightForm::Dense(dtype) => Linear::Dense {
+                            weight: embd.dequantize()?.to_dtype(dtype)?,
+                            bias: None,
+                        },
+                        WeightForm::Quantized => Linear::Quantized {
+                            weight: QMatMul::from_qtensor(file.tensor("token_embd.weight")?)?,
+                            bias: None,
+                        },
+                    }
+                } else {
+                    linear_from(file, "output", form, (config.vocab_size, h), false)?
+                };
+                let embedding = match (form, embd) {
+                    (WeightForm::Dense(dtype), embd) => {
+                        Embedding::Dense(embd.dequantize()?.to_dtype(dtype)?)
+                    }
+                    (WeightForm::Quantized, Weight::Ggml(q)) => Embedding::Quantized(Arc::new(q)),
+                    (WeightForm::Quantized, Weight::Raw(_)) => {
+                        unreachable!("raw weights have kernels")
+                    }
+                };
+                (embedding, output)
+            };
+        Ok(Self::assemble(config, form, embedding, blocks, norm, output)?.with_tied_output(tied))
     }
 
     /// Puts loaded parts together and precomputes the rotary tables.

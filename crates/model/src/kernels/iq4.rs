@@ -55,31 +55,36 @@ impl FastLinear {
     /// Takes an IQ4_NL or IQ4_XS tensor `[.., in]` (every dimension but the last is a
     /// row), converted to the Q8_0 kernel's blocks.
     pub fn from_raw(t: &RawTensor) -> Result<Self> {
+        Self::from_raw_bytes(t.ty, &t.dims, &t.data)
+    }
+
+    /// Takes the blocks `data` of an IQ4_NL or IQ4_XS tensor of shape `dims`, as the
+    /// file stores them.
+    pub(crate) fn from_raw_bytes(ty: RawType, dims: &[usize], data: &[u8]) -> Result<Self> {
         let bad = |reason: String| ModelError::BadTensor {
-            name: format!("{:?} weight", t.ty),
+            name: format!("{ty:?} weight"),
             reason,
         };
-        let (&in_features, rows) = t
-            .dims
+        let (&in_features, rows) = dims
             .split_last()
             .ok_or_else(|| bad("no dimensions".into()))?;
         let out_features: usize = rows.iter().product();
-        let (block_len, block_bytes) = (t.ty.block_size(), t.ty.type_size());
+        let (block_len, block_bytes) = (ty.block_size(), ty.type_size());
         if in_features % block_len != 0 {
             return Err(bad(format!(
                 "row length {in_features} is not a multiple of {block_len}"
             )));
         }
         let blocks = out_features * in_features / block_len;
-        if t.data.len() != blocks * block_bytes {
-            return Err(bad(format!("{} bytes for {blocks} blocks", t.data.len())));
+        if data.len() != blocks * block_bytes {
+            return Err(bad(format!("{} bytes for {blocks} blocks", data.len())));
         }
         let kernel_blocks = out_features * in_features / QK;
         let mut quants = Vec::with_capacity(kernel_blocks * QK / 2);
         let mut scales = Vec::with_capacity(kernel_blocks);
         let half_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
-        for block in t.data.chunks_exact(block_bytes) {
-            match t.ty {
+        for block in data.chunks_exact(block_bytes) {
+            match ty {
                 // d, 16 bytes of indices.
                 RawType::Iq4Nl => {
                     scales.push(half_at(block, 0));
@@ -100,7 +105,7 @@ impl FastLinear {
                 }
             }
         }
-        let kind = match t.ty {
+        let kind = match ty {
             RawType::Iq4Nl => QuantKind::Iq4Nl,
             RawType::Iq4Xs => QuantKind::Iq4Xs,
         };

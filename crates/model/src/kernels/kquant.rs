@@ -35,6 +35,7 @@
 
 use half::f16;
 
+use super::memory::WeightBytes;
 use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scales, word_at};
 
 mod lowk;
@@ -93,14 +94,14 @@ pub(super) struct KPacked {
     /// Super-blocks per row.
     pub(super) nb: usize,
     pub(super) groups: usize,
-    quants: Vec<u8>,
+    quants: WeightBytes,
     small: Vec<u8>,
     d: Vec<f32>,
     /// Q4_K and Q5_K.
     dmin: Vec<f32>,
     /// Q5_K only: the fifth bits, `[chunk i: 4][step t: 8][lane: 16]` one byte each:
     /// bit `k` for value `64i + 4t + k`, bit `4 + k` for value `64i + 32 + 4t + k`.
-    high: Vec<u8>,
+    high: WeightBytes,
 }
 
 /// One group's buffers for one super-block.
@@ -121,7 +122,7 @@ impl KPacked {
             ty,
             nb,
             groups,
-            quants: vec![0; slots * ty.quant_bytes()],
+            quants: WeightBytes::zeroed(slots * ty.quant_bytes()),
             small: vec![0; slots * SMALL],
             d: vec![0.0; slots * LANES],
             dmin: if matches!(ty, KType::Q3K | KType::Q6K) {
@@ -130,9 +131,9 @@ impl KPacked {
                 vec![0.0; slots * LANES]
             },
             high: match ty {
-                KType::Q2K | KType::Q4K => Vec::new(),
-                KType::Q3K | KType::Q5K => vec![0; slots * HIGH],
-                KType::Q6K => vec![0; slots * HIGH6],
+                KType::Q2K | KType::Q4K => WeightBytes::default(),
+                KType::Q3K | KType::Q5K => WeightBytes::zeroed(slots * HIGH),
+                KType::Q6K => WeightBytes::zeroed(slots * HIGH6),
             },
         };
         let half_at =

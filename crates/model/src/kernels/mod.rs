@@ -35,9 +35,11 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
+use crate::gguf::{MappedTensor, TensorType};
 
 mod iq4;
 mod kquant;
+mod memory;
 mod packed32;
 
 use kquant::{KPacked, KType, LANES};
@@ -266,21 +268,45 @@ struct ActRow {
 impl FastLinear {
     /// Takes a tensor `[out, in]` of a type with a [`QuantKind`].
     pub fn from_qtensor(q: &QTensor) -> Result<Self> {
-        let (out_features, in_features) = q.shape().dims2()?;
+        Self::from_ggml_bytes(q.dtype(), q.shape().dims2()?, &q.data()?)
+    }
+
+    /// Takes a weight mapped from its file, of a type with a kernel here.
+    pub fn from_mapped(t: &MappedTensor) -> Result<Self> {
+        match t.ty() {
+            TensorType::Raw(ty) => Self::from_raw_bytes(ty, t.dims(), t.bytes()),
+            TensorType::Ggml(dtype) => {
+                let &[out_features, in_features] = t.dims() else {
+                    return Err(ModelError::BadTensor {
+                        name: format!("{dtype:?} weight"),
+                        reason: format!("shape {:?}, expected [out, in]", t.dims()),
+                    });
+                };
+                Self::from_ggml_bytes(dtype, (out_features, in_features), t.bytes())
+            }
+        }
+    }
+
+    /// Takes the blocks `data` of a `[out, in]` tensor of candle's type `dtype`, as the
+    /// file stores them.
+    fn from_ggml_bytes(
+        dtype: GgmlDType,
+        (out_features, in_features): (usize, usize),
+        data: &[u8],
+    ) -> Result<Self> {
         let bad = |reason: String| ModelError::BadTensor {
-            name: format!("{:?} weight", q.dtype()),
+            name: format!("{dtype:?} weight"),
             reason,
         };
-        let kind = QuantKind::of(q.dtype()).ok_or_else(|| bad("no kernel for this type".into()))?;
+        let kind = QuantKind::of(dtype).ok_or_else(|| bad("no kernel for this type".into()))?;
         let block_len = kind.block_len();
         if in_features % block_len != 0 {
             return Err(bad(format!(
                 "row length {in_features} is not a multiple of {block_len}"
             )));
         }
-        let data = q.data()?;
         let blocks = out_features * in_features / block_len;
-        let block_bytes = q.dtype().type_size();
+        let block_bytes = dtype.type_size();
         if data.len() != blocks * block_bytes {
             return Err(bad(format!("{} bytes for {blocks} blocks", data.len())));
         }
@@ -297,7 +323,7 @@ impl FastLinear {
                 kind,
                 out_features,
                 in_features,
-                packed: Packing::K(KPacked::pack(ty, &data, out_features, nb)),
+                packed: Packing::K(KPacked::pack(ty, data, out_features, nb)),
             });
         }
         let qb = kind.quant_bytes();

@@ -27,10 +27,11 @@
 //! - `d` (f16 for bytes), `m`: `[gb·16 + lane]` (`m` empty without minimums).
 //!
 //! The quants start on a 64-byte boundary, so no 512-bit load of a step straddles two
-//! cache lines (a large allocation is only 16-byte aligned).
+//! cache lines, and lie on huge pages where the OS gives them (`memory.rs`).
 
 use half::f16;
 
+use super::memory::WeightBytes;
 use super::{ActRow, QK, word_at};
 
 /// Weight rows per group.
@@ -90,9 +91,8 @@ pub(super) struct Packed32 {
     /// Blocks per row.
     pub(super) nb: usize,
     pub(super) groups: usize,
-    /// The packed quants from `quants[q0..]`, `q0` putting them on a 64-byte boundary.
-    quants: Vec<u8>,
-    q0: usize,
+    /// The packed quants, from a 64-byte boundary (see [`WeightBytes`]).
+    quants: WeightBytes,
     /// Scales (not for bytes).
     d: Vec<f32>,
     /// Bytes' scales, as the file holds them (exactly: Q8_0's are f16).
@@ -138,8 +138,7 @@ impl Packed32 {
         let qb = form.packed_bytes() * LANES;
         let five = matches!(form, Form::Nibbles { five: true, .. });
         let bytes = form == Form::Bytes;
-        let mut held = vec![0; slots * qb + 63];
-        let q0 = held.as_ptr().align_offset(64).min(63);
+        let mut held = WeightBytes::zeroed(slots * qb);
         // Bytes are held as `q + 128`: zero padding rows stay weights 0.
         if bytes {
             held.fill(0x80);
@@ -149,7 +148,6 @@ impl Packed32 {
             nb,
             groups,
             quants: held,
-            q0,
             d: if bytes {
                 Vec::new()
             } else {
@@ -177,7 +175,7 @@ impl Packed32 {
             for b in 0..nb {
                 let gb = g * nb + b;
                 let src = &quants[(o * nb + b) * rb..(o * nb + b + 1) * rb];
-                let dst = &mut p.quants[q0 + gb * qb..q0 + (gb + 1) * qb];
+                let dst = &mut p.quants[gb * qb..(gb + 1) * qb];
                 for t in 0..qb / LANES / 4 {
                     let at = (t * LANES + lane) * 4;
                     dst[at..at + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
@@ -223,7 +221,7 @@ impl Packed32 {
     fn block(&self, g: usize, b: usize) -> Block<'_> {
         let gb = g * self.nb + b;
         let qb = self.form.packed_bytes() * LANES;
-        let q = self.q0 + gb * qb;
+        let q = gb * qb;
         Block {
             quants: &self.quants[q..q + qb],
             d: if self.d.is_empty() {

@@ -1,0 +1,169 @@
+//! Memory for repacked weights.
+//!
+//! A repacked weight is written once at load and then streamed at every matmul, so its
+//! bytes live in their own anonymous mapping, aligned to 2 MiB and advised as
+//! transparent huge pages (`MADV_HUGEPAGE`, what the common
+//! `transparent_hugepage=madvise` setting waits for): one TLB entry per 2 MiB instead
+//! of per 4 KiB while a decode step streams every weight, and one page fault per 2 MiB
+//! at load. Small buffers, other systems, a refused mapping, or
+//! `AGENTSTACK_HUGE_PAGES=off` get an ordinary `Vec`; nothing but speed depends on which.
+//! (Huge pages cost more at load where the OS must find and zero 2 MiB of fresh memory
+//! at a time: in a virtual machine whose host backs guest memory lazily, that is what
+//! dominates load time.)
+
+use std::ops::{Deref, DerefMut};
+
+use rayon::prelude::*;
+
+/// The huge page size of x86-64 (and of aarch64 with 4 KiB pages).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A cache line.
+const CACHE_LINE: usize = 64;
+
+/// Buffers smaller than this stay on the heap.
+const MIN_LEN: usize = HUGE_PAGE;
+
+/// Zeroed bytes of a repacked weight, from a 64-byte boundary at least (so no 512-bit
+/// load of a kernel step straddles two cache lines; a heap allocation is only 16-byte
+/// aligned).
+#[derive(Default)]
+pub(crate) struct WeightBytes(Backing);
+
+#[derive(Default)]
+enum Backing {
+    #[default]
+    Empty,
+    /// The bytes are `v[start..start + len]`, from a 64-byte boundary.
+    Heap {
+        v: Vec<u8>,
+        start: usize,
+        len: usize,
+    },
+    /// A mapping with room to align: the bytes are `map[start..start + len]`.
+    #[cfg_attr(not(target_os = "linux"), expect(dead_code, reason = "Linux only"))]
+    Mapped {
+        map: memmap2::MmapMut,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl WeightBytes {
+    /// `len` zero bytes.
+    pub(crate) fn zeroed(len: usize) -> Self {
+        if len == 0 {
+            return Self(Backing::Empty);
+        }
+        if len >= MIN_LEN
+            && huge_pages_on()
+            && let Some(backing) = huge(len)
+        {
+            return Self(backing);
+        }
+        let v = vec![0; len + CACHE_LINE - 1];
+        let start = v.as_ptr().align_offset(CACHE_LINE).min(CACHE_LINE - 1);
+        Self(Backing::Heap { v, start, len })
+    }
+
+    /// Whether it is backed by a mapping advised as huge pages (the kernel may still
+    /// give small ones).
+    #[cfg(test)]
+    fn is_mapped(&self) -> bool {
+        matches!(self.0, Backing::Mapped { .. })
+    }
+}
+
+/// Whether weights go on huge pages: unless `AGENTSTACK_HUGE_PAGES` is `off` (or `0`),
+/// read once.
+fn huge_pages_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("AGENTSTACK_HUGE_PAGES").as_deref(),
+            Ok("off" | "0")
+        )
+    })
+}
+
+/// A fresh anonymous mapping (zeroed by the OS) of `len` bytes from a 2 MiB boundary,
+/// advised as huge pages; None if the OS refuses either.
+#[cfg(target_os = "linux")]
+fn huge(len: usize) -> Option<Backing> {
+    let map = memmap2::MmapMut::map_anon(len.checked_add(HUGE_PAGE)?).ok()?;
+    let start = (map.as_ptr() as usize).next_multiple_of(HUGE_PAGE) - map.as_ptr() as usize;
+    let span = len.next_multiple_of(HUGE_PAGE);
+    // The pages past `start + span` are never touched; advise the whole aligned span.
+    let advised = span.min(map.len() - start);
+    map.advise_range(memmap2::Advice::HugePage, start, advised)
+        .ok()?;
+    let mut map = map;
+    // Fault the pages in on every thread of the pool: a huge page's fault zeroes 2 MiB,
+    // which is most of what loading costs where fresh memory is slow to come by.
+    map[start..start + len]
+        .par_chunks_mut(HUGE_PAGE)
+        .for_each(|page| page[0] = 0);
+    Some(Backing::Mapped { map, start, len })
+}
+
+#[cfg(not(target_os = "linux"))]
+fn huge(_: usize) -> Option<Backing> {
+    None
+}
+
+impl Deref for WeightBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match &self.0 {
+            Backing::Empty => &[],
+            Backing::Heap { v, start, len } => &v[*start..*start + *len],
+            Backing::Mapped { map, start, len } => &map[*start..*start + *len],
+        }
+    }
+}
+
+impl DerefMut for WeightBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &mut self.0 {
+            Backing::Empty => &mut [],
+            Backing::Heap { v, start, len } => &mut v[*start..*start + *len],
+            Backing::Mapped { map, start, len } => &mut map[*start..*start + *len],
+        }
+    }
+}
+
+impl std::fmt::Debug for WeightBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WeightBytes({} bytes)", self.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_zeroed_writable_and_aligned_when_mapped() {
+        for len in [0, 1, 1000, MIN_LEN - 1, MIN_LEN, 3 * HUGE_PAGE + 12_345] {
+            let mut b = WeightBytes::zeroed(len);
+            assert_eq!(b.len(), len);
+            assert!(b.iter().all(|&x| x == 0), "{len}");
+            if let Some(last) = b.last_mut() {
+                *last = 7;
+            }
+            assert_eq!(
+                b.iter().map(|&x| usize::from(x)).sum::<usize>(),
+                7 * usize::from(len > 0)
+            );
+            if len > 0 {
+                assert_eq!(b.as_ptr() as usize % CACHE_LINE, 0, "{len}");
+            }
+            if b.is_mapped() {
+                assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0);
+            }
+        }
+        #[cfg(target_os = "linux")]
+        assert_eq!(WeightBytes::zeroed(MIN_LEN).is_mapped(), huge_pages_on());
+    }
+}
