@@ -10,6 +10,8 @@
 //!    answering rounds of 8 concurrent `/v1/completions` requests (greedy,
 //!    `max_tokens` 128, `ignore_eos`) from one load generator on 127.0.0.1.
 //! 3. **Cost floor**: $ per million generated tokens at an assumed machine price.
+//! 4. **Startup**: load time and peak memory of each engine loading the model and
+//!    computing one token in a fresh process (see [`startup`]).
 //!
 //! Progress goes to stderr, the tables (markdown) to stdout, every figure to a JSON
 //! file, and with `--write-results` the tables are appended to `bench/RESULTS.md`.
@@ -24,6 +26,7 @@ mod random_model;
 mod report;
 mod servers;
 mod settings;
+mod startup;
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -264,6 +267,25 @@ async fn run(args: Args) -> Result<()> {
             settings.models.len(),
             bytes_per_token as f64 / (1024.0 * 1024.0)
         );
+        let mut startup = None;
+        if plan.phases.contains(&Phase::Startup) {
+            let threads = plan.threads[0];
+            eprintln!(
+                "  load + first token: {} rounds at {threads} thread(s)",
+                plan.repetitions
+            );
+            startup = Some(
+                startup::phase(
+                    &startup::llama_completion(&settings.llama_bench),
+                    model,
+                    threads,
+                    plan.repetitions,
+                    &log_dir,
+                    index,
+                )
+                .await?,
+            );
+        }
         let mut pp_tg = Vec::new();
         if plan.phases.contains(&Phase::PpTg) {
             pp_tg = pp_tg_phase(
@@ -300,6 +322,7 @@ async fn run(args: Args) -> Result<()> {
             weight_bytes_per_token: bytes_per_token,
             pp_tg,
             concurrent,
+            startup,
         });
     }
 
@@ -316,12 +339,32 @@ async fn run(args: Args) -> Result<()> {
         models: model_results,
         cost,
     };
-    let mut table = report::table(&results);
+    let throughput = plan.phases.contains(&Phase::PpTg) || plan.phases.contains(&Phase::Concurrent);
+    let mut table = if throughput {
+        report::table(&results)
+    } else {
+        String::new()
+    };
     if !results.bandwidth.is_empty() {
         table.push('\n');
         table.push_str(&report::bandwidth_line(&results));
     }
-    let cost_table = report::cost_table(&results);
+    let startups: Vec<_> = results
+        .models
+        .iter()
+        .filter_map(|m| m.startup.as_ref().map(|s| (m.label.clone(), s)))
+        .collect();
+    if !startups.is_empty() {
+        if !table.is_empty() {
+            table.push('\n');
+        }
+        table.push_str(&startup::table(&startups, plan.repetitions));
+    }
+    let cost_table = if throughput {
+        report::cost_table(&results)
+    } else {
+        String::new()
+    };
     println!("{table}\n{cost_table}");
 
     if let Some(parent) = settings.json.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -741,6 +784,16 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
              of weights read per decoded token (every 2-D weight matrix, the output head included; a tied embedding \
              counted once, as the head).",
             bandwidth::BUFFER_BYTES >> 20
+        );
+    }
+    if plan.phases.contains(&Phase::Startup) {
+        let _ = writeln!(
+            s,
+            "- Startup: each engine in a fresh process loads the model and computes one token, {} rounds alternating \
+             (ours: `Model::forward` on one prompt token then one decoded token in a child process; llama.cpp: \
+             `llama-completion -m MODEL -p Hi -n 1 --no-warmup -no-cnv -t T`), at the first thread count; wall time from \
+             spawn to exit, peak RSS from `wait4`'s `ru_maxrss`; the file is in the page cache.",
+            plan.repetitions
         );
     }
     if plan.phases.contains(&Phase::Concurrent) {

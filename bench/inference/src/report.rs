@@ -158,6 +158,8 @@ pub struct ModelResults {
     pub pp_tg: Vec<PpTg>,
     /// Concurrent requests, per thread count.
     pub concurrent: Vec<Concurrent>,
+    /// Load time and peak memory.
+    pub startup: Option<crate::startup::Startup>,
 }
 
 /// One measured round of one server.

@@ -68,6 +68,9 @@ pub enum Phase {
     /// Aggregate throughput of concurrent `/v1/completions` requests: `llama-server`
     /// against `agentstack model serve`.
     Concurrent,
+    /// Load time and peak memory: each engine loads the model and computes one token
+    /// in a fresh process (`llama-completion` against our forward pass).
+    Startup,
 }
 
 /// Which kernels our side runs.
@@ -183,9 +186,9 @@ impl Settings {
             // Serving every model of a set would take hours: pp/tg only, unless asked.
             phases: dedup(args.only.clone().unwrap_or_else(|| {
                 if several {
-                    vec![Phase::PpTg]
+                    vec![Phase::Startup, Phase::PpTg]
                 } else {
-                    vec![Phase::PpTg, Phase::Concurrent]
+                    vec![Phase::Startup, Phase::PpTg, Phase::Concurrent]
                 }
             })),
             threads: dedup(
@@ -274,18 +277,20 @@ impl Settings {
         }
         let llama_bench = llama_dir.join("llama-bench");
         let llama_server = llama_dir.join("llama-server");
-        let needed: &[&Path] = match (
-            plan.phases.contains(&Phase::PpTg),
-            plan.phases.contains(&Phase::Concurrent),
-        ) {
-            (true, true) => &[&llama_bench, &llama_server],
-            (true, false) => &[&llama_bench],
-            (false, _) => &[&llama_server],
-        };
+        let llama_completion = crate::startup::llama_completion(&llama_bench);
+        let needed: Vec<&Path> = [
+            (Phase::PpTg, &llama_bench),
+            (Phase::Concurrent, &llama_server),
+            (Phase::Startup, &llama_completion),
+        ]
+        .into_iter()
+        .filter(|(phase, _)| plan.phases.contains(phase))
+        .map(|(_, tool)| tool.as_path())
+        .collect();
         for tool in needed {
             if !tool.is_file() {
                 user_error!(
-                    "{} does not exist\nhint: run scripts/install-llamacpp, or pass --llamacpp-bin (or set {}) to a folder with llama-bench and llama-server",
+                    "{} does not exist\nhint: run scripts/install-llamacpp, or pass --llamacpp-bin (or set {}) to a folder with llama-bench, llama-server and llama-completion",
                     tool.display(),
                     env_vars::AGENTSTACK_LLAMACPP_BIN
                 );
