@@ -34,6 +34,7 @@
 //!   `[g][lane]`. `d`: `[gs·16 + lane]`. The weight is the unsigned 6 bits minus 32.
 
 use half::f16;
+use rayon::prelude::*;
 
 use super::memory::WeightBytes;
 use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scales, word_at};
@@ -51,6 +52,12 @@ const SMALL: usize = 16 * LANES;
 const HIGH: usize = 32 * LANES;
 /// Bytes of Q6_K's top two bits per group and super-block.
 const HIGH6: usize = 64 * LANES;
+/// How far ahead of its loads, in bytes of packed quants, a SIMD kernel asks for the
+/// cache line it will read (one prefetch per 64 bytes at its first read; the arrays of
+/// high bits, a half or a quarter of the quants' size, at the same distance in blocks).
+/// A group's super-blocks, and the groups, follow each other in each array, so decode
+/// streams every array front to back; the blocks-of-32 kernels' distance (`packed32.rs`).
+const PREFETCH: usize = 16 << 10;
 
 /// Which K-quant a [`KPacked`] holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +120,15 @@ struct Block<'a> {
     high: &'a [u8],
 }
 
+/// One group's slots of every [`KPacked`] array, to fill.
+struct GroupMut<'a> {
+    quants: &'a mut [u8],
+    small: &'a mut [u8],
+    d: &'a mut [f32],
+    dmin: &'a mut [f32],
+    high: &'a mut [u8],
+}
+
 impl KPacked {
     /// Repacks the file's bytes of a `[out, in]` weight (`in` a multiple of 256).
     pub(super) fn pack(ty: KType, data: &[u8], out: usize, nb: usize) -> Self {
@@ -139,84 +155,114 @@ impl KPacked {
         let half_at =
             |block: &[u8], i: usize| f16::from_le_bytes([block[i], block[i + 1]]).to_f32();
         let bb = ty.block_bytes();
-        for o in 0..out {
-            let (g, lane) = (o / LANES, o % LANES);
-            for b in 0..nb {
-                let block = &data[(o * nb + b) * bb..(o * nb + b + 1) * bb];
-                let gs = g * nb + b;
-                let q = &mut p.quants[gs * ty.quant_bytes()..(gs + 1) * ty.quant_bytes()];
-                let small = &mut p.small[gs * SMALL..(gs + 1) * SMALL];
-                match ty {
-                    KType::Q2K | KType::Q3K => {
-                        let high = match ty {
-                            KType::Q3K => &mut p.high[gs * HIGH..(gs + 1) * HIGH],
-                            _ => &mut [],
-                        };
-                        let (d, dmin) = Self::pack_low(ty, block, lane, (q, small, high));
-                        p.d[gs * LANES + lane] = d;
-                        if ty == KType::Q2K {
-                            p.dmin[gs * LANES + lane] = dmin;
-                        }
-                    }
-                    KType::Q4K | KType::Q5K => {
-                        p.d[gs * LANES + lane] = half_at(block, 0);
-                        p.dmin[gs * LANES + lane] = half_at(block, 2);
-                        let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
-                        let sub = unpack_q4k_scales(packed);
-                        for j in 0..8 {
-                            small[j * LANES + lane] = sub[j];
-                        }
-                        for pair in 0..4 {
-                            for e in 0..2 {
-                                small[128 + (pair * LANES + lane) * 2 + e] = sub[8 + 2 * pair + e];
+        // Each group's slots are contiguous in every array: the groups are packed in
+        // parallel, each into its own slices.
+        let (qb, hb) = (ty.quant_bytes(), p.high.len() / slots.max(1));
+        let mut parts = Vec::with_capacity(groups);
+        let mut rest = (
+            &mut p.quants[..],
+            &mut p.small[..],
+            &mut p.d[..],
+            &mut p.dmin[..],
+            &mut p.high[..],
+        );
+        for _ in 0..groups {
+            let (quants, q) = std::mem::take(&mut rest.0).split_at_mut(nb * qb);
+            let (small, s) = std::mem::take(&mut rest.1).split_at_mut(nb * SMALL);
+            let (d, dd) = std::mem::take(&mut rest.2).split_at_mut(nb * LANES);
+            let dm = std::mem::take(&mut rest.3);
+            let (dmin, dm) = dm.split_at_mut(if dm.is_empty() { 0 } else { nb * LANES });
+            let (high, h) = std::mem::take(&mut rest.4).split_at_mut(nb * hb);
+            rest = (q, s, dd, dm, h);
+            parts.push(GroupMut {
+                quants,
+                small,
+                d,
+                dmin,
+                high,
+            });
+        }
+        parts.into_par_iter().enumerate().for_each(|(g, grp)| {
+            for o in g * LANES..out.min((g + 1) * LANES) {
+                let lane = o % LANES;
+                for b in 0..nb {
+                    let block = &data[(o * nb + b) * bb..(o * nb + b + 1) * bb];
+                    let gs = b;
+                    let q = &mut grp.quants[gs * ty.quant_bytes()..(gs + 1) * ty.quant_bytes()];
+                    let small = &mut grp.small[gs * SMALL..(gs + 1) * SMALL];
+                    match ty {
+                        KType::Q2K | KType::Q3K => {
+                            let high = match ty {
+                                KType::Q3K => &mut grp.high[gs * HIGH..(gs + 1) * HIGH],
+                                _ => &mut [],
+                            };
+                            let (d, dmin) = Self::pack_low(ty, block, lane, (q, small, high));
+                            grp.d[gs * LANES + lane] = d;
+                            if ty == KType::Q2K {
+                                grp.dmin[gs * LANES + lane] = dmin;
                             }
                         }
-                        // Q5_K: 32 bytes of fifth bits before the nibbles; value l of chunk
-                        // i takes bit 2i (low nibbles) or 2i + 1 (high) of byte l.
-                        let (qh, qs) = if ty == KType::Q5K {
-                            (&block[16..48], &block[48..176])
-                        } else {
-                            (&block[..0], &block[16..144])
-                        };
-                        for i in 0..4 {
-                            for t in 0..8 {
-                                let at = ((i * 8 + t) * LANES + lane) * 4;
-                                q[at..at + 4]
-                                    .copy_from_slice(&qs[32 * i + 4 * t..32 * i + 4 * t + 4]);
-                                if ty == KType::Q5K {
-                                    let mut byte = 0u8;
-                                    for k in 0..4 {
-                                        let h = qh[4 * t + k];
-                                        byte |= ((h >> (2 * i)) & 1) << k;
-                                        byte |= ((h >> (2 * i + 1)) & 1) << (4 + k);
+                        KType::Q4K | KType::Q5K => {
+                            grp.d[gs * LANES + lane] = half_at(block, 0);
+                            grp.dmin[gs * LANES + lane] = half_at(block, 2);
+                            let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
+                            let sub = unpack_q4k_scales(packed);
+                            for j in 0..8 {
+                                small[j * LANES + lane] = sub[j];
+                            }
+                            for pair in 0..4 {
+                                for e in 0..2 {
+                                    small[128 + (pair * LANES + lane) * 2 + e] =
+                                        sub[8 + 2 * pair + e];
+                                }
+                            }
+                            // Q5_K: 32 bytes of fifth bits before the nibbles; value l of chunk
+                            // i takes bit 2i (low nibbles) or 2i + 1 (high) of byte l.
+                            let (qh, qs) = if ty == KType::Q5K {
+                                (&block[16..48], &block[48..176])
+                            } else {
+                                (&block[..0], &block[16..144])
+                            };
+                            for i in 0..4 {
+                                for t in 0..8 {
+                                    let at = ((i * 8 + t) * LANES + lane) * 4;
+                                    q[at..at + 4]
+                                        .copy_from_slice(&qs[32 * i + 4 * t..32 * i + 4 * t + 4]);
+                                    if ty == KType::Q5K {
+                                        let mut byte = 0u8;
+                                        for k in 0..4 {
+                                            let h = qh[4 * t + k];
+                                            byte |= ((h >> (2 * i)) & 1) << k;
+                                            byte |= ((h >> (2 * i + 1)) & 1) << (4 + k);
+                                        }
+                                        grp.high[gs * HIGH + (i * 8 + t) * LANES + lane] = byte;
                                     }
-                                    p.high[gs * HIGH + (i * 8 + t) * LANES + lane] = byte;
                                 }
                             }
                         }
-                    }
-                    KType::Q6K => {
-                        p.d[gs * LANES + lane] = half_at(block, 208);
-                        for g16 in 0..16 {
-                            small[g16 * LANES + lane] = block[192 + g16];
-                        }
-                        let (low, high) = block[..192].split_at(128);
-                        for g16 in 0..16 {
-                            let hi = usize::from(g16 >= 8);
-                            for t in 0..4 {
-                                let step = (g16 % 8) * 4 + t;
-                                for k in 0..4 {
-                                    let v = q6k_value(low, high, 16 * g16 + 4 * t + k);
-                                    q[(step * LANES + lane) * 4 + k] |= (v & 0x0F) << (4 * hi);
-                                    p.high[gs * HIGH6 + (step * LANES + lane) * 2 + hi] |=
-                                        (v >> 4) << (2 * k);
+                        KType::Q6K => {
+                            grp.d[gs * LANES + lane] = half_at(block, 208);
+                            for g16 in 0..16 {
+                                small[g16 * LANES + lane] = block[192 + g16];
+                            }
+                            let (low, high) = block[..192].split_at(128);
+                            for g16 in 0..16 {
+                                let hi = usize::from(g16 >= 8);
+                                for t in 0..4 {
+                                    let step = (g16 % 8) * 4 + t;
+                                    for k in 0..4 {
+                                        let v = q6k_value(low, high, 16 * g16 + 4 * t + k);
+                                        q[(step * LANES + lane) * 4 + k] |= (v & 0x0F) << (4 * hi);
+                                        grp.high[gs * HIGH6 + (step * LANES + lane) * 2 + hi] |=
+                                            (v >> 4) << (2 * k);
+                                    }
                                 }
                             }
                         }
                     }
                 }
             }
-        }
+        });
         p
     }
 
@@ -421,7 +467,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::lowk::avx512::q23k;
-    use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair, word_at};
+    use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
@@ -493,6 +539,18 @@ mod avx512 {
                     // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them; the
                     // activation words lie within the row's super-block.
                     unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
+                        );
+                        if FIVE && t % 4 == 0 {
+                            // 64 bytes of fifth bits per four steps.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                blk.high
+                                    .as_ptr()
+                                    .wrapping_add((i * 8 + t) * LANES + PREFETCH / 4)
+                                    .cast(),
+                            );
+                        }
                         let w = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
                         let mut wl = _mm512_and_si512(w, low);
                         let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
@@ -645,6 +703,13 @@ mod avx512 {
                     // 1024 top-bit bytes; the activation words lie within the row's
                     // super-block.
                     unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + PREFETCH).cast());
+                        if step % 2 == 0 {
+                            // 64 bytes of top bits per two steps.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                hp.wrapping_add(step * 32 + PREFETCH / 2).cast(),
+                            );
+                        }
                         let w = _mm512_loadu_si512(q.add(step * 64).cast());
                         let top =
                             _mm512_cvtepu16_epi32(_mm256_loadu_si256(hp.add(step * 32).cast()));
@@ -707,7 +772,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::lowk::avx2::q23k;
-    use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair, word_at};
+    use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
 
     /// # Safety
     /// The CPU must support AVX2 and FMA; `rows` (at most four) must hold `p.nb`
@@ -816,6 +881,19 @@ mod avx2 {
                     // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
                     // them; the activation words lie within the row's super-block.
                     unsafe {
+                        if j % 2 == 0 {
+                            // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
+                            );
+                            if FIVE && t % 4 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    p_high(&blk)
+                                        .wrapping_add((i * 8 + t) * LANES + PREFETCH / 4)
+                                        .cast(),
+                                );
+                            }
+                        }
                         let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
                         let mut w =
                             _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
@@ -931,6 +1009,14 @@ mod avx2 {
                         // SAFETY: step's 64 nibble bytes (half h: 32) and 32 top-bit bytes
                         // (half h: 16); the activation words lie within the row's block.
                         unsafe {
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                q.wrapping_add(step * 64 + PREFETCH).cast(),
+                            );
+                            if step % 2 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    hp.wrapping_add(step * 32 + PREFETCH / 2).cast(),
+                                );
+                            }
                             let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
                             let top = _mm256_cvtepu16_epi32(_mm_loadu_si128(
                                 hp.add(step * 32 + 16 * h).cast(),
