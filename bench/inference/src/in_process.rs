@@ -202,6 +202,38 @@ impl TokenIds {
     }
 }
 
+/// The child's command line: this binary's `__measure` on `model`, `prompt_tokens`
+/// and `gen_tokens` per run, `repetitions` timed runs, at `threads` threads with
+/// `kernels`.
+pub fn measure_command(
+    model: &Path,
+    (prompt_tokens, gen_tokens, repetitions): (usize, usize, usize),
+    threads: usize,
+    kernels: Kernels,
+) -> Result<std::process::Command> {
+    let exe = std::env::current_exe().context("finding this benchmark's own binary")?;
+    let mut command = std::process::Command::new(exe);
+    command
+        .arg("__measure")
+        .arg("--model")
+        .arg(model)
+        .args([
+            "--prompt-tokens",
+            &prompt_tokens.to_string(),
+            "--gen-tokens",
+            &gen_tokens.to_string(),
+            "--repetitions",
+            &repetitions.to_string(),
+        ])
+        .env(env_vars::RAYON_NUM_THREADS, threads.to_string())
+        .env(env_vars::CANDLE_NUM_THREADS, threads.to_string())
+        .env_remove(env_vars::AGENTSTACK_KERNELS);
+    if let Some(cap) = kernels.env_value() {
+        command.env(env_vars::AGENTSTACK_KERNELS, cap);
+    }
+    Ok(command)
+}
+
 /// Runs the measurement at `threads` threads with `kernels` in a child process and
 /// reads back what it measured, or that it cannot load the model.
 pub async fn run_child(
@@ -210,30 +242,17 @@ pub async fn run_child(
     threads: usize,
     kernels: Kernels,
 ) -> Result<Outcome> {
-    let exe = std::env::current_exe().context("finding this benchmark's own binary")?;
-    let mut command = Command::new(exe);
+    let mut command = Command::from(measure_command(
+        model,
+        (plan.prompt_tokens, plan.gen_tokens, plan.repetitions),
+        threads,
+        kernels,
+    )?);
     command
-        .arg("__measure")
-        .arg("--model")
-        .arg(model)
-        .args([
-            "--prompt-tokens",
-            &plan.prompt_tokens.to_string(),
-            "--gen-tokens",
-            &plan.gen_tokens.to_string(),
-            "--repetitions",
-            &plan.repetitions.to_string(),
-        ])
-        .env(env_vars::RAYON_NUM_THREADS, threads.to_string())
-        .env(env_vars::CANDLE_NUM_THREADS, threads.to_string())
-        .env_remove(env_vars::AGENTSTACK_KERNELS)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true);
-    if let Some(cap) = kernels.env_value() {
-        command.env(env_vars::AGENTSTACK_KERNELS, cap);
-    }
     let output = timeout(CHILD_TIMEOUT, command.output())
         .await
         .with_context(|| {

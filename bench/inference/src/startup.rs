@@ -18,7 +18,7 @@ use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
 use crate::report::Rate;
-use crate::settings::env_vars;
+use crate::settings::Kernels;
 
 /// Longest one process may take.
 const PROCESS_TIMEOUT: Duration = Duration::from_secs(10 * 60);
@@ -121,26 +121,11 @@ fn measure(mut command: Command) -> Result<Measured> {
     })
 }
 
-/// Our side's command: this binary, measuring one token.
+/// Our side's command: this binary, measuring one token with the native kernels.
 fn ours(model: &Path, threads: usize) -> Result<Command> {
-    let exe = std::env::current_exe().context("finding this benchmark's own binary")?;
-    let mut command = Command::new(exe);
-    command
-        .arg("__measure")
-        .arg("--model")
-        .arg(model)
-        .args([
-            "--prompt-tokens",
-            "1",
-            "--gen-tokens",
-            "1",
-            "--repetitions",
-            "0",
-        ])
-        .env(env_vars::RAYON_NUM_THREADS, threads.to_string())
-        .env(env_vars::CANDLE_NUM_THREADS, threads.to_string())
-        .env_remove(env_vars::AGENTSTACK_KERNELS)
-        .stderr(Stdio::null());
+    let mut command =
+        crate::in_process::measure_command(model, (1, 1, 0), threads, Kernels::Native)?;
+    command.stderr(Stdio::null());
     Ok(command)
 }
 

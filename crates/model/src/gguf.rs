@@ -361,12 +361,7 @@ impl GgufFile {
 
     /// Maps tensor `name`'s blocks from the file, with the checks of [`Self::weight`].
     pub fn map(&self, name: &str) -> Result<MappedTensor> {
-        let Some(info) = self.tensor_infos.get(name) else {
-            return Err(ModelError::BadTensor {
-                name: name.to_owned(),
-                reason: "missing from the file".into(),
-            });
-        };
+        let info = entry(&self.tensor_infos, name)?;
         let gguf = |source| ModelError::Gguf {
             path: self.path.clone(),
             source,
@@ -422,12 +417,7 @@ impl GgufFile {
     /// Reads tensor `name` into memory: candle's tensor for the types candle reads, the
     /// raw blocks for the others.
     pub fn weight(&mut self, name: &str) -> Result<Weight> {
-        let Some(info) = self.tensor_infos.get(name) else {
-            return Err(ModelError::BadTensor {
-                name: name.to_owned(),
-                reason: "missing from the file".into(),
-            });
-        };
+        let info = entry(&self.tensor_infos, name)?;
         let gguf = |source| ModelError::Gguf {
             path: self.path.clone(),
             source,
@@ -457,6 +447,14 @@ impl GgufFile {
             }
         }
     }
+}
+
+/// Tensor `name`'s directory entry.
+fn entry<'a>(infos: &'a HashMap<String, TensorInfo>, name: &str) -> Result<&'a TensorInfo> {
+    infos.get(name).ok_or_else(|| ModelError::BadTensor {
+        name: name.to_owned(),
+        reason: "missing from the file".into(),
+    })
 }
 
 /// Values in a tensor of shape `dims`, refused when they overflow (candle's reader
