@@ -37,7 +37,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::memory::WeightBytes;
-use super::{ActRow, K_SUMS, QK_K, q4k_step, q6k_step, q6k_value, unpack_q4k_scales, word_at};
+use super::{
+    ActRow, K_SUMS, QK_K, per_group, q4k_step, q6k_step, q6k_value, unpack_q4k_scales, word_at,
+};
 
 mod lowk;
 
@@ -155,114 +157,107 @@ impl KPacked {
         let half_at =
             |block: &[u8], i: usize| f16::from_le_bytes([block[i], block[i + 1]]).to_f32();
         let bb = ty.block_bytes();
-        // Each group's slots are contiguous in every array: the groups are packed in
-        // parallel, each into its own slices.
-        let (qb, hb) = (ty.quant_bytes(), p.high.len() / slots.max(1));
-        let mut parts = Vec::with_capacity(groups);
-        let mut rest = (
-            &mut p.quants[..],
-            &mut p.small[..],
-            &mut p.d[..],
-            &mut p.dmin[..],
-            &mut p.high[..],
+        let parts = (
+            per_group(&mut p.quants, groups),
+            per_group(&mut p.small, groups),
+            per_group(&mut p.d, groups),
+            per_group(&mut p.dmin, groups),
+            per_group(&mut p.high, groups),
         );
-        for _ in 0..groups {
-            let (quants, q) = std::mem::take(&mut rest.0).split_at_mut(nb * qb);
-            let (small, s) = std::mem::take(&mut rest.1).split_at_mut(nb * SMALL);
-            let (d, dd) = std::mem::take(&mut rest.2).split_at_mut(nb * LANES);
-            let dm = std::mem::take(&mut rest.3);
-            let (dmin, dm) = dm.split_at_mut(if dm.is_empty() { 0 } else { nb * LANES });
-            let (high, h) = std::mem::take(&mut rest.4).split_at_mut(nb * hb);
-            rest = (q, s, dd, dm, h);
-            parts.push(GroupMut {
-                quants,
-                small,
-                d,
-                dmin,
-                high,
-            });
-        }
-        parts.into_par_iter().enumerate().for_each(|(g, grp)| {
-            for o in g * LANES..out.min((g + 1) * LANES) {
-                let lane = o % LANES;
-                for b in 0..nb {
-                    let block = &data[(o * nb + b) * bb..(o * nb + b + 1) * bb];
-                    let gs = b;
-                    let q = &mut grp.quants[gs * ty.quant_bytes()..(gs + 1) * ty.quant_bytes()];
-                    let small = &mut grp.small[gs * SMALL..(gs + 1) * SMALL];
-                    match ty {
-                        KType::Q2K | KType::Q3K => {
-                            let high = match ty {
-                                KType::Q3K => &mut grp.high[gs * HIGH..(gs + 1) * HIGH],
-                                _ => &mut [],
-                            };
-                            let (d, dmin) = Self::pack_low(ty, block, lane, (q, small, high));
-                            grp.d[gs * LANES + lane] = d;
-                            if ty == KType::Q2K {
-                                grp.dmin[gs * LANES + lane] = dmin;
-                            }
-                        }
-                        KType::Q4K | KType::Q5K => {
-                            grp.d[gs * LANES + lane] = half_at(block, 0);
-                            grp.dmin[gs * LANES + lane] = half_at(block, 2);
-                            let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
-                            let sub = unpack_q4k_scales(packed);
-                            for j in 0..8 {
-                                small[j * LANES + lane] = sub[j];
-                            }
-                            for pair in 0..4 {
-                                for e in 0..2 {
-                                    small[128 + (pair * LANES + lane) * 2 + e] =
-                                        sub[8 + 2 * pair + e];
+        parts
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(g, (quants, small, d, dmin, high))| {
+                let grp = GroupMut {
+                    quants,
+                    small,
+                    d,
+                    dmin,
+                    high,
+                };
+                for o in g * LANES..out.min((g + 1) * LANES) {
+                    let lane = o % LANES;
+                    for b in 0..nb {
+                        let block = &data[(o * nb + b) * bb..(o * nb + b + 1) * bb];
+                        let gs = b;
+                        let q = &mut grp.quants[gs * ty.quant_bytes()..(gs + 1) * ty.quant_bytes()];
+                        let small = &mut grp.small[gs * SMALL..(gs + 1) * SMALL];
+                        match ty {
+                            KType::Q2K | KType::Q3K => {
+                                let high = match ty {
+                                    KType::Q3K => &mut grp.high[gs * HIGH..(gs + 1) * HIGH],
+                                    _ => &mut [],
+                                };
+                                let (d, dmin) = Self::pack_low(ty, block, lane, (q, small, high));
+                                grp.d[gs * LANES + lane] = d;
+                                if ty == KType::Q2K {
+                                    grp.dmin[gs * LANES + lane] = dmin;
                                 }
                             }
-                            // Q5_K: 32 bytes of fifth bits before the nibbles; value l of chunk
-                            // i takes bit 2i (low nibbles) or 2i + 1 (high) of byte l.
-                            let (qh, qs) = if ty == KType::Q5K {
-                                (&block[16..48], &block[48..176])
-                            } else {
-                                (&block[..0], &block[16..144])
-                            };
-                            for i in 0..4 {
-                                for t in 0..8 {
-                                    let at = ((i * 8 + t) * LANES + lane) * 4;
-                                    q[at..at + 4]
-                                        .copy_from_slice(&qs[32 * i + 4 * t..32 * i + 4 * t + 4]);
-                                    if ty == KType::Q5K {
-                                        let mut byte = 0u8;
-                                        for k in 0..4 {
-                                            let h = qh[4 * t + k];
-                                            byte |= ((h >> (2 * i)) & 1) << k;
-                                            byte |= ((h >> (2 * i + 1)) & 1) << (4 + k);
+                            KType::Q4K | KType::Q5K => {
+                                grp.d[gs * LANES + lane] = half_at(block, 0);
+                                grp.dmin[gs * LANES + lane] = half_at(block, 2);
+                                let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
+                                let sub = unpack_q4k_scales(packed);
+                                for j in 0..8 {
+                                    small[j * LANES + lane] = sub[j];
+                                }
+                                for pair in 0..4 {
+                                    for e in 0..2 {
+                                        small[128 + (pair * LANES + lane) * 2 + e] =
+                                            sub[8 + 2 * pair + e];
+                                    }
+                                }
+                                // Q5_K: 32 bytes of fifth bits before the nibbles; value l of chunk
+                                // i takes bit 2i (low nibbles) or 2i + 1 (high) of byte l.
+                                let (qh, qs) = if ty == KType::Q5K {
+                                    (&block[16..48], &block[48..176])
+                                } else {
+                                    (&block[..0], &block[16..144])
+                                };
+                                for i in 0..4 {
+                                    for t in 0..8 {
+                                        let at = ((i * 8 + t) * LANES + lane) * 4;
+                                        q[at..at + 4].copy_from_slice(
+                                            &qs[32 * i + 4 * t..32 * i + 4 * t + 4],
+                                        );
+                                        if ty == KType::Q5K {
+                                            let mut byte = 0u8;
+                                            for k in 0..4 {
+                                                let h = qh[4 * t + k];
+                                                byte |= ((h >> (2 * i)) & 1) << k;
+                                                byte |= ((h >> (2 * i + 1)) & 1) << (4 + k);
+                                            }
+                                            grp.high[gs * HIGH + (i * 8 + t) * LANES + lane] = byte;
                                         }
-                                        grp.high[gs * HIGH + (i * 8 + t) * LANES + lane] = byte;
                                     }
                                 }
                             }
-                        }
-                        KType::Q6K => {
-                            grp.d[gs * LANES + lane] = half_at(block, 208);
-                            for g16 in 0..16 {
-                                small[g16 * LANES + lane] = block[192 + g16];
-                            }
-                            let (low, high) = block[..192].split_at(128);
-                            for g16 in 0..16 {
-                                let hi = usize::from(g16 >= 8);
-                                for t in 0..4 {
-                                    let step = (g16 % 8) * 4 + t;
-                                    for k in 0..4 {
-                                        let v = q6k_value(low, high, 16 * g16 + 4 * t + k);
-                                        q[(step * LANES + lane) * 4 + k] |= (v & 0x0F) << (4 * hi);
-                                        grp.high[gs * HIGH6 + (step * LANES + lane) * 2 + hi] |=
-                                            (v >> 4) << (2 * k);
+                            KType::Q6K => {
+                                grp.d[gs * LANES + lane] = half_at(block, 208);
+                                for g16 in 0..16 {
+                                    small[g16 * LANES + lane] = block[192 + g16];
+                                }
+                                let (low, high) = block[..192].split_at(128);
+                                for g16 in 0..16 {
+                                    let hi = usize::from(g16 >= 8);
+                                    for t in 0..4 {
+                                        let step = (g16 % 8) * 4 + t;
+                                        for k in 0..4 {
+                                            let v = q6k_value(low, high, 16 * g16 + 4 * t + k);
+                                            q[(step * LANES + lane) * 4 + k] |=
+                                                (v & 0x0F) << (4 * hi);
+                                            grp.high
+                                                [gs * HIGH6 + (step * LANES + lane) * 2 + hi] |=
+                                                (v >> 4) << (2 * k);
+                                        }
                                     }
                                 }
                             }
                         }
                     }
                 }
-            }
-        });
+            });
         p
     }
 

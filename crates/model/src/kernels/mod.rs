@@ -53,6 +53,17 @@ const K_SUMS: usize = QK_K / 16;
 /// Activation rows handled together, so each unpacked weight block is used several times.
 const ROW_TILE: usize = 4;
 
+/// `v` cut into `groups` consecutive chunks of equal length (all empty when `v` is): a
+/// packed weight's arrays per group of rows, each group's slots being contiguous, so
+/// groups can be packed in parallel.
+fn per_group<T>(v: &mut [T], groups: usize) -> Vec<&mut [T]> {
+    let len = v.len().checked_div(groups).unwrap_or(0);
+    if len == 0 {
+        return (0..groups).map(|_| Default::default()).collect();
+    }
+    v.chunks_mut(len).collect()
+}
+
 /// The widest kernel family this CPU runs, detected once. `AGENTSTACK_KERNELS=avx2` or
 /// `=scalar` caps it (to compare kernel families on one machine).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

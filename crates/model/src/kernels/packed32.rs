@@ -30,9 +30,10 @@
 //! cache lines, and lie on huge pages where the OS gives them (`memory.rs`).
 
 use half::f16;
+use rayon::prelude::*;
 
 use super::memory::WeightBytes;
-use super::{ActRow, QK, word_at};
+use super::{ActRow, QK, per_group, word_at};
 
 /// Weight rows per group.
 pub(super) const LANES: usize = 16;
@@ -122,6 +123,15 @@ impl Block<'_> {
     }
 }
 
+/// One group's slots of [`Packed32`]'s arrays, to fill: quants, d, d16, m, high.
+type Parts<'a> = (
+    &'a mut [u8],
+    &'a mut [f32],
+    &'a mut [f16],
+    &'a mut [f32],
+    &'a mut [u8],
+);
+
 impl Packed32 {
     /// Repacks per-row arrays: `quants` (`form.row_bytes()` per block, row after row),
     /// `d` per block, `m` per block or empty.
@@ -170,46 +180,59 @@ impl Packed32 {
             },
         };
         let rb = form.row_bytes();
-        for o in 0..out {
-            let (g, lane) = (o / LANES, o % LANES);
-            for b in 0..nb {
-                let gb = g * nb + b;
-                let src = &quants[(o * nb + b) * rb..(o * nb + b + 1) * rb];
-                let dst = &mut p.quants[gb * qb..(gb + 1) * qb];
-                for t in 0..qb / LANES / 4 {
-                    let at = (t * LANES + lane) * 4;
-                    dst[at..at + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
-                    if bytes {
-                        dst[at..at + 4].iter_mut().for_each(|q| *q ^= 0x80);
-                    }
-                }
-                if five {
-                    let qh = u32::from_le_bytes(src[16..20].try_into().expect("4 bytes"));
-                    for t in 0..4 {
-                        let mut byte = 0u8;
-                        for k in 0..4 {
-                            byte |= (((qh >> (4 * t + k)) & 1) as u8) << k;
-                            byte |= (((qh >> (16 + 4 * t + k)) & 1) as u8) << (4 + k);
+        let parts = (
+            per_group(&mut p.quants, groups),
+            per_group(&mut p.d, groups),
+            per_group(&mut p.d16, groups),
+            per_group(&mut p.m, groups),
+            per_group(&mut p.high, groups),
+        );
+        let pack_group = |g: usize, (q, ds, d16s, ms, high): Parts<'_>| {
+            for o in g * LANES..out.min((g + 1) * LANES) {
+                let lane = o % LANES;
+                for b in 0..nb {
+                    let gb = b;
+                    let src = &quants[(o * nb + b) * rb..(o * nb + b + 1) * rb];
+                    let dst = &mut q[gb * qb..(gb + 1) * qb];
+                    for t in 0..qb / LANES / 4 {
+                        let at = (t * LANES + lane) * 4;
+                        dst[at..at + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
+                        if bytes {
+                            dst[at..at + 4].iter_mut().for_each(|q| *q ^= 0x80);
                         }
-                        p.high[gb * 4 * LANES + t * LANES + lane] = byte;
                     }
-                }
-                let scale = d[o * nb + b];
-                if bytes {
-                    let half = f16::from_f32(scale);
-                    assert!(
-                        half.to_f32().to_bits() == scale.to_bits(),
-                        "a byte block's scale {scale} is not an f16"
-                    );
-                    p.d16[gb * LANES + lane] = half;
-                } else {
-                    p.d[gb * LANES + lane] = scale;
-                }
-                if !m.is_empty() {
-                    p.m[gb * LANES + lane] = m[o * nb + b];
+                    if five {
+                        let qh = u32::from_le_bytes(src[16..20].try_into().expect("4 bytes"));
+                        for t in 0..4 {
+                            let mut byte = 0u8;
+                            for k in 0..4 {
+                                byte |= (((qh >> (4 * t + k)) & 1) as u8) << k;
+                                byte |= (((qh >> (16 + 4 * t + k)) & 1) as u8) << (4 + k);
+                            }
+                            high[gb * 4 * LANES + t * LANES + lane] = byte;
+                        }
+                    }
+                    let scale = d[o * nb + b];
+                    if bytes {
+                        let half = f16::from_f32(scale);
+                        assert!(
+                            half.to_f32().to_bits() == scale.to_bits(),
+                            "a byte block's scale {scale} is not an f16"
+                        );
+                        d16s[gb * LANES + lane] = half;
+                    } else {
+                        ds[gb * LANES + lane] = scale;
+                    }
+                    if !m.is_empty() {
+                        ms[gb * LANES + lane] = m[o * nb + b];
+                    }
                 }
             }
-        }
+        };
+        parts
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(g, part)| pack_group(g, part));
         p
     }
 
