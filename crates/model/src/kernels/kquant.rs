@@ -55,10 +55,13 @@ const HIGH: usize = 32 * LANES;
 /// Bytes of Q6_K's top two bits per group and super-block.
 const HIGH6: usize = 64 * LANES;
 /// How far ahead of its loads, in bytes of packed quants, a SIMD kernel asks for the
-/// cache line it will read (one prefetch per 64 bytes at its first read; the arrays of
-/// high bits, a half or a quarter of the quants' size, at the same distance in blocks).
-/// A group's super-blocks, and the groups, follow each other in each array, so decode
-/// streams every array front to back; the blocks-of-32 kernels' distance (`packed32.rs`).
+/// cache line it will read (one prefetch per 64 bytes, at the line's first read): a
+/// group's super-blocks, and the groups, follow each other, so decode streams the quants
+/// front to back; the blocks-of-32 kernels' distance (`packed32.rs`). The high-bit arrays
+/// (Q3_K, Q5_K, Q6_K: a half or a quarter of the quants' size) are not prefetched:
+/// doing so measured no faster in decode and made Q6_K's 64-row prefill 1.4x slower.
+/// Only the one-row kernels (decode) prefetch: in the four-row ones (prefill) it made
+/// Q5_K's 64-row product 2.5x slower and gained nothing elsewhere; 2-3 rows unmeasured.
 const PREFETCH: usize = 16 << 10;
 
 /// Which K-quant a [`KPacked`] holds.
@@ -534,16 +537,9 @@ mod avx512 {
                     // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them; the
                     // activation words lie within the row's super-block.
                     unsafe {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
-                        );
-                        if FIVE && t % 4 == 0 {
-                            // 64 bytes of fifth bits per four steps.
+                        if R == 1 {
                             _mm_prefetch::<_MM_HINT_T0>(
-                                blk.high
-                                    .as_ptr()
-                                    .wrapping_add((i * 8 + t) * LANES + PREFETCH / 4)
-                                    .cast(),
+                                q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
                             );
                         }
                         let w = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
@@ -698,11 +694,9 @@ mod avx512 {
                     // 1024 top-bit bytes; the activation words lie within the row's
                     // super-block.
                     unsafe {
-                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + PREFETCH).cast());
-                        if step % 2 == 0 {
-                            // 64 bytes of top bits per two steps.
+                        if R == 1 {
                             _mm_prefetch::<_MM_HINT_T0>(
-                                hp.wrapping_add(step * 32 + PREFETCH / 2).cast(),
+                                q.wrapping_add(step * 64 + PREFETCH).cast(),
                             );
                         }
                         let w = _mm512_loadu_si512(q.add(step * 64).cast());
@@ -876,18 +870,11 @@ mod avx2 {
                     // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
                     // them; the activation words lie within the row's super-block.
                     unsafe {
-                        if j % 2 == 0 {
+                        if R == 1 && j % 2 == 0 {
                             // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
                             _mm_prefetch::<_MM_HINT_T0>(
                                 q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
                             );
-                            if FIVE && t % 4 == 0 {
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    p_high(&blk)
-                                        .wrapping_add((i * 8 + t) * LANES + PREFETCH / 4)
-                                        .cast(),
-                                );
-                            }
                         }
                         let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
                         let mut w =
@@ -1004,12 +991,9 @@ mod avx2 {
                         // SAFETY: step's 64 nibble bytes (half h: 32) and 32 top-bit bytes
                         // (half h: 16); the activation words lie within the row's block.
                         unsafe {
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                q.wrapping_add(step * 64 + PREFETCH).cast(),
-                            );
-                            if step % 2 == 0 {
+                            if R == 1 {
                                 _mm_prefetch::<_MM_HINT_T0>(
-                                    hp.wrapping_add(step * 32 + PREFETCH / 2).cast(),
+                                    q.wrapping_add(step * 64 + PREFETCH).cast(),
                                 );
                             }
                             let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());

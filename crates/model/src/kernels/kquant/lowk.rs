@@ -178,7 +178,7 @@ pub(super) mod avx512 {
     use std::arch::x86_64::*;
 
     use super::super::super::word_at;
-    use super::super::pair;
+    use super::super::{PREFETCH, pair};
     use super::{ActRow, K_SUMS, KPacked, QK_K};
 
     /// Per shift `j` of half `n`: `vpdpbusd` of the sixteen rows' 2-bit (Q3_K: 3-bit
@@ -218,6 +218,12 @@ pub(super) mod avx512 {
                         // step t 64 of its 512 high-bit bytes); the activation words lie
                         // within the row's super-block.
                         unsafe {
+                            if R == 1 && j == 0 {
+                                // The first of the four shifts to read step (n, t).
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    q.wrapping_add((n * 8 + t) * 64 + PREFETCH).cast(),
+                                );
+                            }
                             let w = _mm512_loadu_si512(q.add((n * 8 + t) * 64).cast());
                             let mut w = _mm512_and_si512(_mm512_srl_epi16(w, shift), two_bits);
                             if THREE {
@@ -295,7 +301,7 @@ pub(super) mod avx2 {
 
     use super::super::super::word_at;
     use super::super::avx2::doubled;
-    use super::super::pair;
+    use super::super::{PREFETCH, pair};
     use super::{ActRow, K_SUMS, KPacked, QK_K};
 
     /// Scale pair `pr` of lanes `8h..8h + 8` as 16-bit pairs (one per lane), and Q2_K's
@@ -364,6 +370,12 @@ pub(super) mod avx2 {
                             // half h 32 of them (Q3_K: step t's 64 high-bit bytes); the
                             // activation words lie within the row's super-block.
                             unsafe {
+                                if R == 1 && j == 0 {
+                                    // The first of the four shifts to read step (n, t).
+                                    _mm_prefetch::<_MM_HINT_T0>(
+                                        q.wrapping_add((n * 8 + t) * 64 + PREFETCH).cast(),
+                                    );
+                                }
                                 let w = _mm256_loadu_si256(q.add((n * 8 + t) * 64 + 32 * h).cast());
                                 let mut w = _mm256_and_si256(_mm256_srl_epi16(w, shift), two_bits);
                                 if THREE {
