@@ -792,7 +792,7 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
             "- Startup: each engine in a fresh process loads the model and computes one token, {} rounds alternating \
              (ours: `Model::forward` on one prompt token then one decoded token in a child process; llama.cpp: \
              `llama-completion -m MODEL -p Hi -n 1 --no-warmup -no-cnv -t T`), at the first thread count; wall time from \
-             spawn to exit, peak RSS from `wait4`'s `ru_maxrss`; the file is in the page cache.",
+             spawn to exit, peak RSS its `VmHWM` read every 2 ms; the file is in the page cache.",
             plan.repetitions
         );
     }

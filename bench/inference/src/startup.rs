@@ -1,7 +1,6 @@
 //! Load time and memory: each engine, in a fresh process, loads the model and computes
 //! one token, in alternating rounds. The figures are the process's wall time, from
-//! spawn to exit, and its peak resident memory (`ru_maxrss` from `wait4`), next to the
-//! file's size: what a user waits for and pays for before the first token.
+//! spawn to exit, and its peak resident memory (`VmHWM`), next to the file's size: what a user waits for and pays for before the first token.
 //!
 //! - **agentstack**: this binary's `__measure` child, prefill of one token and one
 //!   decoded token (`--prompt-tokens 1 --gen-tokens 1 --repetitions 0`).
@@ -54,71 +53,65 @@ pub struct Startup {
 /// What one process took.
 struct Measured {
     seconds: f64,
-    peak_rss_kib: i64,
+    peak_rss_kib: u64,
 }
 
+/// How often a running process's peak RSS is read.
+const POLL: Duration = Duration::from_millis(2);
+
 /// Runs `command` to its end, with its wall time and peak RSS. Blocking.
+///
+/// The peak is the process's `VmHWM`, read every [`POLL`] while it runs (the last read
+/// at most that long before it exits). Not `wait4`'s `ru_maxrss`: Linux carries that
+/// over from the parent through fork and exec, so it would report this benchmark's own
+/// peak (its bandwidth buffers) for a child that used less.
 fn measure(mut command: Command) -> Result<Measured> {
     let started = Instant::now();
-    let child = command
+    let mut child = command
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
         .with_context(|| format!("starting {command:?}"))?;
-    let pid = libc::pid_t::try_from(child.id()).context("process id")?;
-    // A watchdog: a process past the timeout is killed (and then reaped below).
-    let (done, watched) = std::sync::mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
-        if watched.recv_timeout(PROCESS_TIMEOUT).is_err() {
-            // Our own child's id: nothing reaps it but the wait4 below, so the id is
-            // still this child's.
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak_rss_kib = 0;
+    let status = loop {
+        if let Some(kib) = std::fs::read_to_string(&status_file)
+            .ok()
+            .as_deref()
+            .and_then(peak_rss)
+        {
+            peak_rss_kib = peak_rss_kib.max(kib);
         }
-    });
-    let mut status = 0;
-    // SAFETY: rusage is a plain C struct for which all-zero bytes are a valid value.
-    #[expect(unsafe_code, reason = "a zeroed C struct")]
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let reaped = loop {
-        // SAFETY: wait4 on our own child, writing into the two locals above.
-        #[expect(
-            unsafe_code,
-            reason = "wait4(2) is the only way to read a child's rusage"
-        )]
-        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-        if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
+        if let Some(status) = child
+            .try_wait()
+            .with_context(|| format!("waiting for {command:?}"))?
+        {
+            break status;
         }
-        break r;
+        if started.elapsed() > PROCESS_TIMEOUT {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{command:?} took over {PROCESS_TIMEOUT:?}; killed it");
+        }
+        std::thread::sleep(POLL);
     };
     let seconds = started.elapsed().as_secs_f64();
-    let _ = done.send(());
-    let _ = watchdog.join();
-    // The child is reaped; dropping its handle neither waits nor kills.
-    drop(child);
-    if reaped != pid {
-        bail!(
-            "waiting for {command:?}: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-    if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
-        bail!(
-            "{command:?} failed (wait status {status:#x}{})",
-            if seconds >= PROCESS_TIMEOUT.as_secs_f64() {
-                ", killed after the timeout"
-            } else {
-                ""
-            }
-        );
+    if !status.success() {
+        bail!("{command:?} failed ({status})");
     }
     Ok(Measured {
         seconds,
-        peak_rss_kib: usage.ru_maxrss,
+        peak_rss_kib,
     })
+}
+
+/// `VmHWM` in kB from a `/proc/<pid>/status` text.
+fn peak_rss(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|rest| rest.trim().strip_suffix("kB"))
+        .and_then(|kib| kib.trim().parse().ok())
 }
 
 /// Our side's command: this binary, measuring one token with the native kernels.
@@ -216,6 +209,35 @@ pub async fn phase(
         agentstack: ours,
         llamacpp: theirs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_is_read_from_proc_status() {
+        let text = "Name:\tx\nVmPeak:\t  9000 kB\nVmHWM:\t    1234 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(peak_rss(text), Some(1234));
+        assert_eq!(peak_rss("Name:\tx\n"), None);
+        let own = std::fs::read_to_string("/proc/self/status").unwrap();
+        assert!(peak_rss(&own).unwrap() > 0);
+    }
+
+    #[test]
+    fn a_child_s_peak_is_its_own_not_ours() {
+        // This process holds 64 MiB; a small child must not report them.
+        let held = vec![1u8; 64 << 20];
+        let m = measure(Command::new("sleep").arg("0.1")).unwrap();
+        assert!(
+            m.peak_rss_kib > 0 && m.peak_rss_kib < 32 << 10,
+            "{} kB",
+            m.peak_rss_kib
+        );
+        assert!(m.seconds >= 0.1);
+        assert!(held.iter().all(|&b| b == 1));
+        assert!(measure(Command::new("false")).is_err());
+    }
 }
 
 /// The table: one row per model.
