@@ -228,7 +228,9 @@ mod tests {
     fn a_child_s_peak_is_its_own_not_ours() {
         // This process holds 64 MiB; a small child must not report them.
         let held = vec![1u8; 64 << 20];
-        let m = measure(Command::new("sleep").arg("0.1")).unwrap();
+        let mut sleep = Command::new("sleep");
+        sleep.arg("0.1");
+        let m = measure(sleep).unwrap();
         assert!(
             m.peak_rss_kib > 0 && m.peak_rss_kib < 32 << 10,
             "{} kB",
