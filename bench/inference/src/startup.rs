@@ -211,37 +211,6 @@ pub async fn phase(
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_peak_is_read_from_proc_status() {
-        let text = "Name:\tx\nVmPeak:\t  9000 kB\nVmHWM:\t    1234 kB\nVmRSS:\t 1000 kB\n";
-        assert_eq!(peak_rss(text), Some(1234));
-        assert_eq!(peak_rss("Name:\tx\n"), None);
-        let own = std::fs::read_to_string("/proc/self/status").unwrap();
-        assert!(peak_rss(&own).unwrap() > 0);
-    }
-
-    #[test]
-    fn a_child_s_peak_is_its_own_not_ours() {
-        // This process holds 64 MiB; a small child must not report them.
-        let held = vec![1u8; 64 << 20];
-        let mut sleep = Command::new("sleep");
-        sleep.arg("0.1");
-        let m = measure(sleep).unwrap();
-        assert!(
-            m.peak_rss_kib > 0 && m.peak_rss_kib < 32 << 10,
-            "{} kB",
-            m.peak_rss_kib
-        );
-        assert!(m.seconds >= 0.1);
-        assert!(held.iter().all(|&b| b == 1));
-        assert!(measure(Command::new("false")).is_err());
-    }
-}
-
 /// The table: one row per model.
 pub fn table(models: &[(String, &Startup)], rounds: usize) -> String {
     use std::fmt::Write as _;
@@ -271,4 +240,35 @@ pub fn table(models: &[(String, &Startup)], rounds: usize) -> String {
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_is_read_from_proc_status() {
+        let text = "Name:\tx\nVmPeak:\t  9000 kB\nVmHWM:\t    1234 kB\nVmRSS:\t 1000 kB\n";
+        assert_eq!(peak_rss(text), Some(1234));
+        assert_eq!(peak_rss("Name:\tx\n"), None);
+        let own = std::fs::read_to_string("/proc/self/status").unwrap();
+        assert!(peak_rss(&own).unwrap() > 0);
+    }
+
+    #[test]
+    fn a_child_s_peak_is_its_own_not_ours() {
+        // This process holds 64 MiB; a small child must not report them.
+        let held = vec![1u8; 64 << 20];
+        let mut sleep = Command::new("sleep");
+        sleep.arg("0.1");
+        let m = measure(sleep).unwrap();
+        assert!(
+            m.peak_rss_kib > 0 && m.peak_rss_kib < 32 << 10,
+            "{} kB",
+            m.peak_rss_kib
+        );
+        assert!(m.seconds >= 0.1);
+        assert!(held.iter().all(|&b| b == 1));
+        assert!(measure(Command::new("false")).is_err());
+    }
 }
