@@ -132,6 +132,17 @@ type Parts<'a> = (
     &'a mut [u8],
 );
 
+/// Slot `gb`'s `n` entries of a per-slot array, or nothing when the form has no such
+/// array.
+#[inline(always)]
+fn slot<T>(v: &[T], gb: usize, n: usize) -> &[T] {
+    if v.is_empty() {
+        &[]
+    } else {
+        &v[gb * n..(gb + 1) * n]
+    }
+}
+
 impl Packed32 {
     /// Repacks per-row arrays: `quants` (`form.row_bytes()` per block, row after row),
     /// `d` per block, `m` per block or empty.
@@ -247,26 +258,10 @@ impl Packed32 {
         let q = gb * qb;
         Block {
             quants: &self.quants[q..q + qb],
-            d: if self.d.is_empty() {
-                &[]
-            } else {
-                &self.d[gb * LANES..(gb + 1) * LANES]
-            },
-            d16: if self.d16.is_empty() {
-                &[]
-            } else {
-                &self.d16[gb * LANES..(gb + 1) * LANES]
-            },
-            m: if self.m.is_empty() {
-                &[]
-            } else {
-                &self.m[gb * LANES..(gb + 1) * LANES]
-            },
-            high: if self.high.is_empty() {
-                &[]
-            } else {
-                &self.high[gb * 4 * LANES..(gb + 1) * 4 * LANES]
-            },
+            d: slot(&self.d, gb, LANES),
+            d16: slot(&self.d16, gb, LANES),
+            m: slot(&self.m, gb, LANES),
+            high: slot(&self.high, gb, 4 * LANES),
         }
     }
 
