@@ -749,6 +749,27 @@ mod tests {
     use super::super::{Simd, Sums, detected_simd, quantize_row};
     use super::*;
 
+    /// Every nibble variant (Q4_1, Q4_0, Q5_0, Q5_1) and the bytes (Q8_0).
+    const NUMERIC_FORMS: [Form; 5] = [
+        Form::Nibbles {
+            offset: 0,
+            five: false,
+        },
+        Form::Nibbles {
+            offset: 8,
+            five: false,
+        },
+        Form::Nibbles {
+            offset: 16,
+            five: true,
+        },
+        Form::Nibbles {
+            offset: 0,
+            five: true,
+        },
+        Form::Bytes,
+    ];
+
     /// Per-row arrays of `out` rows × `nb` blocks with extremes in the first block of
     /// rows 0 and 1 (nibbles 0/15 mixed and all 15; bytes −128, 127, 0 and all −128),
     /// random elsewhere, and scales and minimums of both signs.
@@ -807,25 +828,7 @@ mod tests {
             return;
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
-        for form in [
-            Form::Nibbles {
-                offset: 0,
-                five: false,
-            },
-            Form::Nibbles {
-                offset: 8,
-                five: false,
-            },
-            Form::Nibbles {
-                offset: 16,
-                five: true,
-            },
-            Form::Nibbles {
-                offset: 0,
-                five: true,
-            },
-            Form::Bytes,
-        ] {
+        for form in NUMERIC_FORMS {
             for with_min in [false, true] {
                 for nb in [1, 2, 3, 19] {
                     let out = 20;
@@ -898,25 +901,7 @@ mod tests {
     /// here from the unpacked arrays.
     #[test]
     fn scalar_group_kernel_is_the_definition() {
-        for form in [
-            Form::Nibbles {
-                offset: 0,
-                five: false,
-            },
-            Form::Nibbles {
-                offset: 8,
-                five: false,
-            },
-            Form::Nibbles {
-                offset: 16,
-                five: true,
-            },
-            Form::Nibbles {
-                offset: 0,
-                five: true,
-            },
-            Form::Bytes,
-        ] {
+        for form in NUMERIC_FORMS {
             for with_min in [false, true] {
                 let (out, nb) = (18, 3);
                 let (q, d, m) = rows_of(form, out, nb, with_min);
