@@ -6,12 +6,12 @@
 //!
 //! - `SmolLM2-135M-Instruct.F16.gguf`: the exact dequantization of the cached Q4_1
 //!   (`llama-quantize --allow-requantize Q4_1 F16`), the source of every other type;
-//! - `SmolLM2-135M-Instruct.{Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0,IQ4_XS}.gguf`: `llama-quantize
-//!   F16 TYPE`;
+//! - `SmolLM2-135M-Instruct.{Q4_K_M,Q5_K_M,Q6_K,Q8_0,Q4_0,IQ4_XS,Q3_K_M,Q2_K}.gguf`:
+//!   `llama-quantize F16 TYPE`;
 //! - `SmolLM2-135M-Instruct.agentstack-mix.gguf`: `agentstack model quantize
 //!   --target-size` at the Q4_K_M file's size, one of our allocator's mixes;
 //! - `random-llama-1B.F16.gguf`: random weights in a ~1B llama shape (see
-//!   [`random_model`](crate::random_model)), and the same six types from it;
+//!   [`random_model`](crate::random_model)), and the same eight types from it;
 //! - `random-llama-1B.agentstack-mix.gguf`: SmolLM2's mix carried over tensor by tensor
 //!   (same kind of weight at the same relative depth), quantized by agentstack-quant.
 //!
@@ -32,7 +32,9 @@ use crate::random_model;
 use crate::settings::{self, UserError};
 
 /// llama.cpp's types in the set, as `llama-quantize` names them: what people ship.
-pub const LLAMA_TYPES: &[&str] = &["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS"];
+pub const LLAMA_TYPES: &[&str] = &[
+    "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "Q3_K_M", "Q2_K",
+];
 /// The file-name suffix of our allocator's mix.
 pub const MIX: &str = "agentstack-mix";
 /// File stem of the SmolLM2 files.
