@@ -439,41 +439,27 @@ fn linear_from(
             weight: w.dequantize()?.to_dtype(dtype)?,
             bias,
         },
-        (WeightForm::Quantized, Weight::Ggml(q)) if !on_fast_path(&q) => Linear::Quantized {
+        (WeightForm::Quantized, Weight::Ggml(q)) => Linear::Quantized {
             weight: QMatMul::from_qtensor(q)?,
             bias,
         },
-        (WeightForm::Quantized, w) => Linear::Fast {
-            weight: Arc::new(fast_linear(&w)?),
-            bias,
-        },
+        (WeightForm::Quantized, Weight::Raw(_)) => {
+            unreachable!("raw weights have kernels and were mapped above")
+        }
     })
 }
 
-/// Whether a quantized weight of this type runs on this crate's kernels at inference:
-/// every type with a kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
-/// Q6_K) and the types candle cannot read (IQ4_NL, IQ4_XS). The others (float
-/// weights, and Q8_1 and Q8_K: ggml's activation formats, not found as weights in
-/// practice) stay on candle's quantized matmul.
-fn on_fast_path(q: &QTensor) -> bool {
-    QuantKind::of(q.dtype()).is_some()
-}
-
-/// Whether tensor `name` has a kernel here: weights that do are mapped from the file
-/// and repacked ([`FastLinear::from_mapped`]), never read into memory whole.
+/// Whether tensor `name` runs on this crate's kernels at inference: every type with a
+/// kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and the types
+/// candle cannot read (IQ4_NL, IQ4_XS). Such weights are mapped from the file and
+/// repacked ([`FastLinear::from_mapped`]), never read into memory whole. The others
+/// (float weights, and Q8_1 and Q8_K: ggml's activation formats, not found as weights
+/// in practice) stay on candle's quantized matmul.
 fn has_kernel(file: &GgufFile, name: &str) -> bool {
     match file.tensor_type(name) {
         Some(TensorType::Ggml(dtype)) => QuantKind::of(dtype).is_some(),
         Some(TensorType::Raw(_)) => true,
         None => false,
-    }
-}
-
-/// A weight on this crate's kernels.
-fn fast_linear(w: &Weight) -> Result<FastLinear> {
-    match w {
-        Weight::Ggml(q) => FastLinear::from_qtensor(q),
-        Weight::Raw(r) => FastLinear::from_raw(r),
     }
 }
 
@@ -1273,7 +1259,7 @@ mod tests {
     }
 
     /// K-quant weights (Q4_K and Q6_K: what Q4_K_M files hold; Q2_K and Q3_K: what
-    /// Q2_K and Q3_K_M files add) load on this crate's kernels (see [`on_fast_path`]),
+    /// Q2_K and Q3_K_M files add) load on this crate's kernels (see [`has_kernel`]),
     /// hold the file's values, and layers of different types side by side (as q/k and
     /// v in a Q4_K_M layer) share one quantized input and give each layer's own bits.
     /// 12 rows: one group of 16 with 4 padding rows.
