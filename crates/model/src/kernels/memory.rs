@@ -90,14 +90,11 @@ fn huge_pages_on() -> bool {
 /// advised as huge pages; None if the OS refuses either.
 #[cfg(target_os = "linux")]
 fn huge(len: usize) -> Option<Backing> {
-    let map = memmap2::MmapMut::map_anon(len.checked_add(HUGE_PAGE)?).ok()?;
+    let mut map = memmap2::MmapMut::map_anon(len.checked_add(HUGE_PAGE)?).ok()?;
     let start = (map.as_ptr() as usize).next_multiple_of(HUGE_PAGE) - map.as_ptr() as usize;
-    let span = len.next_multiple_of(HUGE_PAGE);
-    // The pages past `start + span` are never touched; advise the whole aligned span.
-    let advised = span.min(map.len() - start);
-    map.advise_range(memmap2::Advice::HugePage, start, advised)
+    // Advise from the boundary to the end: the pages past `start + len` are never touched.
+    map.advise_range(memmap2::Advice::HugePage, start, map.len() - start)
         .ok()?;
-    let mut map = map;
     // Fault the pages in on every thread of the pool: a huge page's fault zeroes 2 MiB,
     // which is most of what loading costs where fresh memory is slow to come by.
     map[start..start + len]

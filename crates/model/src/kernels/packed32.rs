@@ -875,18 +875,7 @@ mod tests {
     /// straddles two; bytes hold their scales as f16.
     #[test]
     fn packed_quants_start_on_a_cache_line() {
-        for form in [
-            Form::Nibbles {
-                offset: 8,
-                five: false,
-            },
-            Form::Nibbles {
-                offset: 16,
-                five: true,
-            },
-            Form::Codebook,
-            Form::Bytes,
-        ] {
+        for form in NUMERIC_FORMS.into_iter().chain([Form::Codebook]) {
             for (out, nb) in [(2, 1), (20, 3), (33, 19)] {
                 let (q, d, _) = rows_of(form, out, nb, false);
                 let packed = Packed32::pack(form, &q, &d, &[], out, nb);
