@@ -154,40 +154,35 @@ pub async fn phase(
         .len() as f64
         / (1024.0 * 1024.0);
     let log = log_dir.join(format!("llama-completion-m{}.stderr", index + 1));
-    let mut sides = [
-        (
-            format!("{:?}", ours(model, threads)?),
-            Vec::new(),
-            Vec::new(),
-            None::<String>,
-        ),
-        (
-            format!("{:?}", theirs(llama_completion, model, threads, &log)?),
-            Vec::new(),
-            Vec::new(),
-            None,
-        ),
+    let command = |engine: &str| {
+        if engine == "agentstack" {
+            ours(model, threads)
+        } else {
+            theirs(llama_completion, model, threads, &log)
+        }
+    };
+    let engines = ["agentstack", "llama.cpp"];
+    let commands = [
+        format!("{:?}", command(engines[0])?),
+        format!("{:?}", command(engines[1])?),
     ];
+    // Per engine: seconds, peak RSS in MiB, and why it stopped.
+    let mut tallies: [(Vec<f64>, Vec<f64>, Option<String>); 2] = Default::default();
     for round in 1..=rounds {
-        for (i, (_, seconds, rss, error)) in sides.iter_mut().enumerate() {
+        for (engine, (seconds, rss, error)) in engines.into_iter().zip(&mut tallies) {
             if error.is_some() {
                 continue;
             }
-            let command = if i == 0 {
-                ours(model, threads)?
-            } else {
-                theirs(llama_completion, model, threads, &log)?
-            };
+            let command = command(engine)?;
             match tokio::task::spawn_blocking(move || measure(command)).await? {
                 Ok(m) => {
+                    let mib = m.peak_rss_kib as f64 / 1024.0;
                     eprintln!(
-                        "  load + first token, round {round}: {} {:.2} s, peak RSS {:.0} MiB",
-                        if i == 0 { "agentstack" } else { "llama.cpp" },
-                        m.seconds,
-                        m.peak_rss_kib as f64 / 1024.0
+                        "  load + first token, round {round}: {engine} {:.2} s, peak RSS {mib:.0} MiB",
+                        m.seconds
                     );
                     seconds.push(m.seconds);
-                    rss.push(m.peak_rss_kib as f64 / 1024.0);
+                    rss.push(mib);
                 }
                 Err(e) => {
                     eprintln!("  load + first token failed: {e:#}");
@@ -196,12 +191,18 @@ pub async fn phase(
             }
         }
     }
-    let [ours, theirs] = sides.map(|(command, seconds, rss, error)| Side {
-        command,
-        seconds: Rate::of(seconds),
-        peak_rss_mib: Rate::of(rss),
-        error,
-    });
+    let side =
+        |command: String, (seconds, rss, error): (Vec<f64>, Vec<f64>, Option<String>)| Side {
+            command,
+            seconds: Rate::of(seconds),
+            peak_rss_mib: Rate::of(rss),
+            error,
+        };
+    let ([our_command, their_command], [our_tally, their_tally]) = (commands, tallies);
+    let (ours, theirs) = (
+        side(our_command, our_tally),
+        side(their_command, their_tally),
+    );
     Ok(Startup {
         threads,
         file_mib,
