@@ -506,7 +506,6 @@ impl FastLinear {
             .map(|r| match format {
                 ActFormat::Q8_1 => quantize_row(r, Sums::F16),
                 ActFormat::Q8_1Exact => quantize_row(r, Sums::Exact),
-
                 ActFormat::Q8_0 => quantize_row(r, Sums::None),
                 ActFormat::Q8K => quantize_row_k(r),
                 ActFormat::Q8KIn32 => iq4::quantize_row_k_in_32(r),
