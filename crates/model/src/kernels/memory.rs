@@ -74,16 +74,30 @@ impl WeightBytes {
     }
 }
 
-/// Whether weights go on huge pages: unless `AGENTSTACK_HUGE_PAGES` is `off` (or `0`),
-/// read once.
+/// Whether weights go on huge pages: unless `AGENTSTACK_HUGE_PAGES` says off, read
+/// once.
 fn huge_pages_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("AGENTSTACK_HUGE_PAGES").as_deref(),
-            Ok("off" | "0")
-        )
+        let value = std::env::var("AGENTSTACK_HUGE_PAGES").ok();
+        huge_pages_setting(value.as_deref()).unwrap_or_else(|| {
+            tracing::warn!(
+                value = value.as_deref().unwrap_or_default(),
+                "AGENTSTACK_HUGE_PAGES is not on/off (or 1/0, true/false): keeping huge pages on"
+            );
+            true
+        })
     })
+}
+
+/// `AGENTSTACK_HUGE_PAGES`'s meaning: on when unset or empty, None for a value that is
+/// neither on nor off.
+fn huge_pages_setting(value: Option<&str>) -> Option<bool> {
+    match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("" | "on" | "1" | "true" | "yes") => Some(true),
+        Some("off" | "0" | "false" | "no") => Some(false),
+        Some(_) => None,
+    }
 }
 
 /// A fresh anonymous mapping (zeroed by the OS) of `len` bytes from a 2 MiB boundary,
@@ -139,6 +153,24 @@ impl std::fmt::Debug for WeightBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_setting_reads_on_and_off_and_refuses_the_rest() {
+        for v in [
+            None,
+            Some(""),
+            Some("on"),
+            Some("1"),
+            Some("TRUE"),
+            Some(" yes "),
+        ] {
+            assert_eq!(huge_pages_setting(v), Some(true), "{v:?}");
+        }
+        for v in ["off", "0", "False", "no"] {
+            assert_eq!(huge_pages_setting(Some(v)), Some(false), "{v}");
+        }
+        assert_eq!(huge_pages_setting(Some("sometimes")), None);
+    }
 
     #[test]
     fn buffers_are_zeroed_writable_and_aligned_when_mapped() {
