@@ -54,23 +54,124 @@ pub const EVAL_ADAPTER: &str = "eval";
 /// Why training stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    /// The configuration cannot run.
+    /// The configuration cannot run (the message says what to change).
     #[error("{0}")]
     Config(String),
+    /// A configuration value is invalid.
+    #[error(transparent)]
+    InvalidConfig(#[from] crate::config::ConfigError),
+    /// The prompt profile does not compile.
+    #[error(transparent)]
+    Profile(#[from] agentstack_harness::prompt::ProfileError),
+    /// The environment's task list could not be read.
+    #[error("{env}: cannot read the tasks of split `{split}`")]
+    Tasks {
+        /// The environment.
+        env: String,
+        /// The split.
+        split: String,
+        /// What the task list said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Reading or writing the run directory.
-    #[error("{path}: {source}")]
+    #[error("cannot read or write {}", path.display())]
     Io {
         /// Which file.
         path: PathBuf,
         /// Why.
+        #[source]
         source: std::io::Error,
     },
+    /// A JSON file of the run (a checkpoint's state, an eval run's records) is unreadable.
+    #[error("{}{}", path.display(), line.map(|n| format!(":{n}")).unwrap_or_default())]
+    Json {
+        /// Which file.
+        path: PathBuf,
+        /// The line, in a JSON-lines file.
+        line: Option<usize>,
+        /// What the parser said.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A model file could not be loaded.
+    #[error("cannot load the {role} {}", path.display())]
+    LoadModel {
+        /// Which model: `model` or `teacher`.
+        role: &'static str,
+        /// Its file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<agentstack_model::ModelError>,
+    },
     /// The model runtime failed.
-    #[error("model: {0}")]
-    Model(String),
+    #[error("model: {what}")]
+    Model {
+        /// What it was doing.
+        what: &'static str,
+        /// Why it failed.
+        #[source]
+        source: Box<agentstack_model::ModelError>,
+    },
+    /// A tensor operation of the learner (adapters, optimizer, loss) failed.
+    #[error("model: {what}")]
+    Tensor {
+        /// What it was doing.
+        what: &'static str,
+        /// Why it failed.
+        #[source]
+        source: candle_core::Error,
+    },
+    /// Adapters or optimizer moments could not be read or written.
+    #[error("model: cannot {action} {}", path.display())]
+    Tensors {
+        /// `read` or `write`.
+        action: &'static str,
+        /// Which file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: candle_core::Error,
+    },
+    /// A task of the trainer panicked or was cancelled.
+    #[error("{what} stopped before it finished")]
+    Join {
+        /// Which task.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: tokio::task::JoinError,
+    },
     /// An episode could not be played (the environment or the engine failed).
+    #[error("rollout: an episode could not be played")]
+    Episode(#[source] Box<agentstack_harness::episode::EpisodeError>),
+    /// A held-out evaluation failed.
+    #[error("held-out evaluation in {}", dir.display())]
+    Eval {
+        /// The evaluation's run directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<agentstack_harness::run::RunError>,
+    },
+    /// A model server refused the adapters, or kept failing until the wait ran out
+    /// (the message holds the server's answer).
     #[error("rollout: {0}")]
-    Rollout(String),
+    Sync(String),
+    /// A model server could not be reached until the wait ran out.
+    #[error(
+        "rollout: {url}: still failing after {waited_s} s; sync.wait_seconds sets how long to retry"
+    )]
+    SyncUnreachable {
+        /// The adapters endpoint.
+        url: String,
+        /// Seconds retried.
+        waited_s: u64,
+        /// The last failure.
+        #[source]
+        source: reqwest::Error,
+    },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -80,8 +181,26 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     }
 }
 
-fn model_err(e: impl std::fmt::Display) -> TrainError {
-    TrainError::Model(e.to_string())
+/// A learner's tensor error, with what it was doing.
+fn tensor(what: &'static str) -> impl FnOnce(candle_core::Error) -> TrainError {
+    move |source| TrainError::Tensor { what, source }
+}
+
+/// Reading (`action` = `read`) or writing adapters or optimizer moments at `path`.
+fn tensors<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(candle_core::Error) -> TrainError + 'a {
+    move |source| TrainError::Tensors {
+        action,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A task of the trainer that did not finish.
+fn join(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> TrainError {
+    move |source| TrainError::Join { what, source }
 }
 
 /// A step's episodes (with their task index) and the seconds they took.
@@ -377,18 +496,27 @@ async fn push_adapter(
                     message.push_str("\nhint: start the model server with --adapter-dir set to this trainer's runs directory");
                 }
                 if !status.is_server_error() {
-                    return Err(TrainError::Rollout(message));
+                    return Err(TrainError::Sync(message));
+                }
+                if Instant::now() + pause > deadline {
+                    return Err(TrainError::Sync(format!(
+                        "{message} (still failing after {} s; sync.wait_seconds sets how long to retry)",
+                        wait.as_secs()
+                    )));
                 }
                 message
             }
-            Err(e) => format!("{url}: {e}"),
+            Err(source) => {
+                if Instant::now() + pause > deadline {
+                    return Err(TrainError::SyncUnreachable {
+                        url,
+                        waited_s: wait.as_secs(),
+                        source,
+                    });
+                }
+                format!("{url}: {source}")
+            }
         };
-        if Instant::now() + pause > deadline {
-            return Err(TrainError::Rollout(format!(
-                "{failure} (still failing after {} s; sync.wait_seconds sets how long to retry)",
-                wait.as_secs()
-            )));
-        }
         tracing::warn!(server = %url, error = %failure, "adapter push failed; retrying");
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(std::time::Duration::from_secs(4));
@@ -447,6 +575,20 @@ fn truncate_lines(path: &Path, lines: usize) -> Result<(), TrainError> {
     write_atomic(path, kept.as_bytes())
 }
 
+/// A failure of `env`'s task list for `split` (its error type lives in the environment
+/// crate, which the trainer reaches only through the harness).
+fn task_list<E: std::error::Error + Send + Sync + 'static>(
+    env: &EnvHandle,
+    split: &str,
+) -> impl FnOnce(E) -> TrainError {
+    let (env, split) = (env.name().to_owned(), split.to_owned());
+    move |source| TrainError::Tasks {
+        env,
+        split,
+        source: Box::new(source),
+    }
+}
+
 /// The run's task resets for one step: `prompts` tasks from a seeded permutation of
 /// the split (a new one each pass over it), or seeded problems without a split.
 fn step_resets(
@@ -467,16 +609,12 @@ fn step_resets(
                     env.name()
                 ))
             })?;
-            let n = tasks
-                .num_tasks(split)
-                .map_err(|e| TrainError::Config(e.to_string()))? as u64;
+            let n = tasks.num_tasks(split).map_err(task_list(env, split))? as u64;
             if n == 0 {
                 return Err(TrainError::Config(format!("split `{split}` has no tasks")));
             }
             let index = shuffled(&[config.seed], n as usize, position);
-            let args = tasks
-                .task(split, index)
-                .map_err(|e| TrainError::Config(e.to_string()))?;
+            let args = tasks.task(split, index).map_err(task_list(env, split))?;
             agentstack_harness::run::apply_task(args, &mut options, &mut seed);
         }
         resets.push(ResetRequest {
@@ -525,7 +663,7 @@ async fn rollouts(
     ))
     .buffer_unordered(config.rollout.concurrency);
     while let Some((index, j, played)) = stream.next().await {
-        let (episode, _) = played.map_err(|e| TrainError::Rollout(e.to_string()))?;
+        let (episode, _) = played.map_err(|e| TrainError::Episode(Box::new(e)))?;
         results[index] = Some((j, episode));
     }
     Ok(results.into_iter().flatten().collect())
@@ -581,12 +719,12 @@ pub async fn train(
         fresh,
         stop,
     } = setup;
-    config.check().map_err(|e| TrainError::Config(e.0))?;
+    config.check()?;
     // The adapter pushes' key, from the trainer's environment (never the file).
     let sync_key = if config.sync.servers.is_empty() {
         None
     } else {
-        config.sync.api_key().map_err(|e| TrainError::Config(e.0))?
+        config.sync.api_key()?
     };
     if fresh && dir.exists() {
         fs::remove_dir_all(&dir).map_err(io(&dir))?;
@@ -615,16 +753,21 @@ pub async fn train(
         let path = config.model.clone();
         move || LanguageModel::load(&path, form)
     };
+    let load_error = |source| TrainError::LoadModel {
+        role: "model",
+        path: config.model.clone(),
+        source: Box::new(source),
+    };
     let learner_lm = tokio::task::spawn_blocking(load(WeightForm::Dense(DType::F32)))
         .await
-        .map_err(model_err)?
-        .map_err(|e| TrainError::Model(format!("{}: {e}", config.model.display())))?;
+        .map_err(join("loading the model"))?
+        .map_err(load_error)?;
     let rollout_lm = match config.rollout.weights {
         RolloutWeights::F32 => learner_lm.clone(),
         RolloutWeights::Quantized => tokio::task::spawn_blocking(load(WeightForm::Quantized))
             .await
-            .map_err(model_err)?
-            .map_err(model_err)?,
+            .map_err(join("loading the model"))?
+            .map_err(load_error)?,
     };
     let rollout_lm = Arc::new(rollout_lm);
     let engine = Engine::start(
@@ -641,31 +784,36 @@ pub async fn train(
     let model_client = ModelClient::engine_adapter(engine.clone(), &run_id, Some(POLICY_ADAPTER));
     let eval_client = ModelClient::engine_adapter(engine.clone(), &run_id, Some(EVAL_ADAPTER));
 
-    let lora_config = config.lora_config().map_err(|e| TrainError::Config(e.0))?;
+    let lora_config = config.lora_config()?;
     let base = learner_lm.model().clone();
-    let mut lora = Lora::new(&base, lora_config, config.seed).map_err(model_err)?;
-    let mut optim = Optim::new(
-        lora.vars(),
-        config.optim_config().map_err(|e| TrainError::Config(e.0))?,
-    )
-    .map_err(model_err)?;
+    let mut lora =
+        Lora::new(&base, lora_config, config.seed).map_err(tensor("creating the adapters"))?;
+    let mut optim = Optim::new(lora.vars(), config.optim_config()?)
+        .map_err(tensor("creating the optimizer"))?;
     let metrics_path = dir.join("metrics.jsonl");
     let mut start = 0;
     // The adapters that sampled the batch of the next step (staleness 1).
     let mut previous: Option<Lora> = None;
     if let Some((step, path)) = latest_checkpoint(&dir) {
-        lora = Lora::load(&path.join("adapter.safetensors"), &base).map_err(model_err)?;
-        optim = Optim::new(lora.vars(), optim.config().clone()).map_err(model_err)?;
-        optim
-            .load(&path.join("optim.safetensors"))
-            .map_err(model_err)?;
+        let adapter = path.join("adapter.safetensors");
+        lora = Lora::load(&adapter, &base).map_err(tensors("read", &adapter))?;
+        optim = Optim::new(lora.vars(), optim.config().clone())
+            .map_err(tensor("creating the optimizer"))?;
+        let moments = path.join("optim.safetensors");
+        optim.load(&moments).map_err(tensors("read", &moments))?;
         let prev = path.join("adapter_prev.safetensors");
         if prev.is_file() {
-            previous = Some(Lora::load(&prev, &base).map_err(model_err)?);
+            previous = Some(Lora::load(&prev, &base).map_err(tensors("read", &prev))?);
         }
-        let state: CheckpointState =
-            serde_json::from_slice(&fs::read(path.join("state.json")).map_err(io(&path))?)
-                .map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        let state_path = path.join("state.json");
+        let state: CheckpointState = serde_json::from_slice(
+            &fs::read(&state_path).map_err(io(&state_path))?,
+        )
+        .map_err(|source| TrainError::Json {
+            path: state_path.clone(),
+            line: None,
+            source,
+        })?;
         truncate_lines(&metrics_path, state.metrics_lines)?;
         start = step;
         tracing::info!(step, "resuming from checkpoint");
@@ -683,8 +831,12 @@ pub async fn train(
                 LanguageModel::load(&path, WeightForm::Quantized)
             })
             .await
-            .map_err(model_err)?
-            .map_err(|e| TrainError::Model(format!("teacher: {e}")))?;
+            .map_err(join("loading the teacher"))?
+            .map_err(|source| TrainError::LoadModel {
+                role: "teacher",
+                path: d.teacher.clone(),
+                source: Box::new(source),
+            })?;
             if teacher.model().config().vocab_size != base.config().vocab_size {
                 return Err(TrainError::Config(
                     "the teacher's vocabulary differs from the student's; distillation needs the same tokenizer".into(),
@@ -700,10 +852,8 @@ pub async fn train(
         _ => None,
     };
     let reference = (config.loss.kl != "none" && config.loss.kl_coef > 0.0).then(|| base.clone());
-    let loss_config = config.loss_config().map_err(|e| TrainError::Config(e.0))?;
-    let normalization = config
-        .normalization()
-        .map_err(|e| TrainError::Config(e.0))?;
+    let loss_config = config.loss_config()?;
+    let normalization = config.normalization()?;
     let learner = Arc::new(Mutex::new(Learner {
         base: base.clone(),
         reference,
@@ -719,18 +869,15 @@ pub async fn train(
         _ => None,
     };
     let presenter = match &env {
-        Some(env) => Some(
-            Presenter::new(
-                config
-                    .profile
-                    .clone()
-                    .unwrap_or_else(|| Profile::for_env(env.name())),
-                env.description(),
-                &env.schema().action,
-                env.tools(),
-            )
-            .map_err(|e| TrainError::Config(e.to_string()))?,
-        ),
+        Some(env) => Some(Presenter::new(
+            config
+                .profile
+                .clone()
+                .unwrap_or_else(|| Profile::for_env(env.name())),
+            env.description(),
+            &env.schema().action,
+            env.tools(),
+        )?),
         None => None,
     };
     if algorithm != Algorithm::Sft && env.is_none() {
@@ -742,8 +889,13 @@ pub async fn train(
     let rollout_base = rollout_lm.model().clone();
     let sync_to = |slot: &str, lora: &Lora| -> Result<f64, TrainError> {
         let t = Instant::now();
-        let adapter = lora.snapshot().map_err(model_err)?;
-        let adapted = adapter.apply(&rollout_base).map_err(model_err)?;
+        let adapter = lora.snapshot().map_err(tensor("copying the adapters"))?;
+        let adapted = adapter
+            .apply(&rollout_base)
+            .map_err(|source| TrainError::Model {
+                what: "applying the adapters to the rollout model",
+                source: Box::new(source),
+            })?;
         engine.set_adapter(slot, adapted);
         Ok(t.elapsed().as_secs_f64() * 1e3)
     };
@@ -836,9 +988,7 @@ pub async fn train(
                     spawn_rollout(step)
                 }
             };
-            let (episodes, generate_s) = handle
-                .await
-                .map_err(|e| TrainError::Rollout(e.to_string()))??;
+            let (episodes, generate_s) = handle.await.map_err(join("the step's rollouts"))??;
             m.generate_s = generate_s;
             if ahead && step + 1 < config.steps {
                 // The next batch samples from the adapters as they are now (before
@@ -864,7 +1014,7 @@ pub async fn train(
                     (shaped, metrics)
                 })
                 .await
-                .map_err(model_err)?
+                .map_err(join("shaping the rewards"))?
             };
             m = metrics;
             shaped?
@@ -877,8 +1027,10 @@ pub async fn train(
         };
         // A copy of the values: `lora`'s variables are the learner's own, which the
         // optimizer step below changes in place.
-        let before_learning =
-            Lora::from_adapter(&lora.snapshot().map_err(model_err)?).map_err(model_err)?;
+        let before_learning = lora
+            .snapshot()
+            .and_then(|adapter| Lora::from_adapter(&adapter))
+            .map_err(tensor("copying the adapters"))?;
         if !samples.is_empty() {
             let t = Instant::now();
             let learner = learner.clone();
@@ -890,8 +1042,8 @@ pub async fn train(
                     .step(&samples, &advantages, &masks, sft)
             })
             .await
-            .map_err(model_err)?
-            .map_err(model_err)?;
+            .map_err(join("the learning step"))?
+            .map_err(tensor("the learning step"))?;
             m.learn_s = t.elapsed().as_secs_f64();
             m.loss = learned.loss;
             m.clip_fraction = learned.clip_fraction;
@@ -906,7 +1058,7 @@ pub async fn train(
         if !config.sync.servers.is_empty() {
             let t = Instant::now();
             let path = dir.join("adapter.safetensors");
-            lora.save(&path).map_err(model_err)?;
+            lora.save(&path).map_err(tensors("write", &path))?;
             let wait = std::time::Duration::from_secs(config.sync.wait_seconds);
             let body = json!({"name": adapter_name, "path": path});
             for server in &config.sync.servers {
@@ -943,15 +1095,20 @@ pub async fn train(
                 let partial = target.with_extension("partial");
                 let _ = fs::remove_dir_all(&partial);
                 fs::create_dir_all(&partial).map_err(io(&partial))?;
+                let adapter = partial.join("adapter.safetensors");
                 learner
                     .lora
-                    .save(&partial.join("adapter.safetensors"))
-                    .map_err(model_err)?;
+                    .save(&adapter)
+                    .map_err(tensors("write", &adapter))?;
                 optim_path = partial.join("optim.safetensors");
-                learner.optim.save(&optim_path).map_err(model_err)?;
+                learner
+                    .optim
+                    .save(&optim_path)
+                    .map_err(tensors("write", &optim_path))?;
                 if ahead && let Some(prev) = &previous {
-                    prev.save(&partial.join("adapter_prev.safetensors"))
-                        .map_err(model_err)?;
+                    let prev_path = partial.join("adapter_prev.safetensors");
+                    prev.save(&prev_path)
+                        .map_err(tensors("write", &prev_path))?;
                 }
                 write_atomic(
                     &partial.join("state.json"),
@@ -1145,7 +1302,10 @@ fn teacher_logprobs<'a>(
             .collect();
         let scored = teacher
             .score_completions(&samples[i].prompt, &completions)
-            .map_err(model_err)?;
+            .map_err(|source| TrainError::Model {
+                what: "the teacher scoring the samples",
+                source: Box::new(source),
+            })?;
         for (j, lp) in same.into_iter().zip(scored) {
             out[j] = lp;
             done[j] = true;
@@ -1168,7 +1328,11 @@ fn sft_data(config: &TrainConfig) -> Result<Vec<Sample>, TrainError> {
         let text = fs::read_to_string(&path).map_err(io(&path))?;
         for (n, line) in text.lines().enumerate() {
             let record: agentstack_harness::run::EpisodeRecord = serde_json::from_str(line)
-                .map_err(|e| TrainError::Config(format!("{}:{}: {e}", path.display(), n + 1)))?;
+                .map_err(|source| TrainError::Json {
+                    path: path.clone(),
+                    line: Some(n + 1),
+                    source,
+                })?;
             if record.episode.reward < sft.min_reward {
                 continue;
             }
@@ -1233,12 +1397,12 @@ async fn eval_at(
         success_threshold: 1.0,
     };
     let run_dir = dir.join("eval").join(format!("step-{step:06}"));
-    let run = Run::open(&run_dir, eval, config.rollout.concurrency, false)
-        .map_err(|e| TrainError::Rollout(e.to_string()))?;
-    let summary = run
-        .play(model, env, |_| {})
-        .await
-        .map_err(|e| TrainError::Rollout(e.to_string()))?;
+    let eval_error = |source| TrainError::Eval {
+        dir: run_dir.clone(),
+        source: Box::new(source),
+    };
+    let run = Run::open(&run_dir, eval, config.rollout.concurrency, false).map_err(eval_error)?;
+    let summary = run.play(model, env, |_| {}).await.map_err(eval_error)?;
     Ok((summary.mean_reward, summary.ci95))
 }
 
@@ -1293,6 +1457,29 @@ mod tests {
             .local_addr()
             .unwrap()
             .port()
+    }
+
+    /// Each message leaves its cause to the source chain (which the CLI prints line by
+    /// line), so the cause shows once.
+    #[test]
+    fn error_messages_leave_their_cause_to_the_source_chain() {
+        let errors = [
+            io(Path::new("/runs/r/metrics.jsonl"))(std::io::Error::other("disk on fire")),
+            TrainError::Json {
+                path: "/runs/r/results.jsonl".into(),
+                line: Some(3),
+                source: serde_json::from_str::<Value>("{").unwrap_err(),
+            },
+            tensor("creating the adapters")(candle_core::Error::Msg("bad shape".into())),
+            tensors("read", Path::new("/c/adapter.safetensors"))(candle_core::Error::Msg(
+                "truncated".into(),
+            )),
+        ];
+        for e in errors {
+            let cause = std::error::Error::source(&e).expect("a source").to_string();
+            let message = e.to_string();
+            assert!(!message.contains(&cause), "{message} repeats {cause}");
+        }
     }
 
     /// A model server that is not up yet, then answers 503 while it loads, gets the
