@@ -5,9 +5,27 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+/// What the exit status means, at the end of `agentstack --help` (see
+/// [`ExitStatus`](crate::ExitStatus)).
+const EXIT_STATUS_HELP: &str = "\
+Exit status:
+  0  success
+  1  the user's error: bad input, flags, files or configuration (usage errors too),
+     a request that was refused, a check that found a problem
+  2  not the user's error: a bug or panic, a failure of agentstack's own state or I/O,
+     a server or hub that cannot be reached, a check that could not run
+  `sandbox run` exits with its command's status; `train` exits 143 when stopped by a
+  signal after checkpointing.";
+
 /// agentstack: the open agentic stack.
 #[derive(Debug, Parser)]
-#[command(name = "agentstack", version, about, propagate_version = true)]
+#[command(
+    name = "agentstack",
+    version,
+    about,
+    propagate_version = true,
+    after_long_help = EXIT_STATUS_HELP
+)]
 pub struct Cli {
     /// Options for every command.
     #[command(flatten)]

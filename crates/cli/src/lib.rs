@@ -2,13 +2,18 @@
 //! ([`settings`]) and handed to one command in [`commands`]. Domain logic lives in the
 //! domain crates; this crate parses, prints and sets exit codes.
 //!
-//! Exit codes: 0 success, 1 a user error (bad input, a failed check), 2 an internal
-//! error or a check that could not run.
+//! Exit codes ([`exit`]): 0 success, 1 the user's error (bad input, flags, files or
+//! configuration, a refused request, a failed check; clap's usage errors too), 2 an
+//! internal error (a panic, a failure of our own state, a check that could not run).
+//! `sandbox run` exits with its command's code.
 
 pub mod args;
 pub mod commands;
 pub mod env_vars;
+pub mod exit;
 pub mod settings;
+
+pub use exit::{Exit, ExitStatus, IntoUserError, UserError};
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -17,36 +22,6 @@ use clap::Parser;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
-/// An error that carries its exit code.
-#[derive(Debug)]
-pub struct Exit {
-    /// The process exit code.
-    pub code: u8,
-    /// What to print on stderr (nothing when empty).
-    pub error: Option<anyhow::Error>,
-}
-
-impl Exit {
-    /// A user error (exit 1).
-    pub fn user(error: anyhow::Error) -> Self {
-        Self {
-            code: 1,
-            error: Some(error),
-        }
-    }
-
-    /// Exit with `code` having already printed everything.
-    pub fn quiet(code: u8) -> Self {
-        Self { code, error: None }
-    }
-}
-
-impl From<anyhow::Error> for Exit {
-    fn from(error: anyhow::Error) -> Self {
-        Self::user(error)
-    }
-}
-
 /// Runs the CLI with the process arguments and returns the exit code.
 pub fn main() -> ExitCode {
     // A sandbox's init process is this executable started again; it must run before
@@ -54,14 +29,14 @@ pub fn main() -> ExitCode {
     agentstack_sandbox::run_if_init();
     let cli = match args::Cli::try_parse() {
         Ok(cli) => cli,
-        // Usage errors are user errors (exit 1, not clap's 2); --help and --version
-        // succeed.
+        // Usage errors are the user's (exit 1, not clap's 2, which is our internal
+        // error); --help and --version succeed.
         Err(e) => {
             let _ = e.print();
             return if e.use_stderr() {
-                ExitCode::from(1)
+                ExitStatus::Failure.into()
             } else {
-                ExitCode::SUCCESS
+                ExitStatus::Success.into()
             };
         }
     };
@@ -75,24 +50,26 @@ pub fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: could not start the async runtime: {e}");
-            return ExitCode::from(2);
+            exit::print_error(&anyhow::Error::new(e).context("could not start the async runtime"));
+            return ExitStatus::Error.into();
         }
     };
-    match runtime.block_on(commands::run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(exit) => {
+    // A panic is a bug: the hook has printed it; exit 2 rather than Rust's 101.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        runtime.block_on(commands::run(cli))
+    }));
+    match result {
+        Ok(Ok(())) => ExitStatus::Success.into(),
+        Ok(Err(exit)) => {
             if let Some(error) = exit.error {
                 if is_broken_pipe(&error) {
-                    return ExitCode::SUCCESS;
+                    return ExitStatus::Success.into();
                 }
-                eprintln!("error: {error}");
-                for cause in error.chain().skip(1) {
-                    eprintln!("  caused by: {cause}");
-                }
+                exit::print_error(&error);
             }
             ExitCode::from(exit.code)
         }
+        Err(_) => ExitStatus::Error.into(),
     }
 }
 

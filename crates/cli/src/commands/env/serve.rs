@@ -12,10 +12,10 @@ use std::time::Duration;
 use agentstack_env::EnvSpec;
 use agentstack_env::foreign::{ForeignCommand, ForeignEnv};
 use agentstack_env::server::Server;
-use anyhow::{Context, anyhow, bail};
+use anyhow::Context;
 
-use crate::Exit;
 use crate::args::ServeArgs;
+use crate::{Exit, IntoUserError, user_error};
 use crate::{env_vars, settings};
 
 /// What one target names.
@@ -37,18 +37,22 @@ pub(crate) fn resolve(target: &str, python: &str) -> anyhow::Result<Target> {
         // of OpenEnv's own environments ship none); the name and app are assumed and
         // logged.
         if !path.join("openenv.yaml").is_file() && !path.join("server/app.py").is_file() {
-            bail!(
+            return Err(user_error!(
                 "{} is a directory with neither an openenv.yaml nor a server/app.py\nhint: serve an OpenEnv package directory, a built-in name ({}), or a quoted command line",
                 path.display(),
                 builtin_names()
-            );
+            ));
         }
-        return Ok(Target::Foreign(ForeignCommand::package(path, python)?));
+        return Ok(Target::Foreign(
+            ForeignCommand::package(path, python).user()?,
+        ));
     }
     if target.contains(char::is_whitespace) {
-        return Ok(Target::Foreign(ForeignCommand::command_line(target)?));
+        return Ok(Target::Foreign(
+            ForeignCommand::command_line(target).user()?,
+        ));
     }
-    Err(anyhow!(
+    Err(user_error!(
         "'{target}' is not a built-in environment, a directory or a command line\nhint: built-in environments are: {}",
         builtin_names()
     ))
@@ -147,7 +151,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
         (false, 0) => {
             let server = Server::bind(config, specs.clone())
                 .await
-                .context("starting the server")?;
+                .user_context("starting the server")?;
             let url = server.url();
             let mut banner = format!("listening on {url}\n");
             for spec in &specs {
@@ -164,10 +168,10 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
             let name = command.name.clone();
             let child = ForeignEnv::start(command, Duration::from_secs_f64(args.ready_timeout))
                 .await
-                .context("starting the foreign environment")?;
+                .user_context("starting the foreign environment")?;
             let server = Server::bind_proxy(config, child.url())
                 .await
-                .context("starting the proxy")?;
+                .user_context("starting the proxy")?;
             let url = server.url();
             announce(&format!(
                 "listening on {url}\n  {name}  {url}  (foreign, pid {})\n",
@@ -180,7 +184,7 @@ pub async fn run(args: ServeArgs) -> Result<(), Exit> {
             child.stop(Duration::from_secs(5)).await;
         }
         _ => {
-            return Err(Exit::user(anyhow!(
+            return Err(Exit::user(anyhow::anyhow!(
                 "a foreign environment (package directory or command line) is served on its own\nhint: run one `agentstack env serve` per foreign environment"
             )));
         }

@@ -16,10 +16,7 @@ use crate::args::ValidateArgs;
 use crate::settings;
 
 fn could_not_run(e: anyhow::Error) -> Exit {
-    Exit {
-        code: 2,
-        error: Some(e),
-    }
+    Exit::internal(e)
 }
 
 /// The declared reward range from an `openenv.yaml`: `agentstack.reward_range`, or

@@ -14,14 +14,14 @@ use agentstack_harness::episode::LoopConfig;
 use agentstack_harness::model::Sampling;
 use agentstack_harness::{EnvHandle, EvalConfig, ModelClient, Profile, Run, Summary};
 use agentstack_model::engine::{Engine, EngineConfig};
-use anyhow::{Context, anyhow, bail};
+use anyhow::{Context, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value};
 
-use crate::Exit;
 use crate::args::{EvalArgs, EvalCommand, EvalRunArgs};
 use crate::commands::env::serve::{Target, resolve as resolve_env};
 use crate::settings;
+use crate::{Exit, IntoUserError, user_error};
 
 /// Runs `eval` or `eval compare`.
 pub async fn run(args: EvalArgs) -> Result<(), Exit> {
@@ -54,7 +54,7 @@ pub(crate) struct OpenedEnv {
 /// Posts a run's summary to the leaderboard of the hub package it evaluated.
 async fn post_summary(summary: &Summary) -> Result<(), Exit> {
     let package = agentstack_harness::leaderboard::package_of(&summary.env)
-        .ok_or_else(|| anyhow!("--post needs --env hub:owner/name[@version]"))?;
+        .ok_or_else(|| user_error!("--post needs --env hub:owner/name[@version]"))?;
     let hub = settings::hub_client(None)?;
     agentstack_harness::leaderboard::post(&hub, &package, summary)
         .await
@@ -84,7 +84,7 @@ pub(crate) async fn open_env(reference: &str, python: Option<&str>) -> anyhow::R
         Target::Foreign(command) => {
             let foreign = ForeignEnv::start(command, Duration::from_secs(120))
                 .await
-                .context("starting the environment")?;
+                .user_context("starting the environment")?;
             let handle = EnvHandle::remote(foreign.url(), ClientConfig::default())
                 .await
                 .context("opening the environment")?;
@@ -154,8 +154,16 @@ async fn first_model(base: &str, api_key: Option<&str>) -> anyhow::Result<String
         .and_then(reqwest::Response::error_for_status)
         .map_err(|e| {
             let hint = hint(&e);
-            anyhow::Error::new(e)
-                .context(format!("could not list the models at {url}\nhint: {hint}"))
+            // A refusal (a missing key, a path that is not a server's) is the user's to
+            // fix; an unreachable server is not.
+            let refused = e.status().is_some_and(|s| s.is_client_error());
+            let error = anyhow::Error::new(e)
+                .context(format!("could not list the models at {url}\nhint: {hint}"));
+            if refused {
+                anyhow::Error::from(crate::UserError::new(error))
+            } else {
+                error
+            }
         })?
         .json()
         .await
@@ -164,7 +172,7 @@ async fn first_model(base: &str, api_key: Option<&str>) -> anyhow::Result<String
         .pointer("/data/0/id")
         .and_then(Value::as_str)
         .map(str::to_owned)
-        .ok_or_else(|| anyhow!("{url} lists no models\nhint: pass --model-name"))
+        .ok_or_else(|| user_error!("{url} lists no models\nhint: pass --model-name"))
 }
 
 fn parse_options(text: Option<&str>) -> anyhow::Result<Map<String, Value>> {
@@ -172,9 +180,9 @@ fn parse_options(text: Option<&str>) -> anyhow::Result<Map<String, Value>> {
         None => Ok(Map::new()),
         Some(text) => match serde_json::from_str::<Value>(text) {
             Ok(Value::Object(map)) => Ok(map),
-            _ => bail!(
+            _ => Err(user_error!(
                 "--options must be a JSON object, got {text}\nhint: e.g. --options '{{\"difficulty\": 3}}'"
-            ),
+            )),
         },
     }
 }
@@ -184,8 +192,8 @@ fn read_profile(path: Option<&PathBuf>, env: &str) -> anyhow::Result<Profile> {
         return Ok(Profile::for_env(env));
     };
     let text = std::fs::read_to_string(path)
-        .with_context(|| format!("could not read the profile {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| {
+        .with_user_context(|| format!("could not read the profile {}", path.display()))?;
+    serde_json::from_str(&text).with_user_context(|| {
         format!(
             "{} is not a prompt profile\nhint: a JSON object with system, user (minijinja templates), and optionally action and answer_pattern",
             path.display()
@@ -199,11 +207,11 @@ pub(crate) async fn evaluate(args: EvalRunArgs) -> Result<(Summary, PathBuf), Ex
     let env_ref = args
         .env
         .clone()
-        .ok_or_else(|| anyhow!("--env is required"))?;
+        .ok_or_else(|| user_error!("--env is required"))?;
     let model_ref = args
         .model
         .clone()
-        .ok_or_else(|| anyhow!("--model is required"))?;
+        .ok_or_else(|| user_error!("--model is required"))?;
     if args.episodes == 0 || args.samples == 0 || args.concurrency == 0 || args.max_turns == 0 {
         return Err(Exit::user(anyhow!(
             "--episodes, --samples, --concurrency and --max-turns must be at least 1"
@@ -212,7 +220,7 @@ pub(crate) async fn evaluate(args: EvalRunArgs) -> Result<(Summary, PathBuf), Ex
     if args.max_tokens == 0 {
         return Err(Exit::user(anyhow!("--max-tokens must be at least 1")));
     }
-    let overflow: Overflow = args.overflow.parse().map_err(|e: String| anyhow!(e))?;
+    let overflow: Overflow = args.overflow.parse().map_err(|e: String| user_error!(e))?;
     if let Some(budget) = args.context_tokens
         && budget <= args.max_tokens
     {

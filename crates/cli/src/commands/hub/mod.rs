@@ -26,14 +26,20 @@ pub(crate) fn package_ref(text: &str) -> Result<PackageRef, Exit> {
 /// A client error as an exit: what the hub refused is the user's to fix (1); an
 /// unreachable hub or a corrupt download is not (2).
 pub(crate) fn client_exit(e: ClientError) -> Exit {
-    let code = match &e {
-        ClientError::Api { status, .. } if *status < 500 => 1,
-        ClientError::Invalid(_) | ClientError::Package(_) => 1,
-        _ => 2,
-    };
-    Exit {
-        code,
-        error: Some(e.into()),
+    if is_users(&e) {
+        Exit::user(e.into())
+    } else {
+        Exit::internal(e)
+    }
+}
+
+/// Whether the hub client's error is the user's to fix: what the hub refused, a bad
+/// reference or package.
+pub(crate) fn is_users(e: &ClientError) -> bool {
+    match e {
+        ClientError::Api { status, .. } => *status < 500,
+        ClientError::Invalid(_) | ClientError::Package(_) => true,
+        _ => false,
     }
 }
 
@@ -62,7 +68,7 @@ pub(crate) async fn pull_hub_target(target: &str) -> anyhow::Result<Option<Pulle
     if !target.starts_with("hub:") {
         return Ok(None);
     }
-    let package = PackageRef::parse(target).map_err(|e| anyhow!(e))?;
+    let package = PackageRef::parse(target).map_err(|e| crate::user_error!("{e}"))?;
     let client = crate::settings::hub_client(None)?;
     Ok(Some(pull_with(&client, &package).await?))
 }

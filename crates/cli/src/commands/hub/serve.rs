@@ -16,9 +16,9 @@ use agentstack_rl::config::TrainConfig;
 use agentstack_sandbox::{Sandbox, SandboxConfig};
 use anyhow::{Context, anyhow};
 
-use crate::Exit;
 use crate::args::HubServeArgs;
 use crate::settings;
+use crate::{Exit, IntoUserError};
 
 /// The default lift run (`--lift-config` replaces it).
 const DEFAULT_LIFT_CONFIG: &str = include_str!("lift.toml");
@@ -185,7 +185,7 @@ pub async fn run(args: HubServeArgs) -> Result<(), Exit> {
     let registry = Registry::with(db, blobs, limits, validators);
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
-        .with_context(|| format!("listening on {}:{}", args.host, args.port))?;
+        .with_user_context(|| format!("listening on {}:{}", args.host, args.port))?;
     let address = listener.local_addr().context("local address")?;
     println!("agentstack hub at http://{address}");
     tracing::info!(database = %redact_url(&database), blobs = %blobs_dir.display(), "hub serving");

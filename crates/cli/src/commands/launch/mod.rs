@@ -40,12 +40,13 @@ pub(crate) fn jobs_dir() -> PathBuf {
     data_dir().join("jobs")
 }
 
-/// The state database.
+/// The state database. It is ours, not the user's: one we cannot open is an
+/// internal error (exit 2).
 pub(crate) async fn open_store() -> Result<Store, Exit> {
     let path = jobs_dir().join("jobs.db");
     Store::open(&path)
         .await
-        .map_err(|e| Exit::user(anyhow!(e).context(format!("opening {}", path.display()))))
+        .map_err(|e| internal(anyhow!(e).context(format!("opening {}", path.display()))))
 }
 
 /// The launch named (or with the id) `name`.
@@ -62,10 +63,7 @@ pub(crate) async fn find(store: &Store, name: &str) -> Result<JobRecord, Exit> {
 }
 
 pub(crate) fn internal(e: impl Into<anyhow::Error>) -> Exit {
-    Exit {
-        code: 2,
-        error: Some(e.into()),
-    }
+    Exit::internal(e)
 }
 
 /// What a launch's backend needs besides the spec, kept with the launch so a later

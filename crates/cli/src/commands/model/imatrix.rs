@@ -6,8 +6,8 @@ use agentstack_model::{LanguageModel, WeightForm};
 use agentstack_quant::imatrix::Imatrix;
 use anyhow::Context;
 
-use crate::Exit;
 use crate::args::ImatrixArgs;
+use crate::{Exit, IntoUserError};
 
 /// Collects the importance matrix of the model at `path` over `text`, with a progress bar.
 pub(crate) fn collect(
@@ -37,7 +37,7 @@ pub(crate) fn collect(
 pub async fn run(args: ImatrixArgs) -> Result<(), Exit> {
     let path = super::resolve(&args.model).await?;
     let text = std::fs::read_to_string(&args.text)
-        .with_context(|| format!("could not read --text {}", args.text.display()))?;
+        .with_user_context(|| format!("could not read --text {}", args.text.display()))?;
     let dataset = args.text.display().to_string();
     let (ctx, process_output) = (args.ctx, args.process_output);
     let m =

@@ -3,15 +3,15 @@
 use agentstack_quant::kld::{compare, load_model};
 use anyhow::Context;
 
-use crate::Exit;
 use crate::args::KldArgs;
+use crate::{Exit, IntoUserError};
 
 /// Runs the command.
 pub async fn run(args: KldArgs) -> Result<(), Exit> {
     let base = super::resolve(&args.base).await?;
     let other = super::resolve(&args.other).await?;
     let text = std::fs::read_to_string(&args.text)
-        .with_context(|| format!("could not read --text {}", args.text.display()))?;
+        .with_user_context(|| format!("could not read --text {}", args.text.display()))?;
     let ctx = args.ctx;
     let stats = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
         let b = load_model(&base).with_context(|| format!("could not load {}", base.display()))?;

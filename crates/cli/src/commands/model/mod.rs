@@ -59,7 +59,9 @@ pub(crate) fn steps_bar(total: usize, message: &str) -> ProgressBar {
 /// Resolves and loads a model for inference. (`--threads` was applied by `main`,
 /// before any thread started: see `set_compute_threads`.)
 pub(crate) async fn load(reference: &str, threads: Option<usize>) -> anyhow::Result<LanguageModel> {
-    anyhow::ensure!(threads != Some(0), "--threads must be at least 1");
+    if threads == Some(0) {
+        return Err(crate::user_error!("--threads must be at least 1"));
+    }
     let path = resolve(reference).await?;
     tokio::task::spawn_blocking(move || LanguageModel::load(&path, WeightForm::Quantized))
         .await?

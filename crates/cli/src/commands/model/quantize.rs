@@ -11,10 +11,10 @@ use agentstack_quant::gguf::Gguf;
 use agentstack_quant::imatrix::Imatrix;
 use agentstack_quant::recipe::{Plan, quantize_file};
 use agentstack_quant::types::GgmlType;
-use anyhow::{Context, anyhow, bail};
+use anyhow::Context;
 
-use crate::Exit;
 use crate::args::QuantizeArgs;
+use crate::{Exit, IntoUserError, user_error};
 
 /// Tokens per chunk when measuring sensitivity (the second half of each is scored).
 const SENSITIVITY_CTX: usize = 256;
@@ -27,7 +27,7 @@ fn parse_size(s: &str) -> anyhow::Result<u64> {
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let n: f64 = num.parse().map_err(|_| {
-        anyhow!("--target-size `{s}`: expected a number with an optional unit, such as 80MiB")
+        user_error!("--target-size `{s}`: expected a number with an optional unit, such as 80MiB")
     })?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
@@ -37,9 +37,11 @@ fn parse_size(s: &str) -> anyhow::Result<u64> {
         "kib" => 1024.0,
         "mib" => 1048576.0,
         "gib" => 1073741824.0,
-        other => bail!(
-            "--target-size `{s}`: unknown unit `{other}` (use B, KB, MB, GB, KiB, MiB or GiB)"
-        ),
+        other => {
+            return Err(user_error!(
+                "--target-size `{s}`: unknown unit `{other}` (use B, KB, MB, GB, KiB, MiB or GiB)"
+            ));
+        }
     };
     Ok((n * mult) as u64)
 }
@@ -49,16 +51,15 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
     let fixed: Option<GgmlType> = args
         .ty
         .as_deref()
-        .map(|t| t.parse().map_err(|e: String| anyhow!("--type: {e}")))
+        .map(|t| t.parse().map_err(|e: String| user_error!("--type: {e}")))
         .transpose()?;
     let target_size = args.target_size.as_deref().map(parse_size).transpose()?;
     if let Some(b) = args.target_bpw
         && !(b > 0.0 && b <= 32.0)
     {
-        return Err(anyhow!(
+        return Err(Exit::user(user_error!(
             "--target-bpw {b}: give bits per weight between 0 and 32, such as 4.5"
-        )
-        .into());
+        )));
     }
     let input = super::resolve(&args.input).await?;
     let calibration = args
@@ -66,11 +67,11 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
         .as_ref()
         .map(|p| {
             std::fs::read_to_string(p)
-                .with_context(|| format!("could not read --calibration {}", p.display()))
+                .with_user_context(|| format!("could not read --calibration {}", p.display()))
         })
         .transpose()?;
     let imatrix = match (&args.imatrix, &calibration) {
-        (Some(path), _) => Some(Imatrix::load(path).context("could not read --imatrix")?),
+        (Some(path), _) => Some(Imatrix::load(path).user_context("could not read --imatrix")?),
         (None, Some(text)) => {
             let (input, ctx, text) = (input.clone(), args.ctx, text.clone());
             Some(
@@ -160,10 +161,10 @@ fn mixed_plan(
         + file.alignment * file.tensors.len() as u64;
     let budget = match (target_size, target_bpw) {
         (Some(s), _) => s.checked_sub(overhead).ok_or_else(|| {
-            anyhow!("--target-size {s} is smaller than the file's metadata ({overhead} bytes)")
+            user_error!("--target-size {s} is smaller than the file's metadata ({overhead} bytes)")
         })?,
         (None, Some(b)) => (b * file.parameters() as f64 / 8.0) as u64,
-        (None, None) => bail!("give --type, --target-size or --target-bpw"),
+        (None, None) => return Err(user_error!("give --type, --target-size or --target-bpw")),
     };
     check_budget(file, budget)?;
     let bar = super::steps_bar(0, "error table");

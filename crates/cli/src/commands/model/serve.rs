@@ -10,7 +10,7 @@ use agentstack_model::server::{AppState, ServerConfig, serve};
 use anyhow::Context;
 
 use crate::args::ModelServeArgs;
-use crate::{Exit, env_vars, settings};
+use crate::{Exit, IntoUserError, env_vars, settings};
 
 /// Runs the command.
 pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
@@ -70,7 +70,7 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
     }
     let listener = tokio::net::TcpListener::bind(SocketAddr::new(args.host, args.port))
         .await
-        .with_context(|| format!("could not listen on {}:{}", args.host, args.port))?;
+        .with_user_context(|| format!("could not listen on {}:{}", args.host, args.port))?;
     let address = listener.local_addr().context("reading the bound address")?;
     {
         let mut stdout = std::io::stdout().lock();

@@ -12,7 +12,8 @@ use crate::args::SandboxRunArgs;
 
 /// Runs the command and exits with its status.
 pub async fn run(args: SandboxRunArgs) -> Result<(), Exit> {
-    let job = job(&args)?;
+    // Everything `job` reads is the user's: flags, --files, stdin.
+    let job = job(&args).map_err(Exit::user)?;
     if args.unsafe_no_isolation {
         eprintln!(
             "warning: --unsafe-no-isolation: the command runs as a plain process and sees this machine's files and network"
