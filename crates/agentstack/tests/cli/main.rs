@@ -8,6 +8,7 @@ use assert_cmd::cargo::CommandCargoExt;
 
 mod env_keys;
 mod env_run;
+mod exit_codes;
 
 struct Output {
     code: i32,
@@ -26,11 +27,16 @@ fn listening_url(child: &mut std::process::Child) -> String {
 }
 fn agentstack(args: &[&str]) -> Output {
     let home = tempfile::tempdir().unwrap();
+    agentstack_in(home.path(), args)
+}
+
+/// The binary with `home` as its home (its data directory is `home/data`).
+fn agentstack_in(home: &std::path::Path, args: &[&str]) -> Output {
     let out = Command::cargo_bin("agentstack")
         .unwrap()
         .args(args)
-        .env("HOME", home.path())
-        .env("AGENTSTACK_HOME", home.path().join("data"))
+        .env("HOME", home)
+        .env("AGENTSTACK_HOME", home.join("data"))
         .env_remove("AGENTSTACK_LOG")
         .env("NO_COLOR", "1")
         .output()
