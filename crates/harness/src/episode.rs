@@ -157,10 +157,10 @@ pub struct Timing {
 #[derive(Debug, thiserror::Error)]
 pub enum EpisodeError {
     /// The model side failed.
-    #[error("model: {0}")]
+    #[error("the model side of the episode failed")]
     Model(#[from] ModelError),
     /// The environment side failed.
-    #[error("environment: {0}")]
+    #[error("the environment side of the episode failed")]
     Env(#[from] EnvError),
     /// The prompt profile failed to render.
     #[error(transparent)]

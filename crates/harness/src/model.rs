@@ -31,7 +31,7 @@ pub enum ModelError {
     #[error("the engine refused the request: {0}")]
     Engine(String),
     /// The HTTP request failed.
-    #[error("request to {url} failed: {source}")]
+    #[error("request to {url} failed")]
     Http {
         /// Where.
         url: String,

@@ -190,7 +190,7 @@ pub struct Progress {
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
     /// Reading or writing the run directory failed.
-    #[error("{path}: {source}")]
+    #[error("cannot read or write {path}")]
     Io {
         /// Which file.
         path: PathBuf,
@@ -219,7 +219,7 @@ pub enum RunError {
         pid: u32,
     },
     /// An episode failed three times.
-    #[error("episode {index} failed: {source}")]
+    #[error("episode {index} failed")]
     Episode {
         /// Which.
         index: usize,
@@ -230,6 +230,18 @@ pub enum RunError {
     /// The configuration is unusable.
     #[error("{0}")]
     Config(String),
+}
+
+/// `error` and its causes on one line, for a log (the messages do not repeat their
+/// causes).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {
@@ -397,7 +409,11 @@ impl Run {
                             backoff = (backoff * 2).min(Duration::from_secs(1));
                         }
                         Err(e) => {
-                            tracing::warn!(index, error = %e, "episode failed; retrying");
+                            tracing::warn!(
+                                index,
+                                error = %with_causes(&e),
+                                "episode failed; retrying"
+                            );
                             attempts += 1;
                             last = Some(e);
                         }

@@ -29,8 +29,8 @@ pub enum BlobError {
         /// What its bytes hash to.
         actual: String,
     },
-    /// Creating the store's directory failed.
-    #[error("{path}: {source}")]
+    /// Reading or writing the store failed.
+    #[error("cannot read or write {path}")]
     Io {
         /// The directory.
         path: PathBuf,

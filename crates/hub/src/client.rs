@@ -51,7 +51,7 @@ pub enum ClientError {
     #[error(transparent)]
     Package(#[from] PackageError),
     /// Reading or writing the cache failed.
-    #[error("{path}: {source}")]
+    #[error("cannot read or write {path}")]
     Io {
         /// The path.
         path: PathBuf,

@@ -41,7 +41,7 @@ const IGNORED: &[&str] = &[
 #[derive(Debug, thiserror::Error)]
 pub enum PackageError {
     /// Reading or writing files failed.
-    #[error("{path}: {source}")]
+    #[error("cannot read or write {path}")]
     Io {
         /// The file.
         path: PathBuf,

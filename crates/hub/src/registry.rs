@@ -61,7 +61,7 @@ pub enum RegistryError {
         retry_after: Duration,
     },
     /// The package is malformed or unsafe.
-    #[error("invalid package: {0}")]
+    #[error("invalid package")]
     InvalidPackage(#[source] PackageError),
     /// A stored blob does not match its hash.
     #[error("the stored package is corrupt; the registry's operator must restore it")]

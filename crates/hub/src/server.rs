@@ -49,21 +49,27 @@ impl RegistryError {
     }
 }
 
+/// `error` and its causes on one line (the messages do not repeat their causes).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
+}
+
 impl IntoResponse for RegistryError {
     fn into_response(self) -> Response {
         let (status, code) = self.status();
         let message = match &self {
-            Self::InvalidPackage(e) => format!("invalid package: {e}"),
+            // The client is told why (the message does not repeat its cause).
+            Self::InvalidPackage(e) => format!("invalid package: {}", with_causes(e)),
             other => other.to_string(),
         };
         if status.is_server_error() {
-            let mut cause = String::new();
-            let mut source = std::error::Error::source(&self);
-            while let Some(s) = source {
-                cause.push_str(&format!(": {s}"));
-                source = s.source();
-            }
-            tracing::error!(code, "{message}{cause}");
+            tracing::error!(code, "{}", with_causes(&self));
         }
         let retry_after = match &self {
             Self::Busy { retry_after, .. } | Self::RateLimited { retry_after, .. } => {
