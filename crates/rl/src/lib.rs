@@ -9,6 +9,8 @@
 //! - [`lora`]: adapters beside a model's weights (rank, alpha, targets), saved as
 //!   safetensors; [`policy`]: completion log-probabilities with gradients, and a
 //!   reference sampler; [`optim`]: AdamW with clipping and a schedule.
+//! - [`train`]: the loop behind `agentstack train` (rollouts, learning, weight sync,
+//!   evaluation, checkpoints a killed run resumes from exactly).
 //!
 //! ```
 //! use agentstack_rl::advantage::{group_advantages, Normalization};

@@ -1,0 +1,206 @@
+//! What a step learns from: the samples of its episodes (or SFT's examples), their
+//! rewards turned into per-token advantages and masks.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::time::Instant;
+
+use agentstack_model::LanguageModel;
+
+use super::error::io;
+use super::rollout::shuffled;
+use super::{Sample, StepMetrics, TrainError};
+use crate::advantage::{
+    add_reverse_kl, group_advantages, is_informative, overlong_mask, overlong_penalty,
+};
+use crate::config::TrainConfig;
+
+/// Samples with their per-token advantages and loss masks.
+pub(super) type Shaped = (Vec<Sample>, Vec<Vec<f32>>, Vec<Vec<f32>>);
+
+pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> Vec<Sample> {
+    let mut samples = Vec::new();
+    for (group, episode) in episodes {
+        for turn in &episode.turns {
+            let (Some(prompt), Some(completion), Some(logprobs)) =
+                (&turn.prompt_ids, &turn.completion_ids, &turn.logprobs)
+            else {
+                continue;
+            };
+            if completion.is_empty() {
+                continue;
+            }
+            samples.push(Sample {
+                group: *group,
+                prompt: prompt.clone(),
+                completion: completion.clone(),
+                logprobs: logprobs.clone(),
+                reward: episode.reward,
+                truncated: turn.finish_reason == "length",
+            });
+        }
+    }
+    samples
+}
+
+pub(super) fn mean_std(xs: &[f64]) -> (f64, f64) {
+    if xs.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
+/// Rewards → per-token advantages and masks (group normalisation, dynamic sampling,
+/// overlong handling, distillation's reverse KL).
+pub(super) fn shape(
+    config: &TrainConfig,
+    samples: Vec<Sample>,
+    normalization: crate::advantage::Normalization,
+    teacher: Option<&LanguageModel>,
+    m: &mut StepMetrics,
+) -> Result<Shaped, TrainError> {
+    let mut by_group: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, s) in samples.iter().enumerate() {
+        by_group.entry(s.group).or_default().push(i);
+    }
+    let max_tokens = config.rollout.max_tokens;
+    let reward_of = |s: &Sample| -> f64 {
+        match config.loss.overlong.as_str() {
+            "penalty" => {
+                s.reward
+                    + overlong_penalty(s.completion.len(), max_tokens, config.loss.overlong_cache)
+            }
+            _ => s.reward,
+        }
+    };
+    let reward_weight = config.distill.as_ref().map_or(1.0, |d| d.reward_weight);
+    let mut kept = Vec::new();
+    let mut advantages = Vec::new();
+    let mut masks = Vec::new();
+    let mut reverse_kl = (0.0, 0usize);
+    for members in by_group.values() {
+        let rewards: Vec<f64> = members.iter().map(|&i| reward_of(&samples[i])).collect();
+        let informative = is_informative(&rewards);
+        if config.loss.dynamic_sampling && !informative && teacher.is_none() {
+            continue;
+        }
+        m.groups_kept += 1;
+        let group_adv = group_advantages(&rewards, normalization);
+        let teacher_logps = match teacher {
+            Some(teacher) => {
+                let t = Instant::now();
+                let scored = teacher_logprobs(teacher, members.iter().map(|&i| &samples[i]))?;
+                m.teacher_s = Some(m.teacher_s.unwrap_or(0.0) + t.elapsed().as_secs_f64());
+                scored
+            }
+            None => Vec::new(),
+        };
+        for (k, (&i, a)) in members.iter().zip(group_adv).enumerate() {
+            let s = &samples[i];
+            let a = if teacher.is_some() {
+                a * reward_weight
+            } else {
+                a
+            };
+            let mut adv = vec![a as f32; s.completion.len()];
+            if let (Some(teacher_logp), Some(d)) = (teacher_logps.get(k), &config.distill) {
+                for (st, te) in s.logprobs.iter().zip(teacher_logp) {
+                    reverse_kl.0 += f64::from(st - te);
+                    reverse_kl.1 += 1;
+                }
+                add_reverse_kl(&mut adv, &s.logprobs, teacher_logp, d.kl_coef as f32);
+            }
+            let mask = match config.loss.overlong.as_str() {
+                "filter" => overlong_mask(s.truncated, s.completion.len()),
+                _ => vec![1.0; s.completion.len()],
+            };
+            kept.push(s.clone());
+            advantages.push(adv);
+            masks.push(mask);
+        }
+    }
+    if teacher.is_some() {
+        m.reverse_kl = Some(reverse_kl.0 / reverse_kl.1.max(1) as f64);
+    }
+    Ok((kept, advantages, masks))
+}
+
+/// The teacher's log-probability of every completion token of `samples`: the
+/// completions of one prompt (a GRPO group's) scored together, the prompt read once.
+fn teacher_logprobs<'a>(
+    teacher: &LanguageModel,
+    samples: impl Iterator<Item = &'a Sample>,
+) -> Result<Vec<Vec<f32>>, TrainError> {
+    let samples: Vec<&Sample> = samples.collect();
+    let mut out = vec![Vec::new(); samples.len()];
+    let mut done = vec![false; samples.len()];
+    for i in 0..samples.len() {
+        if done[i] {
+            continue;
+        }
+        let same: Vec<usize> = (i..samples.len())
+            .filter(|&j| !done[j] && samples[j].prompt == samples[i].prompt)
+            .collect();
+        let completions: Vec<&[u32]> = same
+            .iter()
+            .map(|&j| samples[j].completion.as_slice())
+            .collect();
+        let scored = teacher
+            .score_completions(&samples[i].prompt, &completions)
+            .map_err(|source| TrainError::Model {
+                what: "the teacher scoring the samples",
+                source: Box::new(source),
+            })?;
+        for (j, lp) in same.into_iter().zip(scored) {
+            out[j] = lp;
+            done[j] = true;
+        }
+    }
+    Ok(out)
+}
+
+/// SFT's examples: every model turn of the episodes with at least `min_reward` in
+/// the given eval runs, exactly as the engine sampled them.
+pub(super) fn sft_data(config: &TrainConfig) -> Result<Vec<Sample>, TrainError> {
+    let sft = config.sft.as_ref().ok_or_else(|| {
+        TrainError::Config(
+            "train sft needs an [sft] section with runs = [\"runs/<eval run>\"]".into(),
+        )
+    })?;
+    let mut samples = Vec::new();
+    for run in &sft.runs {
+        let path = run.join("results.jsonl");
+        let text = fs::read_to_string(&path).map_err(io(&path))?;
+        for (n, line) in text.lines().enumerate() {
+            let record: agentstack_harness::run::EpisodeRecord = serde_json::from_str(line)
+                .map_err(|source| TrainError::Json {
+                    path: path.clone(),
+                    line: Some(n + 1),
+                    source,
+                })?;
+            if record.episode.reward < sft.min_reward {
+                continue;
+            }
+            let episode = [(0usize, record.episode)];
+            samples.extend(samples_of(&episode));
+        }
+    }
+    if samples.is_empty() {
+        return Err(TrainError::Config(format!(
+            "no episode with reward ≥ {} and token ids in {:?}; run eval with an in-process model (it records token ids), or lower sft.min_reward",
+            sft.min_reward, sft.runs
+        )));
+    }
+    Ok(samples)
+}
+
+pub(super) fn sft_batch(data: &[Sample], config: &TrainConfig, step: usize) -> Vec<Sample> {
+    let size = config.sft.as_ref().map_or(8, |s| s.batch_size).max(1);
+    let n = data.len();
+    (0..size)
+        .map(|j| data[shuffled(&[config.seed, 0x5f7], n, (step * size + j) as u64)].clone())
+        .collect()
+}

@@ -1,0 +1,644 @@
+//! The training loop behind `agentstack train grpo|distill|sft`.
+//!
+//! Each step: pick the step's tasks (a seeded permutation of the environment's train
+//! split, so the data position is just the step number), play `group_size` episodes
+//! of each through the harness on the in-process engine (quantized weights plus the
+//! current adapters), turn rewards into group advantages, and learn on the very
+//! token ids the engine sampled (never re-tokenized) with the adapters on the f32
+//! weights; then push the new adapters to the engine (and to any `model serve`),
+//! timing the sync. Metrics go to `metrics.jsonl`, a held-out evaluation runs every
+//! `eval.every` steps, the reward curve is drawn to `reward.png`, and checkpoints
+//! (adapters, optimizer moments, the step) let a killed run resume exactly: every
+//! random choice derives from the run's seed and the step, and the rollout engine's
+//! kernels give the same bits whatever the batch.
+//!
+//! [`train`] reads as a step's phases, each a method of a `Trainer` opened from the
+//! run's [`Setup`]: the step's batch (`rollout` and `batch`; one step ahead or not as
+//! `schedule`'s `RolloutScheduler`, which owns that state, decides), learning
+//! (`learner`), the push to model servers (`sync`), evaluation (`eval`), the metrics
+//! line and curves (`metrics`), and the checkpoint (`checkpoint`).
+
+mod batch;
+mod checkpoint;
+mod error;
+mod eval;
+mod learner;
+mod metrics;
+mod rollout;
+mod schedule;
+mod sync;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use agentstack_harness::prompt::Presenter;
+use agentstack_harness::{EnvHandle, ModelClient, Profile};
+use agentstack_model::engine::{Engine, EngineConfig};
+use agentstack_model::{LanguageModel, WeightForm};
+use candle_core::DType;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use self::batch::{Shaped, mean_std, samples_of, sft_batch, sft_data, shape};
+use self::checkpoint::write_atomic;
+pub use self::error::TrainError;
+use self::error::{io, join, tensor};
+use self::learner::Learner;
+use self::metrics::MetricsLog;
+use self::rollout::{RolloutSide, RolloutTask};
+use self::schedule::RolloutScheduler;
+use self::sync::RemoteSync;
+use crate::config::{Algorithm, RolloutWeights, TrainConfig};
+use crate::lora::Lora;
+use crate::optim::Optim;
+
+/// The engine's adapter slot the rollouts run on.
+pub const POLICY_ADAPTER: &str = "policy";
+
+/// The slot held-out evaluations run on (apart, so an evaluation never changes the
+/// weights under rollouts running one step ahead).
+pub const EVAL_ADAPTER: &str = "eval";
+
+/// One sampled completion, as the learner takes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The group (the step's task index).
+    pub group: usize,
+    /// Prompt token ids, as the engine saw them.
+    pub prompt: Vec<u32>,
+    /// Completion token ids, as sampled.
+    pub completion: Vec<u32>,
+    /// The rollout engine's log-probability of each completion token.
+    pub logprobs: Vec<f32>,
+    /// The episode's reward.
+    pub reward: f64,
+    /// Whether the completion hit the token limit.
+    pub truncated: bool,
+}
+
+/// One line of `metrics.jsonl`. Fields ending in `_s` or `_ms` are wall times; the
+/// rest is determined by the configuration (a resumed run writes the same values).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// The step (from 1).
+    pub step: usize,
+    /// Mean episode reward of the step's rollouts.
+    pub reward_mean: f64,
+    /// Its standard deviation.
+    pub reward_std: f64,
+    /// Samples learned from.
+    pub samples: usize,
+    /// Groups kept (dynamic sampling drops the uninformative ones).
+    pub groups_kept: usize,
+    /// Completion tokens learned from.
+    pub tokens: usize,
+    /// Mean completion length.
+    pub completion_len: f64,
+    /// The loss.
+    pub loss: f64,
+    /// Fraction of clipped ratios.
+    pub clip_fraction: f64,
+    /// Mean KL estimate to the reference (with a KL term).
+    pub kl: f64,
+    /// Mean |log π_learner − log π_rollout| over trained tokens.
+    pub rollout_mismatch: f64,
+    /// Seconds the teacher took to score the step's samples (distillation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher_s: Option<f64>,
+    /// Mean reverse KL to the teacher (distillation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverse_kl: Option<f64>,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+    /// Held-out mean reward after this step, when evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_reward: Option<f64>,
+    /// Its 95% confidence interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_ci95: Option<(f64, f64)>,
+    /// Seconds generating the step's rollouts.
+    pub generate_s: f64,
+    /// Seconds learning.
+    pub learn_s: f64,
+    /// Milliseconds pushing the adapters to the rollout engine.
+    pub sync_ms: f64,
+    /// Milliseconds pushing them to `model serve` processes (when configured).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_sync_ms: Option<f64>,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The run directory.
+    pub dir: PathBuf,
+    /// Steps in the run.
+    pub steps: usize,
+    /// The step it resumed from (0: a fresh start).
+    pub resumed_from: usize,
+    /// Whether it stopped early (asked to), with a checkpoint of the last step.
+    pub stopped_at: Option<usize>,
+    /// Held-out reward before training, and after.
+    pub eval_before: Option<(f64, (f64, f64))>,
+    /// After the last step.
+    pub eval_after: Option<(f64, (f64, f64))>,
+}
+
+/// What a run needs besides its configuration.
+pub struct Setup {
+    /// The configuration.
+    pub config: TrainConfig,
+    /// Which algorithm.
+    pub algorithm: Algorithm,
+    /// The run directory (`runs/<id>`).
+    pub dir: PathBuf,
+    /// The environment, opened (unused by SFT).
+    pub env: Option<EnvHandle>,
+    /// Discard an existing run in `dir` instead of resuming it.
+    pub fresh: bool,
+    /// Set (e.g. on SIGTERM) to stop after the current step with a checkpoint.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// Trains as `setup` says, resuming from the newest checkpoint in its directory;
+/// `on_step` sees every step's metrics as they are written.
+pub async fn train(
+    setup: Setup,
+    mut on_step: impl FnMut(&StepMetrics),
+) -> Result<Report, TrainError> {
+    let stop = setup.stop.clone();
+    let mut trainer = Trainer::open(setup).await?;
+    trainer.evaluate_before().await?;
+    let steps = trainer.config.steps;
+    let mut stopped_at = None;
+    for step in trainer.resumed_from..steps {
+        let (done, last) = (step + 1, step + 1 == steps);
+        let mut m = StepMetrics {
+            step: done,
+            ..StepMetrics::default()
+        };
+        let batch = trainer.batch(step, &mut m).await?;
+        trainer.learn(batch, &mut m).await?;
+        trainer.push_to_servers(&mut m).await?;
+        let stopping = stop.load(Ordering::SeqCst);
+        if trainer.evaluates_after(done) {
+            let (mean, ci) = trainer.evaluate(done).await?;
+            (m.eval_reward, m.eval_ci95) = (Some(mean), Some(ci));
+        }
+        trainer.metrics.append(&m)?;
+        on_step(&m);
+        if last || stopping || trainer.checkpoints_after(done) {
+            trainer.checkpoint(done)?;
+        }
+        if m.eval_reward.is_some() || last {
+            trainer.metrics.draw_curves(&trainer.evals, &trainer.run_id);
+        }
+        if stopping && !last {
+            stopped_at = Some(done);
+            break;
+        }
+    }
+    Ok(trainer.finish(stopped_at))
+}
+
+/// A run in progress: what [`train`]'s phases share.
+struct Trainer {
+    config: Arc<TrainConfig>,
+    algorithm: Algorithm,
+    /// The run directory.
+    dir: PathBuf,
+    /// Its last component: the adapters' default name and the plots' title.
+    run_id: String,
+    env: Option<Arc<EnvHandle>>,
+    /// The engine the episodes play on, and how a step's episodes start.
+    rollouts: RolloutSide,
+    /// The engine under the evaluation slot.
+    eval_client: ModelClient,
+    /// Which adapters sample which step's batch.
+    scheduler: RolloutScheduler<Lora, RolloutTask>,
+    /// The current adapters (their variables are the learner's own).
+    lora: Lora,
+    learner: Arc<Mutex<Learner>>,
+    normalization: crate::advantage::Normalization,
+    teacher: Option<Arc<LanguageModel>>,
+    /// SFT's examples (SFT learns from these instead of rollouts).
+    sft: Option<Vec<Sample>>,
+    /// Pushes to `model serve` processes, when any are configured.
+    remote: Option<RemoteSync>,
+    metrics: MetricsLog,
+    /// Held-out rewards by step (0: before training).
+    evals: BTreeMap<usize, (f64, (f64, f64))>,
+    /// The step the run resumed from (0: a fresh start).
+    resumed_from: usize,
+    eval_before: Option<(f64, (f64, f64))>,
+}
+
+impl Trainer {
+    /// Checks the configuration, claims the run directory, loads the models, and
+    /// resumes from the newest checkpoint there.
+    async fn open(setup: Setup) -> Result<Self, TrainError> {
+        let Setup {
+            config,
+            algorithm,
+            dir,
+            env,
+            fresh,
+            stop: _,
+        } = setup;
+        config.check()?;
+        // The adapter pushes' key, from the trainer's environment (never the file).
+        let sync_key = if config.sync.servers.is_empty() {
+            None
+        } else {
+            config.sync.api_key()?
+        };
+        claim_run_dir(&dir, &config, algorithm, fresh)?;
+        let (learner_lm, rollout_lm) = load_models(&config).await?;
+        let rollout_base = rollout_lm.model().clone();
+        let engine = Engine::start(
+            Arc::new(rollout_lm),
+            EngineConfig {
+                max_running: config.rollout.concurrency.max(1),
+                ..EngineConfig::default()
+            },
+        );
+        let run_id = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "run".into());
+        let policy_client =
+            ModelClient::engine_adapter(engine.clone(), &run_id, Some(POLICY_ADAPTER));
+        let eval_client = ModelClient::engine_adapter(engine.clone(), &run_id, Some(EVAL_ADAPTER));
+
+        let base = learner_lm.model().clone();
+        let mut lora = Lora::new(&base, config.lora_config()?, config.seed)
+            .map_err(tensor("creating the adapters"))?;
+        let mut optim = Optim::new(lora.vars(), config.optim_config()?)
+            .map_err(tensor("creating the optimizer"))?;
+        let resumed = checkpoint::resume(&dir, &base, &optim)?;
+        let metrics = MetricsLog::open(
+            dir.join("metrics.jsonl"),
+            resumed.as_ref().map_or(0, |r| r.metrics_lines),
+        )?;
+        let (resumed_from, next_sampler) = match resumed {
+            Some(r) => {
+                (lora, optim) = (r.lora, r.optim);
+                (r.step, r.next_sampler)
+            }
+            None => (0, None),
+        };
+
+        let teacher = load_teacher(&config, algorithm, &base).await?;
+        let reference =
+            (config.loss.kl != "none" && config.loss.kl_coef > 0.0).then(|| base.clone());
+        let learner = Arc::new(Mutex::new(Learner {
+            base,
+            reference,
+            lora: lora.clone(),
+            optim,
+            loss: config.loss_config()?,
+            micro_batch: config.optim.micro_batch,
+        }));
+        let normalization = config.normalization()?;
+        // SFT data, from eval runs.
+        let sft = match algorithm {
+            Algorithm::Sft => Some(sft_data(&config)?),
+            _ => None,
+        };
+        let presenter = match &env {
+            Some(env) => Some(Arc::new(Presenter::new(
+                config
+                    .profile
+                    .clone()
+                    .unwrap_or_else(|| Profile::for_env(env.name())),
+                env.description(),
+                &env.schema().action,
+                env.tools(),
+            )?)),
+            None => None,
+        };
+        if algorithm != Algorithm::Sft && env.is_none() {
+            return Err(TrainError::Config(
+                "training on rollouts needs an environment (env = ...)".into(),
+            ));
+        }
+        let remote = (!config.sync.servers.is_empty())
+            .then(|| RemoteSync::new(&config.sync, sync_key, &run_id, &dir));
+        let config = Arc::new(config);
+        let env = env.map(Arc::new);
+        let evals = metrics.evals();
+        Ok(Self {
+            scheduler: RolloutScheduler::new(
+                config.rollout.max_staleness,
+                config.steps,
+                next_sampler,
+            ),
+            rollouts: RolloutSide::new(
+                config.clone(),
+                engine,
+                rollout_base,
+                policy_client,
+                env.clone(),
+                presenter,
+            ),
+            config,
+            algorithm,
+            dir,
+            run_id,
+            env,
+            eval_client,
+            lora,
+            learner,
+            normalization,
+            teacher,
+            sft,
+            remote,
+            metrics,
+            evals,
+            resumed_from,
+            eval_before: None,
+        })
+    }
+
+    /// The held-out evaluation before the first step (on a fresh start, when the run
+    /// evaluates), or the one a resumed run made then.
+    async fn evaluate_before(&mut self) -> Result<(), TrainError> {
+        let path = self.dir.join("eval-0.json");
+        if self.resumed_from == 0 && self.config.eval.every > 0 && self.env.is_some() {
+            let before = self.evaluate(0).await?;
+            fs::write(&path, serde_json::to_vec(&before).unwrap_or_default()).map_err(io(&path))?;
+        }
+        if let Ok(bytes) = fs::read(&path) {
+            self.eval_before = serde_json::from_slice(&bytes).ok();
+        }
+        Ok(())
+    }
+
+    /// The samples `step` learns from, with their advantages and masks: SFT's batch,
+    /// or the step's rollouts (started during the last step when one ahead) shaped.
+    async fn batch(&mut self, step: usize, m: &mut StepMetrics) -> Result<Shaped, TrainError> {
+        if let Some(data) = &self.sft {
+            let batch = sft_batch(data, &self.config, step);
+            let masks: Vec<Vec<f32>> = batch
+                .iter()
+                .map(|s| vec![1.0; s.completion.len()])
+                .collect();
+            m.reward_mean = f64::NAN;
+            return Ok((batch, masks.clone(), masks));
+        }
+        let Self {
+            scheduler,
+            rollouts,
+            lora,
+            ..
+        } = self;
+        let task = scheduler.batch(step, lora, |step, sampler| {
+            rollouts.start(step, sampler, &mut m.sync_ms)
+        })?;
+        let (episodes, generate_s) = task.await.map_err(join("the step's rollouts"))??;
+        m.generate_s = generate_s;
+        // The next batch samples from the adapters as they are now (before this step
+        // learns).
+        scheduler.start_next(step, lora, |step, sampler| {
+            rollouts.start(step, sampler, &mut m.sync_ms)
+        })?;
+        let samples = samples_of(&episodes);
+        let rewards: Vec<f64> = episodes.iter().map(|(_, e)| e.reward).collect();
+        (m.reward_mean, m.reward_std) = mean_std(&rewards);
+        // Off the async runtime: with a teacher, shaping scores every sample.
+        let (config, teacher, normalization) = (
+            self.config.clone(),
+            self.teacher.clone(),
+            self.normalization,
+        );
+        let mut metrics = std::mem::take(m);
+        let (shaped, metrics) = tokio::task::spawn_blocking(move || {
+            let shaped = shape(
+                &config,
+                samples,
+                normalization,
+                teacher.as_deref(),
+                &mut metrics,
+            );
+            (shaped, metrics)
+        })
+        .await
+        .map_err(join("shaping the rewards"))?;
+        *m = metrics;
+        shaped
+    }
+
+    /// One optimizer step on the batch (none for an empty one); the adapters from
+    /// before it go to the scheduler, as the sampler of the next batch.
+    async fn learn(
+        &mut self,
+        (samples, advantages, masks): Shaped,
+        m: &mut StepMetrics,
+    ) -> Result<(), TrainError> {
+        m.samples = samples.len();
+        m.completion_len = if samples.is_empty() {
+            0.0
+        } else {
+            samples.iter().map(|s| s.completion.len()).sum::<usize>() as f64 / samples.len() as f64
+        };
+        // A copy of the values: `lora`'s variables are the learner's own, which the
+        // optimizer step below changes in place.
+        let before_learning = self
+            .lora
+            .snapshot()
+            .and_then(|adapter| Lora::from_adapter(&adapter))
+            .map_err(tensor("copying the adapters"))?;
+        if !samples.is_empty() {
+            let t = Instant::now();
+            let learner = self.learner.clone();
+            let sft = self.algorithm == Algorithm::Sft;
+            let learned = tokio::task::spawn_blocking(move || {
+                learner
+                    .lock()
+                    .expect("learner lock")
+                    .step(&samples, &advantages, &masks, sft)
+            })
+            .await
+            .map_err(join("the learning step"))?
+            .map_err(tensor("the learning step"))?;
+            m.learn_s = t.elapsed().as_secs_f64();
+            m.loss = learned.loss;
+            m.clip_fraction = learned.clip_fraction;
+            m.kl = learned.kl;
+            m.rollout_mismatch = learned.mismatch;
+            m.tokens = learned.tokens;
+            m.grad_norm = learned.grad_norm;
+            m.lr = learned.lr;
+        }
+        self.lora = self.learner.lock().expect("learner lock").lora.clone();
+        self.scheduler.learned(before_learning);
+        Ok(())
+    }
+
+    /// Pushes the new adapters to the `model serve` processes, if any.
+    async fn push_to_servers(&self, m: &mut StepMetrics) -> Result<(), TrainError> {
+        if let Some(remote) = &self.remote {
+            m.remote_sync_ms = Some(remote.push(&self.lora).await?);
+        }
+        Ok(())
+    }
+
+    /// Whether a held-out evaluation follows step `done` (every `eval.every` steps and
+    /// after the last, when the run evaluates).
+    fn evaluates_after(&self, done: usize) -> bool {
+        let every = self.config.eval.every;
+        every > 0 && self.env.is_some() && (done.is_multiple_of(every) || done == self.config.steps)
+    }
+
+    /// Evaluates the current adapters on the held-out tasks, as of step `done`.
+    async fn evaluate(&mut self, done: usize) -> Result<(f64, (f64, f64)), TrainError> {
+        self.rollouts.sync(EVAL_ADAPTER, &self.lora)?;
+        let result = eval::eval_at(
+            &self.config,
+            &self.dir,
+            self.env.as_deref(),
+            &self.eval_client,
+            done,
+        )
+        .await?;
+        self.evals.insert(done, result);
+        Ok(result)
+    }
+
+    /// Whether `checkpoint.every` asks for a checkpoint after step `done`.
+    fn checkpoints_after(&self, done: usize) -> bool {
+        let every = self.config.checkpoint.every;
+        every > 0 && done.is_multiple_of(every)
+    }
+
+    /// Writes the checkpoint of step `done` (with the scheduler's sampler of the next
+    /// batch) and drops the oldest beyond `checkpoint.keep`.
+    fn checkpoint(&self, done: usize) -> Result<(), TrainError> {
+        {
+            let learner = self.learner.lock().expect("learner lock");
+            checkpoint::write(
+                &self.dir,
+                done,
+                self.metrics.lines(),
+                &learner.lora,
+                &learner.optim,
+                self.scheduler.checkpoint_sampler(),
+            )?;
+        }
+        checkpoint::prune(&self.dir, self.config.checkpoint.keep.max(1))
+    }
+
+    /// Drops a batch started ahead of a stopped run, and reports.
+    fn finish(mut self, stopped_at: Option<usize>) -> Report {
+        if let Some(task) = self.scheduler.take_pending() {
+            task.abort();
+        }
+        Report {
+            dir: self.dir,
+            steps: self.config.steps,
+            resumed_from: self.resumed_from,
+            stopped_at,
+            eval_before: self.eval_before,
+            eval_after: self.evals.range(1..).next_back().map(|(_, v)| *v),
+        }
+    }
+}
+
+/// Makes `dir` this run's: emptied first with `fresh`, refused when it holds a run
+/// with another configuration.
+fn claim_run_dir(
+    dir: &std::path::Path,
+    config: &TrainConfig,
+    algorithm: Algorithm,
+    fresh: bool,
+) -> Result<(), TrainError> {
+    if fresh && dir.exists() {
+        fs::remove_dir_all(dir).map_err(io(dir))?;
+    }
+    fs::create_dir_all(dir.join("checkpoints")).map_err(io(dir))?;
+    // A run directory belongs to one configuration.
+    let recorded = json!({"algorithm": algorithm, "config": config});
+    let config_path = dir.join("config.json");
+    match fs::read_to_string(&config_path) {
+        Ok(text) => {
+            let found: Value = serde_json::from_str(&text).unwrap_or_default();
+            if found != recorded {
+                return Err(TrainError::Config(format!(
+                    "{} holds a run with another configuration; pick another run id, or pass --fresh to discard it",
+                    dir.display()
+                )));
+            }
+            Ok(())
+        }
+        Err(_) => write_atomic(
+            &config_path,
+            &serde_json::to_vec_pretty(&recorded).unwrap_or_default(),
+        ),
+    }
+}
+
+/// The learner's model (f32) and the rollout engine's (quantized, or the same).
+async fn load_models(config: &TrainConfig) -> Result<(LanguageModel, LanguageModel), TrainError> {
+    let load = |form| {
+        let path = config.model.clone();
+        move || LanguageModel::load(&path, form)
+    };
+    let load_error = |source| TrainError::LoadModel {
+        role: "model",
+        path: config.model.clone(),
+        source: Box::new(source),
+    };
+    let learner_lm = tokio::task::spawn_blocking(load(WeightForm::Dense(DType::F32)))
+        .await
+        .map_err(join("loading the model"))?
+        .map_err(load_error)?;
+    let rollout_lm = match config.rollout.weights {
+        RolloutWeights::F32 => learner_lm.clone(),
+        RolloutWeights::Quantized => tokio::task::spawn_blocking(load(WeightForm::Quantized))
+            .await
+            .map_err(join("loading the model"))?
+            .map_err(load_error)?,
+    };
+    Ok((learner_lm, rollout_lm))
+}
+
+/// Distillation's teacher (quantized), checked to share the student's vocabulary.
+async fn load_teacher(
+    config: &TrainConfig,
+    algorithm: Algorithm,
+    student: &agentstack_model::Model,
+) -> Result<Option<Arc<LanguageModel>>, TrainError> {
+    Ok(match (&config.distill, algorithm) {
+        (Some(d), Algorithm::Distill) => {
+            let path = d.teacher.clone();
+            let teacher = tokio::task::spawn_blocking(move || {
+                LanguageModel::load(&path, WeightForm::Quantized)
+            })
+            .await
+            .map_err(join("loading the teacher"))?
+            .map_err(|source| TrainError::LoadModel {
+                role: "teacher",
+                path: d.teacher.clone(),
+                source: Box::new(source),
+            })?;
+            if teacher.model().config().vocab_size != student.config().vocab_size {
+                return Err(TrainError::Config(
+                    "the teacher's vocabulary differs from the student's; distillation needs the same tokenizer".into(),
+                ));
+            }
+            Some(Arc::new(teacher))
+        }
+        (None, Algorithm::Distill) => {
+            return Err(TrainError::Config(
+                "train distill needs a [distill] section with teacher = \"teacher.gguf\"".into(),
+            ));
+        }
+        _ => None,
+    })
+}
