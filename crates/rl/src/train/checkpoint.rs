@@ -15,9 +15,9 @@ use super::error::{io, tensor, tensors};
 use crate::lora::Lora;
 use crate::optim::Optim;
 
-/// A checkpoint read back: where a resumed run starts.
-pub(super) struct Resumed {
-    /// Steps done.
+/// Where a run starts: a fresh start, or a checkpoint read back.
+pub(super) struct Start {
+    /// Steps done (0: a fresh start).
     pub(super) step: usize,
     /// Lines of `metrics.jsonl` that belong to those steps.
     pub(super) metrics_lines: usize,
@@ -27,15 +27,22 @@ pub(super) struct Resumed {
     pub(super) next_sampler: Option<Lora>,
 }
 
-/// The newest checkpoint in `dir`, read onto `base`, with a new optimizer configured
-/// as `optim` and holding the checkpoint's moments; `None` when there is none.
-pub(super) fn resume(
+/// Where a run in `dir` starts: from the fresh `lora` and `optim`, or from the newest
+/// checkpoint there, read onto `base` with a new optimizer configured as `optim`.
+pub(super) fn start(
     dir: &Path,
     base: &Model,
-    optim: &Optim,
-) -> Result<Option<Resumed>, TrainError> {
+    lora: Lora,
+    optim: Optim,
+) -> Result<Start, TrainError> {
     let Some((step, path)) = latest_checkpoint(dir) else {
-        return Ok(None);
+        return Ok(Start {
+            step: 0,
+            metrics_lines: 0,
+            lora,
+            optim,
+            next_sampler: None,
+        });
     };
     let adapter = path.join("adapter.safetensors");
     let lora = Lora::load(&adapter, base).map_err(tensors("read", &adapter))?;
@@ -59,13 +66,13 @@ pub(super) fn resume(
         source,
     })?;
     tracing::info!(step, "resuming from checkpoint");
-    Ok(Some(Resumed {
+    Ok(Start {
         step,
         metrics_lines: state.metrics_lines,
         lora,
         optim,
         next_sampler,
-    }))
+    })
 }
 
 /// Writes the checkpoint of `step`: the adapters, the optimizer's moments, the

@@ -106,3 +106,64 @@ fn read_evals(path: &Path) -> BTreeMap<usize, (f64, (f64, f64))> {
     }
     evals
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(step: usize, eval: Option<f64>) -> String {
+        let m = StepMetrics {
+            step,
+            eval_reward: eval,
+            eval_ci95: eval.map(|e| (e - 0.1, e + 0.1)),
+            ..StepMetrics::default()
+        };
+        serde_json::to_string(&m).unwrap() + "\n"
+    }
+
+    /// A resumed run keeps the lines of the steps its checkpoint holds (a later or
+    /// torn line goes), counts on from there, and finds the evaluations written.
+    #[test]
+    fn a_resumed_log_keeps_the_checkpointed_lines_and_counts_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let torn = "{\"step\": 4, \"rew";
+        let text = [
+            line(1, None),
+            line(2, Some(0.5)),
+            line(3, Some(0.7)),
+            torn.into(),
+        ]
+        .concat();
+        fs::write(&path, text).unwrap();
+        fs::write(dir.path().join("eval-0.json"), "[0.25,[0.2,0.3]]").unwrap();
+
+        let mut log = MetricsLog::open(path.clone(), 2).unwrap();
+        assert_eq!(log.lines(), 2);
+        assert_eq!(
+            fs::read_to_string(&path).unwrap(),
+            [line(1, None), line(2, Some(0.5))].concat()
+        );
+        let evals = log.evals();
+        assert_eq!(evals.keys().copied().collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(evals[&0], (0.25, (0.2, 0.3)));
+
+        log.append(&StepMetrics {
+            step: 3,
+            ..StepMetrics::default()
+        })
+        .unwrap();
+        assert_eq!(log.lines(), 3);
+        assert_eq!(
+            read_metrics(&path)
+                .iter()
+                .map(|m| m.step)
+                .collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+
+        // A fresh start keeps nothing.
+        assert_eq!(MetricsLog::open(path.clone(), 0).unwrap().lines(), 0);
+        assert_eq!(fs::read_to_string(&path).unwrap(), "");
+    }
+}

@@ -277,22 +277,12 @@ impl Trainer {
         let eval_client = ModelClient::engine_adapter(engine.clone(), &run_id, Some(EVAL_ADAPTER));
 
         let base = learner_lm.model().clone();
-        let mut lora = Lora::new(&base, config.lora_config()?, config.seed)
+        let lora = Lora::new(&base, config.lora_config()?, config.seed)
             .map_err(tensor("creating the adapters"))?;
-        let mut optim = Optim::new(lora.vars(), config.optim_config()?)
+        let optim = Optim::new(lora.vars(), config.optim_config()?)
             .map_err(tensor("creating the optimizer"))?;
-        let resumed = checkpoint::resume(&dir, &base, &optim)?;
-        let metrics = MetricsLog::open(
-            dir.join("metrics.jsonl"),
-            resumed.as_ref().map_or(0, |r| r.metrics_lines),
-        )?;
-        let (resumed_from, next_sampler) = match resumed {
-            Some(r) => {
-                (lora, optim) = (r.lora, r.optim);
-                (r.step, r.next_sampler)
-            }
-            None => (0, None),
-        };
+        let start = checkpoint::start(&dir, &base, lora, optim)?;
+        let metrics = MetricsLog::open(dir.join("metrics.jsonl"), start.metrics_lines)?;
 
         let teacher = load_teacher(&config, algorithm, &base).await?;
         let reference =
@@ -300,8 +290,8 @@ impl Trainer {
         let learner = Arc::new(Mutex::new(Learner {
             base,
             reference,
-            lora: lora.clone(),
-            optim,
+            lora: start.lora.clone(),
+            optim: start.optim,
             loss: config.loss_config()?,
             micro_batch: config.optim.micro_batch,
         }));
@@ -311,18 +301,10 @@ impl Trainer {
             Algorithm::Sft => Some(sft_data(&config)?),
             _ => None,
         };
-        let presenter = match &env {
-            Some(env) => Some(Arc::new(Presenter::new(
-                config
-                    .profile
-                    .clone()
-                    .unwrap_or_else(|| Profile::for_env(env.name())),
-                env.description(),
-                &env.schema().action,
-                env.tools(),
-            )?)),
-            None => None,
-        };
+        let presenter = env
+            .as_ref()
+            .map(|env| presenter(&config, env))
+            .transpose()?;
         if algorithm != Algorithm::Sft && env.is_none() {
             return Err(TrainError::Config(
                 "training on rollouts needs an environment (env = ...)".into(),
@@ -337,7 +319,7 @@ impl Trainer {
             scheduler: RolloutScheduler::new(
                 config.rollout.max_staleness,
                 config.steps,
-                next_sampler,
+                start.next_sampler,
             ),
             rollouts: RolloutSide::new(
                 config.clone(),
@@ -353,7 +335,7 @@ impl Trainer {
             run_id,
             env,
             eval_client,
-            lora,
+            lora: start.lora,
             learner,
             normalization,
             teacher,
@@ -361,7 +343,7 @@ impl Trainer {
             remote,
             metrics,
             evals,
-            resumed_from,
+            resumed_from: start.step,
             eval_before: None,
         })
     }
@@ -581,6 +563,21 @@ fn claim_run_dir(
             &serde_json::to_vec_pretty(&recorded).unwrap_or_default(),
         ),
     }
+}
+
+/// How episodes in `env` are presented to the model.
+fn presenter(config: &TrainConfig, env: &EnvHandle) -> Result<Arc<Presenter>, TrainError> {
+    let profile = config
+        .profile
+        .clone()
+        .unwrap_or_else(|| Profile::for_env(env.name()));
+    let presenter = Presenter::new(
+        profile,
+        env.description(),
+        &env.schema().action,
+        env.tools(),
+    )?;
+    Ok(Arc::new(presenter))
 }
 
 /// The learner's model (f32) and the rollout engine's (quantized, or the same).
