@@ -37,7 +37,7 @@ pub enum TrainError {
         source: std::io::Error,
     },
     /// A JSON file of the run (a checkpoint's state, an eval run's records) is unreadable.
-    #[error("{}{}", path.display(), line.map(|n| format!(":{n}")).unwrap_or_default())]
+    #[error("cannot parse {}{}", path.display(), line.map(|n| format!(":{n}")).unwrap_or_default())]
     Json {
         /// Which file.
         path: PathBuf,
@@ -77,7 +77,7 @@ pub enum TrainError {
         source: candle_core::Error,
     },
     /// Adapters or optimizer moments could not be read or written.
-    #[error("model: cannot {action} {}", path.display())]
+    #[error("cannot {action} {}", path.display())]
     Tensors {
         /// `read` or `write`.
         action: &'static str,
@@ -100,7 +100,7 @@ pub enum TrainError {
     #[error("rollout: an episode could not be played")]
     Episode(#[source] Box<agentstack_harness::episode::EpisodeError>),
     /// A held-out evaluation failed.
-    #[error("held-out evaluation in {}", dir.display())]
+    #[error("the held-out evaluation in {} failed", dir.display())]
     Eval {
         /// The evaluation's run directory.
         dir: PathBuf,
