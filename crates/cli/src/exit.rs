@@ -164,6 +164,18 @@ fn blames_the_user(cause: &(dyn std::error::Error + 'static)) -> bool {
         // The user's prompt profile does not render.
         return true;
     }
+    if let Some(e) = cause.downcast_ref::<agentstack_rl::train::TrainError>() {
+        use agentstack_rl::train::TrainError;
+        // The configuration, its prompt profile, the environment's task split: the
+        // user's; a model that does not load is decided by its own error, below it.
+        return matches!(
+            e,
+            TrainError::Config(_)
+                | TrainError::InvalidConfig(_)
+                | TrainError::Profile(_)
+                | TrainError::Tasks { .. }
+        );
+    }
     if let Some(e) = cause.downcast_ref::<agentstack_hub::db::DbError>() {
         use agentstack_hub::db::DbError;
         // A database URL we do not speak, or a path we cannot use; a broken database
@@ -311,6 +323,32 @@ mod tests {
         assert_eq!(
             expected,
             "error: reading x.yaml\n  caused by: no such file\n"
+        );
+    }
+
+    /// The table decides by kind, under any context: a model file that is not one and
+    /// a bad training configuration are the user's; a failed download is not.
+    #[test]
+    fn domain_errors_say_whose_they_are() {
+        use agentstack_model::ModelError;
+        let code = |e: anyhow::Error| Exit::from(e.context("loading")).code;
+        assert_eq!(
+            code(ModelError::UnsupportedArchitecture("gpt2".into()).into()),
+            1
+        );
+        assert_eq!(
+            code(
+                ModelError::Download {
+                    url: "http://127.0.0.1:9/m.gguf".into(),
+                    reason: "connection refused".into(),
+                }
+                .into()
+            ),
+            2
+        );
+        assert_eq!(
+            code(agentstack_rl::train::TrainError::Config("steps = 0".into()).into()),
+            1
         );
     }
 
