@@ -32,7 +32,11 @@ fn user_errors_still_exit_1() {
     let empty = dir.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     let empty = empty.to_str().unwrap();
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 11] = [
+        (
+            &["env", "validate", "hub:Alice/x"],
+            "'Alice' is not a valid owner name",
+        ),
         (
             &["env", "serve", empty, "--port", "0"],
             "neither an openenv.yaml nor a server/app.py",

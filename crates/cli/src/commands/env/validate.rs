@@ -36,9 +36,9 @@ pub async fn run(args: ValidateArgs) -> Result<(), Exit> {
     let mut options = Options::default();
     let mut _server = None;
     let mut _child = None;
-    let target = crate::commands::hub::pull_target(&args.target)
-        .await
-        .map_err(could_not_run)?;
+    // A malformed `hub:` reference or one the hub refuses is the user's; a hub that
+    // cannot be reached is not.
+    let target = crate::commands::hub::pull_target(&args.target).await?;
     let url = if target.starts_with("http://") || target.starts_with("https://") {
         // A server started with keys gets the first key of AGENTSTACK_API_KEY.
         options.api_key = settings::env_client().api_key;
