@@ -57,7 +57,7 @@ pub async fn run(args: QuantizeArgs) -> Result<(), Exit> {
     if let Some(b) = args.target_bpw
         && !(b > 0.0 && b <= 32.0)
     {
-        return Err(Exit::user(user_error!(
+        return Err(Exit::user(anyhow::anyhow!(
             "--target-bpw {b}: give bits per weight between 0 and 32, such as 4.5"
         )));
     }
