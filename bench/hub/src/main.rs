@@ -34,6 +34,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use agentstack_bench_support::machine::{self, Machine};
+use agentstack_bench_support::report::{append_section, version_of, write_json};
 use agentstack_hub::api::{LeaderboardPost, PackageRef, SearchQuery, SearchSort, VersionInfo};
 use agentstack_hub::auth::Token;
 use agentstack_hub::blobs::sha256_hex;
@@ -380,7 +382,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn bench(args: &Args, scratch: &Path) -> anyhow::Result<()> {
-    let load_start = load_average();
+    let load_start = machine::load_average().unwrap_or_default();
     let agentstack_version = version_of(&args.agentstack);
     let git = Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
@@ -466,7 +468,7 @@ async fn bench(args: &Args, scratch: &Path) -> anyhow::Result<()> {
     ensure!(!runs.is_empty(), "no backend ran");
 
     let sha = sha_throughput(&payloads);
-    let load_end = load_average();
+    let load_end = machine::load_average().unwrap_or_default();
     let report = Report {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: Machine::here(load_start, load_end),
@@ -496,19 +498,10 @@ async fn bench(args: &Args, scratch: &Path) -> anyhow::Result<()> {
     let section = report.markdown();
     print!("{section}");
     if let Some(path) = &args.json {
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("creating {}", parent.display()))?;
-        }
-        let text = serde_json::to_string_pretty(&report.json())?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote every figure to {}", path.display());
+        write_json(path, &report.json())?;
     }
     if let Some(path) = &args.write_results {
-        let mut text = std::fs::read_to_string(path).unwrap_or_default();
-        text.push_str(&section);
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("appended the results to {}", path.display());
+        append_section(path, &section)?;
     }
     Ok(())
 }
@@ -1680,78 +1673,6 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     }
     let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-struct Machine {
-    date: String,
-    cpus: usize,
-    cpu_model: String,
-    memory: String,
-    kernel: String,
-    load_start: String,
-    load_end: String,
-}
-
-impl Machine {
-    fn here(load_start: String, load_end: String) -> Self {
-        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|text| {
-                text.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .and_then(|l| l.split_once(':'))
-                    .map(|(_, v)| v.trim().to_owned())
-            })
-            .unwrap_or_else(|| "unknown CPU".into());
-        let memory = std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|text| {
-                text.lines()
-                    .find(|l| l.starts_with("MemTotal:"))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|kib| kib.parse::<f64>().ok())
-            })
-            .map_or_else(String::new, |kib| {
-                format!("{:.1} GiB RAM", kib / 1024.0 / 1024.0)
-            });
-        Self {
-            date: Command::new("date")
-                .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                .unwrap_or_default(),
-            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            cpu_model,
-            memory,
-            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_default(),
-            load_start,
-            load_end,
-        }
-    }
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
-/// The first line `PROGRAM --version` prints.
-fn version_of(program: &Path) -> String {
-    Command::new(program)
-        .arg("--version")
-        .output()
-        .map(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_owned()
-        })
-        .unwrap_or_default()
 }
 
 struct Report<'a> {

@@ -26,6 +26,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use agentstack_bench_support::machine::{self, Machine};
+use agentstack_bench_support::report::{append_section, version_of, write_json};
 use agentstack_sandbox::{Job, Outcome, Sandbox, SandboxConfig};
 use anyhow::{Context, bail, ensure};
 use clap::Parser;
@@ -105,7 +107,7 @@ fn bench(args: &Args, rt: &tokio::runtime::Runtime, scratch: &Path) -> anyhow::R
         Path::new(PYTHON).exists(),
         "{PYTHON} is not there; every variant runs it"
     );
-    let load_start = load_average();
+    let load_start = machine::load_average().unwrap_or_default();
     let python_version = version_of(Path::new(PYTHON));
     let bwrap = Bwrap::find(&args.bwrap, scratch);
     match &bwrap {
@@ -264,7 +266,7 @@ fn bench(args: &Args, rt: &tokio::runtime::Runtime, scratch: &Path) -> anyhow::R
     }
     bar.finish_and_clear();
 
-    let load_end = load_average();
+    let load_end = machine::load_average().unwrap_or_default();
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let machine = Machine::here(load_start, load_end);
     let report = Report {
@@ -282,19 +284,10 @@ fn bench(args: &Args, rt: &tokio::runtime::Runtime, scratch: &Path) -> anyhow::R
     let section = report.markdown();
     print!("{section}");
     if let Some(path) = &args.json {
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("creating {}", parent.display()))?;
-        }
-        let text = serde_json::to_string_pretty(&report.json())?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("wrote every figure to {}", path.display());
+        write_json(path, &report.json())?;
     }
     if let Some(path) = &args.write_results {
-        let mut text = std::fs::read_to_string(path).unwrap_or_default();
-        text.push_str(&section);
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("appended the results to {}", path.display());
+        append_section(path, &section)?;
     }
     Ok(())
 }
@@ -750,70 +743,6 @@ impl Throughput {
     fn runs_per_s(&self) -> f64 {
         self.runs as f64 / self.wall.as_secs_f64()
     }
-}
-
-struct Machine {
-    date: String,
-    cpus: usize,
-    cpu_model: String,
-    kernel: String,
-    load_start: String,
-    load_end: String,
-}
-
-impl Machine {
-    fn here(load_start: String, load_end: String) -> Self {
-        let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|text| {
-                text.lines()
-                    .find(|l| l.starts_with("model name"))
-                    .and_then(|l| l.split_once(':'))
-                    .map(|(_, v)| v.trim().to_owned())
-            })
-            .unwrap_or_else(|| "unknown CPU".into());
-        Self {
-            date: Command::new("date")
-                .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-                .unwrap_or_default(),
-            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            cpu_model,
-            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_default(),
-            load_start,
-            load_end,
-        }
-    }
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
-/// The first line `PROGRAM --version` prints (on stdout or stderr).
-fn version_of(program: &Path) -> String {
-    Command::new(program)
-        .arg("--version")
-        .output()
-        .map(|o| {
-            let text = if o.stdout.is_empty() {
-                o.stderr
-            } else {
-                o.stdout
-            };
-            String::from_utf8_lossy(&text)
-                .lines()
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_owned()
-        })
-        .unwrap_or_default()
 }
 
 struct Report {
