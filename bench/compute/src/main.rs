@@ -26,6 +26,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use agentstack_bench_support::machine;
+use agentstack_bench_support::report::append_section;
 use agentstack_compute::JobGroup;
 use agentstack_compute::backend::AnyBackend;
 use agentstack_compute::backend::local::LocalBackend;
@@ -77,7 +79,7 @@ async fn main() -> anyhow::Result<()> {
         .clone()
         .or_else(|| std::env::var("AGENTSTACK_RAY_ADDRESS").ok())
         .unwrap_or_else(|| "http://127.0.0.1:8265".into());
-    let load_start = load_average();
+    let load_start = machine::load_average().unwrap_or_default();
     let mut results = Vec::new();
     for engine in &args.engines {
         let mut figures = Figures::default();
@@ -96,10 +98,7 @@ async fn main() -> anyhow::Result<()> {
     let section = report(&args, &results, &load_start);
     print!("{section}");
     if let Some(path) = &args.write_results {
-        let mut text = std::fs::read_to_string(path).unwrap_or_default();
-        text.push_str(&section);
-        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("appended the results to {}", path.display());
+        append_section(path, &section)?;
     }
     Ok(())
 }
@@ -326,11 +325,7 @@ fn percentile(values: &[f64], p: f64) -> f64 {
 fn report(args: &Args, results: &[(String, Figures)], load_start: &str) -> String {
     let ms = |v: &[f64], p: f64| format!("{:.0}", percentile(v, p) * 1000.0);
     let mut s = String::new();
-    let date = Command::new("date")
-        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default();
+    let date = machine::utc_now();
     let _ = writeln!(
         s,
         "\n## compute: launch and recovery overhead on local, Slurm and Ray, {date}\n"
@@ -349,9 +344,9 @@ fn report(args: &Args, results: &[(String, Figures)], load_start: &str) -> Strin
         args.rounds,
         args.engines.join(","),
         std::thread::available_parallelism().map_or(1, |n| n.get()),
-        cpu_model(),
+        machine::cpu_model().unwrap_or_else(|| "unknown CPU".into()),
         load_start,
-        load_average(),
+        machine::load_average().unwrap_or_default(),
         command("sinfo", &["--version"]).unwrap_or_else(|_| "-".into()),
         ray_version(),
         args.rounds,
@@ -380,18 +375,6 @@ fn report(args: &Args, results: &[(String, Figures)], load_start: &str) -> Strin
     s
 }
 
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
-}
-
 fn ray_version() -> String {
     let venv = std::env::var("HOME").unwrap_or_default() + "/.cache/agentstack";
     std::fs::read_dir(venv)
@@ -407,10 +390,4 @@ fn ray_version() -> String {
                 .next()
         })
         .unwrap_or_else(|| "-".into())
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
 }

@@ -6,6 +6,8 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use agentstack_bench_support::machine;
+use agentstack_bench_support::report::append_section;
 use agentstack_harness::episode::LoopConfig;
 use agentstack_harness::model::Sampling;
 use agentstack_harness::{EnvHandle, EvalConfig, ModelClient, Profile, Run};
@@ -34,12 +36,6 @@ struct Args {
     write_results: Option<PathBuf>,
 }
 
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -48,7 +44,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let env =
         EnvHandle::local(agentstack_envs::find("arithmetic").context("arithmetic is built in")?)?;
-    let load_before = load_average();
+    let load_before = machine::load_average().unwrap_or_default();
     let mut rows = Vec::new();
     for &k in &args.concurrency {
         let engine = Engine::start(
@@ -95,18 +91,14 @@ async fn main() -> anyhow::Result<()> {
     let _ = writeln!(
         section,
         "\n## eval: episodes/s and model idle time vs concurrency, {}\n",
-        std::process::Command::new("date")
-            .args(["-u", "+%Y-%m-%d %H:%M UTC"])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-            .unwrap_or_default()
+        machine::utc_now()
     );
     let _ = writeln!(
         section,
         "- Command: `target/debug/agentstack-bench-eval --model {} --episodes {} --write-results bench/RESULTS.md`; load average {load_before} at start, {} at end.\n- `arithmetic` (difficulty 1, one answer per episode), SmolLM2-135M-Instruct Q4_1 in process (the batching engine, `max_running` = concurrency), greedy, at most {} tokens per answer; all cores (2).\n- Model idle: the fraction of wall time in which no model call was in flight (the harness's own clock, `summary.json`'s `model_idle_fraction`).\n",
         args.model.display(),
         args.episodes,
-        load_average(),
+        machine::load_average().unwrap_or_default(),
         args.max_tokens
     );
     let _ = writeln!(
@@ -129,9 +121,7 @@ async fn main() -> anyhow::Result<()> {
     }
     print!("{section}");
     if let Some(path) = args.write_results {
-        let mut text = std::fs::read_to_string(&path).unwrap_or_default();
-        text.push_str(&section);
-        std::fs::write(&path, text)?;
+        append_section(&path, &section)?;
     }
     Ok(())
 }
