@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use agentstack_bench_support::machine;
+use agentstack_bench_support::report::command_line;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -390,7 +392,7 @@ async fn run(args: Args) -> Result<()> {
         let _ = writeln!(
             section,
             "\n## env server: agentstack vs OpenEnv 0.10.0 reference, {}{}\n",
-            report::utc_now(),
+            machine::utc_now(),
             if args.quick { " (quick)" } else { "" }
         );
         let _ = writeln!(
@@ -505,24 +507,6 @@ fn raise_nofile_limit(plan: &Plan) -> Result<(u64, u64)> {
 fn default_python() -> PathBuf {
     let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
     home.join(".cache/agentstack/venv-openenv-0.10.0/bin/python")
-}
-
-/// This process's command line, quoted for a POSIX shell where needed.
-fn command_line() -> String {
-    std::env::args()
-        .map(|arg| {
-            let plain = !arg.is_empty()
-                && arg
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_./=:,-+@".contains(c));
-            if plain {
-                arg
-            } else {
-                format!("'{}'", arg.replace('\'', r"'\''"))
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// One line per server saying what was measured: versions and the git commit.

@@ -3,6 +3,7 @@
 
 use std::fs;
 
+use agentstack_bench_support::machine;
 use anyhow::{Context, Result, bail};
 
 /// CPU time a process has used, in clock ticks: user + system time of all its
@@ -92,21 +93,10 @@ impl Machine {
             .lines()
             .filter(|line| line.starts_with("processor"))
             .count();
-        let model = cpuinfo
-            .lines()
-            .find_map(|line| {
-                let (key, value) = line.split_once(':')?;
-                (key.trim() == "model name").then(|| value.trim().to_owned())
-            })
-            .unwrap_or_else(|| "unknown".to_owned());
-        let mem_total_kib = fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|meminfo| status_number(&meminfo, "MemTotal"))
-            .unwrap_or(0);
         Self {
+            model: machine::cpu_model().unwrap_or_else(|| "unknown".to_owned()),
+            mem_total_kib: machine::mem_total_kib().unwrap_or(0),
             cpus,
-            model,
-            mem_total_kib,
             load_average: load_average(),
         }
     }
@@ -114,14 +104,7 @@ impl Machine {
 
 /// `/proc/loadavg`'s 1, 5 and 15 minute load averages.
 pub fn load_average() -> String {
-    fs::read_to_string("/proc/loadavg")
-        .map(|text| {
-            text.split_whitespace()
-                .take(3)
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .unwrap_or_else(|_| "unknown".to_owned())
+    machine::load_average().unwrap_or_else(|| "unknown".to_owned())
 }
 
 #[cfg(test)]

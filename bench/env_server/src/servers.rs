@@ -4,28 +4,21 @@
 use std::fmt;
 use std::fs::File;
 use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use agentstack_bench_support::server::{
+    self, HEALTH_POLL_INTERVAL, HEALTH_REQUEST_TIMEOUT, Supervised,
+};
+use anyhow::{Context, Result, anyhow, bail};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
-use tokio::time::{sleep, timeout, timeout_at};
+use tokio::time::{sleep, timeout};
 
 use crate::procfs;
 
-/// What both servers print first on stdout, followed by the URL they listen on.
-const LISTENING_PREFIX: &str = "listening on http://127.0.0.1:";
-/// How long one `GET /health` may take while waiting for a server to come up.
-const HEALTH_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// Pause between two `GET /health` attempts.
-const HEALTH_POLL_INTERVAL: Duration = Duration::from_millis(100);
-/// How long a server has to exit after SIGTERM before it gets SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(10);
 /// Lines of a server's stderr shown when it fails.
 const LOG_TAIL_LINES: usize = 40;
 
@@ -96,29 +89,8 @@ impl ServerProcess {
             child,
         };
 
-        let mut lines = BufReader::new(stdout).lines();
-        let first = match timeout_at(deadline, lines.next_line()).await {
-            Err(_) => bail!(
-                "the {kind} server printed nothing on stdout within {startup_timeout:?}{}",
-                server.log_tail()
-            ),
-            Ok(Err(e)) => return Err(e).context(format!("reading the {kind} server's stdout")),
-            Ok(Ok(None)) => {
-                server.ensure_running()?;
-                bail!("the {kind} server closed its stdout without printing its address")
-            }
-            Ok(Ok(Some(line))) => line,
-        };
-        server.port = parse_port(&first).with_context(|| {
-            format!(
-                "the {kind} server's first line was {first:?}, expected '{LISTENING_PREFIX}PORT'"
-            )
-        })?;
-        // Keep draining stdout so the server never blocks on a full pipe.
-        let mut rest = lines.into_inner();
-        tokio::spawn(async move {
-            let _ = tokio::io::copy(&mut rest, &mut tokio::io::sink()).await;
-        });
+        server.port =
+            server::read_port(&mut server, stdout, kind, deadline, startup_timeout).await?;
 
         loop {
             if health_ok(server.port).await {
@@ -166,49 +138,25 @@ impl ServerProcess {
         procfs::threads(self.pid)
     }
 
-    /// SIGTERM, then SIGKILL if it has not exited within [`STOP_GRACE`].
+    /// SIGTERM, then SIGKILL if it has not exited within [`server::STOP_GRACE`].
     pub async fn stop(mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
-            return;
-        }
-        if let Ok(pid) = i32::try_from(self.pid) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
-        }
-        if timeout(STOP_GRACE, self.child.wait()).await.is_err() {
-            let _ = self.child.kill().await;
-        }
+        server::stop(&mut self.child).await;
     }
 
     /// The last lines of the server's stderr, as a suffix for an error message.
     pub fn log_tail(&self) -> String {
-        log_tail(&self.log_path)
+        server::log_tail(&self.log_path, "stderr", LOG_TAIL_LINES)
     }
 }
 
-fn log_tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
-    if tail.is_empty() {
-        format!("\n(its stderr, {}, is empty)", path.display())
-    } else {
-        format!(
-            "\nlast lines of its stderr ({}):\n{}",
-            path.display(),
-            tail.join("\n")
-        )
+impl Supervised for ServerProcess {
+    fn ensure_running(&mut self) -> Result<()> {
+        Self::ensure_running(self)
     }
-}
 
-fn parse_port(line: &str) -> Result<u16> {
-    let port = line
-        .trim()
-        .strip_prefix(LISTENING_PREFIX)
-        .context("wrong prefix")?
-        .trim_end_matches('/');
-    let port: u16 = port.parse().context("bad port")?;
-    ensure!(port != 0, "port 0");
-    Ok(port)
+    fn log_tail(&self) -> String {
+        Self::log_tail(self)
+    }
 }
 
 /// Whether `GET /health` on the port answers 200 within [`HEALTH_REQUEST_TIMEOUT`].
@@ -223,21 +171,4 @@ async fn health_ok(port: u16) -> bool {
         Ok::<_, std::io::Error>(&head == b"HTTP/1.1 200")
     };
     matches!(timeout(HEALTH_REQUEST_TIMEOUT, attempt).await, Ok(Ok(true)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn port_is_read_from_the_first_line() {
-        assert_eq!(
-            parse_port("listening on http://127.0.0.1:8123\n").unwrap(),
-            8123
-        );
-        assert_eq!(parse_port("listening on http://127.0.0.1:80/").unwrap(), 80);
-        assert!(parse_port("listening on http://0.0.0.0:80").is_err());
-        assert!(parse_port("Uvicorn running").is_err());
-        assert!(parse_port("listening on http://127.0.0.1:0").is_err());
-    }
 }
