@@ -34,6 +34,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use agentstack_bench_support::machine;
+use agentstack_bench_support::report as bench_report;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -330,8 +332,8 @@ async fn run(args: Args) -> Result<()> {
     let cost = report::costs(plan, &model_results);
     let results = Results {
         benchmark: "inference",
-        date: report::utc_now(),
-        command: settings::command_line(),
+        date: machine::utc_now(),
+        command: bench_report::command_line(),
         machine,
         versions,
         plan: plan.clone(),
@@ -367,14 +369,7 @@ async fn run(args: Args) -> Result<()> {
     };
     println!("{table}\n{cost_table}");
 
-    if let Some(parent) = settings.json.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("creating {}", parent.display()))?;
-    }
-    let json = serde_json::to_string_pretty(&results)?;
-    std::fs::write(&settings.json, json + "\n")
-        .with_context(|| format!("writing {}", settings.json.display()))?;
-    eprintln!("wrote every figure to {}", settings.json.display());
+    bench_report::write_json(&settings.json, &results)?;
     if let Some(path) = &settings.write_results {
         append_results(path, &results, &table, &cost_table)?;
         eprintln!("appended the results to {}", path.display());

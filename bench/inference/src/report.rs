@@ -1,7 +1,7 @@
 //! Figures, the tables printed, and the JSON written: all plain data, no I/O.
 
+use agentstack_bench_support::machine;
 use std::fmt::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -59,29 +59,10 @@ pub struct Machine {
 impl Machine {
     /// Reads `/proc`; what it cannot read stays empty.
     pub fn read() -> Self {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let cpu_model = cpuinfo
-            .lines()
-            .find_map(|line| {
-                line.strip_prefix("model name")?
-                    .split_once(':')
-                    .map(|(_, v)| v.trim().to_owned())
-            })
-            .unwrap_or_else(|| "unknown CPU".to_owned());
-        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let mem_kib: f64 = meminfo
-            .lines()
-            .find_map(|line| {
-                line.strip_prefix("MemTotal:")?
-                    .split_whitespace()
-                    .next()?
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or(0.0);
+        let mem_kib = machine::mem_total_kib().unwrap_or(0) as f64;
         Self {
             cpus: std::thread::available_parallelism().map_or(0, usize::from),
-            cpu_model,
+            cpu_model: machine::cpu_model().unwrap_or_else(|| "unknown CPU".to_owned()),
             memory_gib: mem_kib / (1024.0 * 1024.0),
             load_average_start: load_average(),
             load_average_end: String::new(),
@@ -91,12 +72,7 @@ impl Machine {
 
 /// The 1, 5 and 15 minute load averages.
 pub fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
+    machine::load_average().unwrap_or_default()
 }
 
 /// What was run, for the record.
@@ -492,39 +468,6 @@ fn fmt_significant(x: f64) -> String {
     format!("{x:.decimals$}")
 }
 
-/// Now, as `YYYY-MM-DD HH:MM UTC`.
-pub fn utc_now() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let days = i64::try_from(secs / 86_400).unwrap_or(0);
-    let (year, month, day) = civil_from_days(days);
-    let in_day = secs % 86_400;
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
-        in_day / 3600,
-        in_day % 3600 / 60
-    )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (
-        year,
-        u32::try_from(month).unwrap_or(1),
-        u32::try_from(day).unwrap_or(1),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -561,11 +504,5 @@ mod tests {
         assert_eq!(fmt_percent(0.856), "86%");
         assert_eq!(fmt_percent(f64::NAN), "—");
         assert_eq!(cell_text("cannot load: a | b\ncause"), "cannot load: a / b");
-    }
-
-    #[test]
-    fn dates_from_days() {
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        assert_eq!(civil_from_days(19_723), (2024, 1, 1));
     }
 }

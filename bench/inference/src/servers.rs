@@ -7,24 +7,16 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use agentstack_bench_support::server::{
+    self, HEALTH_POLL_INTERVAL, HEALTH_REQUEST_TIMEOUT, Supervised,
+};
+use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
-use tokio::time::{sleep, timeout, timeout_at};
+use tokio::time::sleep;
 
 use crate::settings::Settings;
 
-/// What `agentstack model serve` prints first on stdout, followed by its port.
-const LISTENING_PREFIX: &str = "listening on http://127.0.0.1:";
-/// How long one `GET /health` may take while waiting for a server to come up.
-const HEALTH_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// Pause between two `GET /health` attempts.
-const HEALTH_POLL_INTERVAL: Duration = Duration::from_millis(100);
-/// How long a server has to exit after SIGTERM before it gets SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(10);
 /// Lines of a server's log shown when it fails.
 const LOG_TAIL_LINES: usize = 30;
 
@@ -139,28 +131,8 @@ impl Server {
             child,
         };
         if let Some(stdout) = stdout {
-            let mut lines = BufReader::new(stdout).lines();
-            let first = match timeout_at(deadline, lines.next_line()).await {
-                Err(_) => bail!(
-                    "the {engine} server printed nothing on stdout within {startup_timeout:?}{}",
-                    server.log_tail()
-                ),
-                Ok(Err(e)) => {
-                    return Err(e).context(format!("reading the {engine} server's stdout"));
-                }
-                Ok(Ok(None)) => {
-                    server.ensure_running()?;
-                    bail!("the {engine} server closed its stdout without printing its address")
-                }
-                Ok(Ok(Some(line))) => line,
-            };
-            server.port = parse_port(&first)
-                .with_context(|| format!("the {engine} server's first line was {first:?}, expected '{LISTENING_PREFIX}PORT'"))?;
-            // Keep draining stdout so the server never blocks on a full pipe.
-            let mut rest = lines.into_inner();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut rest, &mut tokio::io::sink()).await;
-            });
+            server.port =
+                server::read_port(&mut server, stdout, engine, deadline, startup_timeout).await?;
         }
         let started = Instant::now();
         loop {
@@ -203,37 +175,24 @@ impl Server {
         }
     }
 
-    /// SIGTERM, then SIGKILL if it has not exited within [`STOP_GRACE`].
+    /// SIGTERM, then SIGKILL if it has not exited within [`server::STOP_GRACE`].
     pub async fn stop(mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
-            return;
-        }
-        if let Some(pid) = self.child.id().and_then(|pid| i32::try_from(pid).ok()) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
-        }
-        if timeout(STOP_GRACE, self.child.wait()).await.is_err() {
-            let _ = self.child.kill().await;
-        }
+        server::stop(&mut self.child).await;
     }
 
     /// The last lines of the server's log, as a suffix for an error message.
     pub fn log_tail(&self) -> String {
-        log_tail(&self.log_path)
+        server::log_tail(&self.log_path, "log", LOG_TAIL_LINES)
     }
 }
 
-fn log_tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
-    if tail.is_empty() {
-        format!("\n(its log, {}, is empty)", path.display())
-    } else {
-        format!(
-            "\nlast lines of its log ({}):\n{}",
-            path.display(),
-            tail.join("\n")
-        )
+impl Supervised for Server {
+    fn ensure_running(&mut self) -> Result<()> {
+        Self::ensure_running(self)
+    }
+
+    fn log_tail(&self) -> String {
+        Self::log_tail(self)
     }
 }
 
@@ -244,30 +203,4 @@ fn describe(command: &Command) -> String {
         .map(|s| s.to_string_lossy().into_owned())
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-fn parse_port(line: &str) -> Result<u16> {
-    let port = line
-        .trim()
-        .strip_prefix(LISTENING_PREFIX)
-        .ok_or_else(|| anyhow!("wrong prefix"))?
-        .trim_end_matches('/');
-    let port: u16 = port.parse().context("bad port")?;
-    ensure!(port != 0, "port 0");
-    Ok(port)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn port_is_read_from_the_first_line() {
-        assert_eq!(
-            parse_port("listening on http://127.0.0.1:8123\n").unwrap(),
-            8123
-        );
-        assert!(parse_port("listening on http://0.0.0.0:80").is_err());
-        assert!(parse_port("listening on http://127.0.0.1:0").is_err());
-    }
 }

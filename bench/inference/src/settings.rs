@@ -1,7 +1,6 @@
 //! Flags and environment resolved into what one run needs: the files it uses, checked
 //! to exist (with a hint saying how to get each), and the counts of every phase.
 
-use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -17,13 +16,9 @@ pub mod env_vars {
     /// The GGUF file both engines run (default: `$AGENTSTACK_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf`,
     /// which `scripts/fetch-model` fetches). The model tests read it too.
     pub const AGENTSTACK_TEST_MODEL: &str = "AGENTSTACK_TEST_MODEL";
-    /// A folder holding `llama-bench` and `llama-server` (default:
-    /// `$AGENTSTACK_CACHE/llama.cpp-0.3.36/bin`, which `scripts/install-llamacpp` builds).
-    pub const AGENTSTACK_LLAMACPP_BIN: &str = "AGENTSTACK_LLAMACPP_BIN";
-    /// agentstack's cache folder (default `~/.cache/agentstack`).
-    pub const AGENTSTACK_CACHE: &str = "AGENTSTACK_CACHE";
-    /// Where `~` is.
-    pub const HOME: &str = "HOME";
+    /// A folder holding `llama-bench` and `llama-server` (read in bench/support, with
+    /// `AGENTSTACK_CACHE` and `HOME` for the default).
+    pub use agentstack_bench_support::paths::env_vars::AGENTSTACK_LLAMACPP_BIN;
     /// Threads of rayon's global pool (our kernels), set on the in-process children.
     pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
     /// Threads of candle's CPU kernels, set on the in-process children.
@@ -35,8 +30,6 @@ pub mod env_vars {
 
 /// The model file the llama.cpp interop tests use too.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-/// Where `scripts/install-llamacpp` puts the tools, under the cache folder.
-const DEFAULT_LLAMACPP_BIN: &str = "llama.cpp-0.3.36/bin";
 
 /// A mistake the user can fix (a missing file, a bad flag): exit code 1, and the
 /// message carries a `hint:` line.
@@ -327,30 +320,13 @@ fn dedup<T: PartialEq>(items: Vec<T>) -> Vec<T> {
     out
 }
 
-/// `$AGENTSTACK_CACHE`, else `~/.cache/agentstack`.
-pub fn cache_dir() -> PathBuf {
-    std::env::var_os(env_vars::AGENTSTACK_CACHE)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| home().join(".cache/agentstack"))
-}
-
-/// The llama.cpp tools folder: the flag, else `$AGENTSTACK_LLAMACPP_BIN`, else the
-/// cache's.
-pub fn llamacpp_bin(flag: Option<&Path>, cache: &Path) -> PathBuf {
-    flag.map(Path::to_path_buf)
-        .or_else(|| std::env::var_os(env_vars::AGENTSTACK_LLAMACPP_BIN).map(PathBuf::from))
-        .unwrap_or_else(|| cache.join(DEFAULT_LLAMACPP_BIN))
-}
+pub use agentstack_bench_support::paths::{cache_dir, llamacpp_bin};
 
 /// `$AGENTSTACK_TEST_MODEL`, else the cache's SmolLM2 Q4_1.
 pub fn default_model(cache: &Path) -> PathBuf {
     std::env::var_os(env_vars::AGENTSTACK_TEST_MODEL)
         .map(PathBuf::from)
         .unwrap_or_else(|| cache.join(DEFAULT_MODEL))
-}
-
-fn home() -> PathBuf {
-    std::env::var_os(env_vars::HOME).map_or_else(|| PathBuf::from("/root"), PathBuf::from)
 }
 
 /// The newer of `target/{release,debug}/agentstack` beside this benchmark's own
@@ -395,24 +371,4 @@ fn check_agentstack(path: &Path) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// This process's command line, quoted for a POSIX shell where needed.
-pub fn command_line() -> String {
-    std::env::args_os()
-        .map(OsString::into_string)
-        .map(|arg| {
-            let arg = arg.unwrap_or_else(|raw| raw.to_string_lossy().into_owned());
-            let plain = !arg.is_empty()
-                && arg
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_./=:,-+@".contains(c));
-            if plain {
-                arg
-            } else {
-                format!("'{}'", arg.replace('\'', r"'\''"))
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
 }

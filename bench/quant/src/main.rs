@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use agentstack_bench_support::paths;
 use agentstack_model::{LanguageModel, WeightForm};
 use agentstack_quant::allocate::{allocate, error_table, measure_sensitivity, per_tensor};
 use agentstack_quant::gguf::Gguf;
@@ -30,19 +31,8 @@ const IMATRIX_CTX: usize = 128;
 /// Tokens per sensitivity chunk.
 const SENSITIVITY_CTX: usize = 256;
 
-fn cache() -> PathBuf {
-    std::env::var_os("AGENTSTACK_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/agentstack")
-        })
-}
-
 fn bin(tool: &str) -> PathBuf {
-    std::env::var_os("AGENTSTACK_LLAMACPP_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache().join("llama.cpp-0.3.36/bin"))
-        .join(tool)
+    paths::llamacpp_bin(None, &paths::cache_dir()).join(tool)
 }
 
 fn run(cmd: &mut Command) -> anyhow::Result<String> {
@@ -107,7 +97,7 @@ fn main() -> anyhow::Result<()> {
         .map(PathBuf::from);
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let (calib, eval) = (root.join("calibration.txt"), root.join("eval.txt"));
-    let model = cache().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let model = paths::cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let work = std::env::temp_dir().join("agentstack-bench-quant");
     std::fs::create_dir_all(&work)?;
     let t0 = Instant::now();

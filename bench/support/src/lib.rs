@@ -1,7 +1,8 @@
 //! What the benchmarks in `bench/` share, so that each prints its machine, writes its
 //! report and runs its server the same way: the machine's description read from
 //! `/proc` ([`machine`]), the files a run writes and the command line it records
-//! ([`report`]), and a server under test spawned, awaited and stopped ([`server`]).
+//! ([`report`]), a server under test spawned, awaited and stopped ([`server`]), and
+//! where agentstack's cache and the llama.cpp tools are ([`paths`]).
 //!
 //! Not published: only the benchmark binaries use it. Errors are `anyhow`'s, as in the
 //! benchmarks, so that the messages they print stay as they were.
@@ -20,5 +21,6 @@
 //! ```
 
 pub mod machine;
+pub mod paths;
 pub mod report;
 pub mod server;

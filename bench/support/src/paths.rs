@@ -1,0 +1,37 @@
+//! Where the benchmarks find agentstack's cache and the llama.cpp tools they compare
+//! against.
+
+use std::path::{Path, PathBuf};
+
+/// The environment variables read here, each once.
+pub mod env_vars {
+    /// agentstack's cache folder (default `~/.cache/agentstack`).
+    pub const AGENTSTACK_CACHE: &str = "AGENTSTACK_CACHE";
+    /// A folder holding the llama.cpp tools (default:
+    /// `$AGENTSTACK_CACHE/llama.cpp-0.3.36/bin`, which `scripts/install-llamacpp` builds).
+    pub const AGENTSTACK_LLAMACPP_BIN: &str = "AGENTSTACK_LLAMACPP_BIN";
+    /// Where `~` is.
+    pub const HOME: &str = "HOME";
+}
+
+/// Where `scripts/install-llamacpp` puts the tools, under the cache folder.
+pub const DEFAULT_LLAMACPP_BIN: &str = "llama.cpp-0.3.36/bin";
+
+/// `$AGENTSTACK_CACHE`, else `~/.cache/agentstack`.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os(env_vars::AGENTSTACK_CACHE)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home().join(".cache/agentstack"))
+}
+
+/// The llama.cpp tools folder: the flag, else `$AGENTSTACK_LLAMACPP_BIN`, else the
+/// cache's.
+pub fn llamacpp_bin(flag: Option<&Path>, cache: &Path) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .or_else(|| std::env::var_os(env_vars::AGENTSTACK_LLAMACPP_BIN).map(PathBuf::from))
+        .unwrap_or_else(|| cache.join(DEFAULT_LLAMACPP_BIN))
+}
+
+fn home() -> PathBuf {
+    std::env::var_os(env_vars::HOME).map_or_else(|| PathBuf::from("/root"), PathBuf::from)
+}
