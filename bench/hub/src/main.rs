@@ -36,13 +36,14 @@ use std::time::{Duration, Instant};
 
 use agentstack_bench_support::machine::{self, Machine};
 use agentstack_bench_support::report::{append_section, version_of, write_json};
+use agentstack_bench_support::stats::{self, Stats, mean};
 use agentstack_hub::api::{LeaderboardPost, PackageRef, SearchQuery, SearchSort, VersionInfo};
 use agentstack_hub::auth::Token;
 use agentstack_hub::blobs::sha256_hex;
 use agentstack_hub::client::HubClient;
 use anyhow::{Context, bail, ensure};
 use clap::{Parser, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{Value, json};
@@ -1610,14 +1611,6 @@ fn mb_per_s(bytes: usize, took: Duration) -> f64 {
     bytes as f64 / 1e6 / took.as_secs_f64()
 }
 
-fn mean(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v.iter().sum::<f64>() / v.len() as f64
-    }
-}
-
 fn median(v: &[f64]) -> f64 {
     let mut sorted = v.to_vec();
     sorted.sort_by(f64::total_cmp);
@@ -1629,50 +1622,22 @@ fn median(v: &[f64]) -> f64 {
 }
 
 fn progress(total: usize, message: &str) -> ProgressBar {
-    let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{msg:40} [{bar:30}] {pos}/{len} {per_sec} {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    bar.set_message(message.to_owned());
-    bar
+    stats::progress(
+        total,
+        "{msg:40} [{bar:30}] {pos}/{len} {per_sec} {elapsed}",
+        message,
+    )
 }
 
-/// Latency figures in milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Stats {
-    n: usize,
-    p50: f64,
-    p99: f64,
-    mean: f64,
-    max: f64,
+/// Latency figures (milliseconds) as the JSON report writes them.
+trait StatsJson {
+    fn json(&self) -> Value;
 }
 
-impl Stats {
-    fn of(samples: &[f64]) -> Self {
-        let mut sorted = samples.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        Self {
-            n: sorted.len(),
-            p50: percentile(&sorted, 50.0),
-            p99: percentile(&sorted, 99.0),
-            mean: mean(&sorted),
-            max: sorted.last().copied().unwrap_or(f64::NAN),
-        }
-    }
-
+impl StatsJson for Stats {
     fn json(&self) -> Value {
         json!({"n": self.n, "p50_ms": self.p50, "p99_ms": self.p99, "mean_ms": self.mean, "max_ms": self.max})
     }
-}
-
-/// The nearest-rank percentile of sorted samples.
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 struct Report<'a> {
@@ -2011,11 +1976,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn percentiles_are_nearest_rank() {
-        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&samples, 50.0), 50.0);
-        assert_eq!(percentile(&samples, 99.0), 99.0);
-        assert_eq!(percentile(&[3.0], 99.0), 3.0);
+    fn medians_of_odd_and_even_counts() {
         assert_eq!(median(&[4.0, 1.0, 3.0]), 3.0);
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
     }

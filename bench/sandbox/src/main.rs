@@ -28,10 +28,11 @@ use std::time::{Duration, Instant};
 
 use agentstack_bench_support::machine::{self, Machine};
 use agentstack_bench_support::report::{append_section, version_of, write_json};
+use agentstack_bench_support::stats::{self, Stats};
 use agentstack_sandbox::{Job, Outcome, Sandbox, SandboxConfig};
 use anyhow::{Context, bail, ensure};
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use serde_json::{Value, json};
 
 /// The interpreter every variant runs.
@@ -656,54 +657,7 @@ async fn throughput_sandbox(
 }
 
 fn progress(total: usize, message: &str) -> ProgressBar {
-    let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{msg:48} [{bar:30}] {pos}/{len} {elapsed}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
-    );
-    bar.set_message(message.to_owned());
-    bar
-}
-
-/// Latency figures in milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Stats {
-    n: usize,
-    p50: f64,
-    p99: f64,
-    mean: f64,
-    min: f64,
-    max: f64,
-}
-
-impl Stats {
-    fn of(samples: &[f64]) -> Self {
-        let mut sorted = samples.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        let n = sorted.len();
-        Self {
-            n,
-            p50: percentile(&sorted, 50.0),
-            p99: percentile(&sorted, 99.0),
-            mean: if n == 0 {
-                f64::NAN
-            } else {
-                sorted.iter().sum::<f64>() / n as f64
-            },
-            min: sorted.first().copied().unwrap_or(f64::NAN),
-            max: sorted.last().copied().unwrap_or(f64::NAN),
-        }
-    }
-}
-
-/// The nearest-rank percentile of sorted samples: the smallest sample with at least
-/// `p`% of the samples at or below it.
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    stats::progress(total, "{msg:48} [{bar:30}] {pos}/{len} {elapsed}", message)
 }
 
 struct Latency {
@@ -920,19 +874,6 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&samples, 50.0), 50.0);
-        assert_eq!(percentile(&samples, 99.0), 99.0);
-        assert_eq!(percentile(&samples, 100.0), 100.0);
-        assert_eq!(percentile(&[3.0], 99.0), 3.0);
-        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0, 5.0], 50.0), 3.0);
-        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 50.0), 2.0);
-        let stats = Stats::of(&[4.0, 1.0, 3.0, 2.0]);
-        assert_eq!((stats.min, stats.max, stats.mean), (1.0, 4.0, 2.5));
-    }
 
     #[test]
     fn arguments_are_quoted_for_the_shell() {

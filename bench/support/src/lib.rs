@@ -2,7 +2,8 @@
 //! report and runs its server the same way: the machine's description read from
 //! `/proc` ([`machine`]), the files a run writes and the command line it records
 //! ([`report`]), a server under test spawned, awaited and stopped ([`server`]), and
-//! where agentstack's cache and the llama.cpp tools are ([`paths`]).
+//! where agentstack's cache and the llama.cpp tools are ([`paths`]); latency figures
+//! and progress bars ([`stats`]).
 //!
 //! Not published: only the benchmark binaries use it. Errors are `anyhow`'s, as in the
 //! benchmarks, so that the messages they print stay as they were.
@@ -24,3 +25,4 @@ pub mod machine;
 pub mod paths;
 pub mod report;
 pub mod server;
+pub mod stats;
