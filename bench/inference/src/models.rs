@@ -11,7 +11,7 @@
 //! - `SmolLM2-135M-Instruct.agentstack-mix.gguf`: `agentstack model quantize
 //!   --target-size` at the Q4_K_M file's size, one of our allocator's mixes;
 //! - `random-llama-1B.F16.gguf`: random weights in a ~1B llama shape (see
-//!   [`random_model`](crate::random_model)), and the same eight types from it;
+//!   [`random_model`]), and the same eight types from it;
 //! - `random-llama-1B.agentstack-mix.gguf`: SmolLM2's mix carried over tensor by tensor
 //!   (same kind of weight at the same relative depth), quantized by agentstack-quant.
 //!

@@ -1,6 +1,6 @@
 //! A component as a Ray Jobs REST API submission: the body of `POST /api/jobs/`.
 //!
-//! One job per replica. The entrypoint is the [entrypoint](crate::entrypoint) script
+//! One job per replica. The entrypoint is the [entrypoint] script
 //! under `bash -c`; the environment goes in `runtime_env.env_vars`; the resources become
 //! `entrypoint_num_cpus`, `entrypoint_num_gpus` and `entrypoint_memory`, so Ray places the
 //! entrypoint on a node that has them. `POST /api/jobs/{id}/stop` sends SIGTERM to the

@@ -3,7 +3,7 @@
 //! One script per component (one per replica for replicated components, so each
 //! restarts on its own). It asks for the resources with `#SBATCH` lines, exports the
 //! environment, learns the nodes' addresses from Slurm at run time, and runs the
-//! [entrypoint](crate::entrypoint) as one `srun` step with a task per node. Stopping
+//! [entrypoint] as one `srun` step with a task per node. Stopping
 //! gracefully (checked on Slurm 22.05):
 //!
 //! - `scancel --signal=TERM JOBID` signals the step, so the program (the entrypoint

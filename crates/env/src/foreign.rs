@@ -579,7 +579,7 @@ const UPSTREAM_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// HTTP request that fails because the pooled connection it went out on was already
 /// closed by the upstream (uvicorn closes the connection after an unhandled
 /// exception's 500, racing the pool) is sent once more on a fresh one
-/// ([`stale_connection`]).
+/// (`stale_connection`).
 pub fn proxy_router(upstream: &str, max_body_bytes: usize) -> Router {
     let state = Upstream {
         base: upstream.trim_end_matches('/').to_owned(),

@@ -2,7 +2,7 @@
 //! evaluation runs on top of it.
 //!
 //! - [`model`]: the model side (in-process engine or any OpenAI-compatible URL);
-//! - [`env`]: the environment side (in process, or any OpenEnv server);
+//! - [`env`](mod@env): the environment side (in process, or any OpenEnv server);
 //! - [`prompt`]: observations to messages, replies to actions;
 //! - [`context`]: context policies (token budget, truncation, compaction, thinking);
 //! - [`episode`]: one episode of the loop, recorded with token ids and logprobs;

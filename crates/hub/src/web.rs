@@ -117,7 +117,7 @@ fn error_page(e: RegistryError) -> Response {
 }
 
 /// What the pages may load: no script, no frames, no plugins; the inline style of
-/// [`BASE`], images of the hub and of https sites (README images), and the search
+/// `BASE`, images of the hub and of https sites (README images), and the search
 /// form submitting to the hub.
 pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' https:; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
@@ -165,7 +165,7 @@ const LINK_SCHEMES: &[&str] = &["http", "https", "mailto"];
 const IMAGE_SCHEMES: &[&str] = &["http", "https"];
 
 /// Markdown to HTML; raw HTML in the source is shown as text, and a link or image
-/// to any other place than [`allowed_url`] is rendered as its text alone.
+/// to any other place than `allowed_url` allows is rendered as its text alone.
 pub fn markdown(text: &str) -> String {
     use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
     // Whether each open link (image) was kept, so its end goes with it.

@@ -42,7 +42,7 @@ pub struct SandboxConfig {
     /// The host uid and gid sandboxes run as when the host runs as root (`nobody`).
     pub unprivileged_id: u32,
     /// Make the init program (this stack's own binary) runnable inside, read-only, at
-    /// [`PROGRAM_IN_SANDBOX`], so a job can use its tools (e.g. validate a package it
+    /// [`PROGRAM_IN_SANDBOX`](crate::PROGRAM_IN_SANDBOX), so a job can use its tools (e.g. validate a package it
     /// serves) without the host's paths. It is bound from a hard link (or a copy) in a
     /// private temporary directory that lives as long as the pool, so that not even
     /// `/proc/self/mountinfo` shows where the program lives on the host.

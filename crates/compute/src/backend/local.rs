@@ -2,7 +2,7 @@
 //!
 //! Each unit (a replica) is `bash` running a small wrapper in a process group of its
 //! own: the wrapper applies the resource limits (`ulimit`), starts the
-//! [entrypoint](crate::entrypoint) in the background with its output appended to the
+//! [entrypoint] in the background with its output appended to the
 //! unit's log file, waits for it through any signal, and writes the exit code to a
 //! file. So:
 //!
