@@ -37,9 +37,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::memory::WeightBytes;
-use super::{
-    ActRow, K_SUMS, QK_K, per_group, q4k_step, q6k_step, q6k_value, unpack_q4k_scales, word_at,
-};
+use super::{ActRow, K_SUMS, QK_K, per_group, q4k_step, q6k_step, unpack_q4k_scales, word_at};
 
 mod lowk;
 
@@ -225,13 +223,20 @@ impl KPacked {
                                             &qs[32 * i + 4 * t..32 * i + 4 * t + 4],
                                         );
                                         if ty == KType::Q5K {
-                                            let mut byte = 0u8;
-                                            for k in 0..4 {
-                                                let h = qh[4 * t + k];
-                                                byte |= ((h >> (2 * i)) & 1) << k;
-                                                byte |= ((h >> (2 * i + 1)) & 1) << (4 + k);
-                                            }
-                                            grp.high[gs * HIGH + (i * 8 + t) * LANES + lane] = byte;
+                                            // Bit 2i (low nibbles) and 2i + 1 (high) of four
+                                            // bytes, gathered into bits k and 4 + k: one
+                                            // multiply moves bit 8k to bit 24 + k.
+                                            let h = u32::from_le_bytes(
+                                                qh[4 * t..4 * t + 4].try_into().expect("4"),
+                                            );
+                                            let gather = |bits: u32| {
+                                                ((bits & 0x0101_0101).wrapping_mul(0x0102_0408)
+                                                    >> 24)
+                                                    as u8
+                                            };
+                                            grp.high[gs * HIGH + (i * 8 + t) * LANES + lane] =
+                                                gather(h >> (2 * i))
+                                                    | (gather(h >> (2 * i + 1)) << 4);
                                         }
                                     }
                                 }
@@ -241,19 +246,42 @@ impl KPacked {
                                 for g16 in 0..16 {
                                     small[g16 * LANES + lane] = block[192 + g16];
                                 }
-                                let (low, high) = block[..192].split_at(128);
-                                for g16 in 0..16 {
-                                    let hi = usize::from(g16 >= 8);
-                                    for t in 0..4 {
-                                        let step = (g16 % 8) * 4 + t;
-                                        for k in 0..4 {
-                                            let v = q6k_value(low, high, 16 * g16 + 4 * t + k);
-                                            q[(step * LANES + lane) * 4 + k] |=
-                                                (v & 0x0F) << (4 * hi);
-                                            grp.high
-                                                [gs * HIGH6 + (step * LANES + lane) * 2 + hi] |=
-                                                (v >> 4) << (2 * k);
-                                        }
+                                let low: &[u8; 128] = block[..128].try_into().expect("128");
+                                let high: &[u8; 64] = block[128..192].try_into().expect("64");
+                                let q: &mut [u8; Q6K_QUANTS] = q.try_into().expect("a slot");
+                                let top: &mut [u8; HIGH6] = (&mut grp.high
+                                    [gs * HIGH6..(gs + 1) * HIGH6])
+                                    .try_into()
+                                    .expect("a slot");
+                                let word = |bytes: &[u8], at: usize| {
+                                    u32::from_le_bytes([
+                                        bytes[at],
+                                        bytes[at + 1],
+                                        bytes[at + 2],
+                                        bytes[at + 3],
+                                    ])
+                                };
+                                // Step s holds values 4s..4s+4 (low nibbles) and 128 + 4s..
+                                // (high nibbles): in ggml's layout quarter s / 8 of each half,
+                                // positions 4(s mod 8)..+4, four consecutive bytes of `low`
+                                // and `high`, so each step is a few 32-bit operations.
+                                for s in 0..32 {
+                                    let (quarter, l) = (s / 8, 4 * (s % 8));
+                                    let at = 32 * (quarter % 2) + l;
+                                    let shift = 4 * (quarter / 2);
+                                    let first = (word(low, at) >> shift) & 0x0F0F_0F0F;
+                                    let second = (word(low, 64 + at) >> shift) & 0x0F0F_0F0F;
+                                    let to = (s * LANES + lane) * 4;
+                                    q[to..to + 4]
+                                        .copy_from_slice(&(first | (second << 4)).to_le_bytes());
+                                    for half in 0..2 {
+                                        // The four values' top two bits, one per byte, packed
+                                        // into bits 2k of one byte.
+                                        let w = (word(high, 32 * half + l) >> (2 * quarter))
+                                            & 0x0303_0303;
+                                        let w = (w | (w >> 6)) & 0x000F_000F;
+                                        top[(s * LANES + lane) * 2 + half] =
+                                            ((w | (w >> 12)) & 0xFF) as u8;
                                     }
                                 }
                             }
@@ -1058,7 +1086,7 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
 
-    use super::super::{Simd, detected_simd, quantize_row_k};
+    use super::super::{Simd, detected_simd, q6k_value, quantize_row_k};
     use super::*;
 
     /// Every K-quant type.

@@ -588,7 +588,7 @@ fn unpack_q4k_scales(p: &[u8; 12]) -> [u8; 16] {
 /// minus 32). Each half of 128 values uses 64 bytes of `low` and 32 of `high`: value
 /// `32q + l` of a half (quarter `q`) takes the low or high nibble of low byte
 /// `l + 32·(q mod 2)` and bits `2q..2q + 2` of high byte `l`.
-#[inline]
+#[cfg(test)]
 fn q6k_value(low: &[u8], high: &[u8], i: usize) -> u8 {
     let (half, quarter, l) = (i / 128, i % 128 / 32, i % 32);
     let byte = low[64 * half + 32 * (quarter % 2) + l];
