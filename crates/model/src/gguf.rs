@@ -389,6 +389,7 @@ impl GgufFile {
             memmap2::MmapOptions::new()
                 .offset(start)
                 .len(len)
+                .populate()
                 .map(self.reader.get_ref())
         }
         .map_err(io)?;
