@@ -120,6 +120,101 @@ mod tests {
         assert!(parse_port("listening on http://127.0.0.1:0").is_err());
     }
 
+    /// A child under test: `sh -c SCRIPT`, its stdout piped.
+    struct Shell {
+        child: Child,
+    }
+
+    impl Shell {
+        fn spawn(script: &str) -> (Self, ChildStdout) {
+            let mut child = tokio::process::Command::new("sh")
+                .args(["-c", script])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap();
+            let stdout = child.stdout.take().unwrap();
+            (Self { child }, stdout)
+        }
+    }
+
+    impl Supervised for Shell {
+        fn ensure_running(&mut self) -> Result<()> {
+            match self.child.try_wait()? {
+                None => Ok(()),
+                Some(status) => bail!("the shell exited: {status}"),
+            }
+        }
+
+        fn log_tail(&self) -> String {
+            String::new()
+        }
+    }
+
+    /// Longer than any of these children needs to print its first line.
+    const STARTUP: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn the_port_is_read_from_a_child_and_the_child_stopped() {
+        let (mut shell, stdout) =
+            Shell::spawn("echo 'listening on http://127.0.0.1:4321/'; exec sleep 30");
+        let port = read_port(
+            &mut shell,
+            stdout,
+            "test",
+            Instant::now() + STARTUP,
+            STARTUP,
+        )
+        .await
+        .unwrap();
+        assert_eq!(port, 4321);
+        let started = std::time::Instant::now();
+        stop(&mut shell.child).await;
+        assert!(started.elapsed() < STOP_GRACE, "SIGTERM ends it");
+        assert!(shell.child.try_wait().unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_wrong_first_line_is_quoted_in_the_error() {
+        let (mut shell, stdout) = Shell::spawn("echo 'Uvicorn running'; exec sleep 30");
+        let error = read_port(
+            &mut shell,
+            stdout,
+            "test",
+            Instant::now() + STARTUP,
+            STARTUP,
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "the test server's first line was \"Uvicorn running\", expected '{LISTENING_PREFIX}PORT'"
+            )
+        );
+        stop(&mut shell.child).await;
+    }
+
+    #[tokio::test]
+    async fn a_child_that_exits_silently_is_reported() {
+        let (mut shell, stdout) = Shell::spawn("exit 3");
+        let error = read_port(
+            &mut shell,
+            stdout,
+            "test",
+            Instant::now() + STARTUP,
+            STARTUP,
+        )
+        .await
+        .unwrap_err();
+        let text = format!("{error:#}");
+        assert!(
+            text.contains("exited") || text.contains("closed its stdout"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn the_log_tail_keeps_the_last_lines() {
         let path = std::env::temp_dir().join(format!("bench-support-log-{}", std::process::id()));
