@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use agentstack_bench_support::machine::{self, Machine};
-use agentstack_bench_support::report::{append_section, version_of, write_json};
+use agentstack_bench_support::report::{publish, version_of};
 use agentstack_bench_support::stats::{self, Stats, mean};
 use agentstack_hub::api::{LeaderboardPost, PackageRef, SearchQuery, SearchSort, VersionInfo};
 use agentstack_hub::auth::Token;
@@ -497,14 +497,12 @@ async fn bench(args: &Args, scratch: &Path) -> anyhow::Result<()> {
         runs,
     };
     let section = report.markdown();
-    print!("{section}");
-    if let Some(path) = &args.json {
-        write_json(path, &report.json())?;
-    }
-    if let Some(path) = &args.write_results {
-        append_section(path, &section)?;
-    }
-    Ok(())
+    publish(
+        &section,
+        args.json.as_deref(),
+        || report.json(),
+        args.write_results.as_deref(),
+    )
 }
 
 /// One backend's figures.

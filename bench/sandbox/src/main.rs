@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use agentstack_bench_support::machine::{self, Machine};
-use agentstack_bench_support::report::{append_section, version_of, write_json};
+use agentstack_bench_support::report::{publish, version_of};
 use agentstack_bench_support::stats::{self, Stats};
 use agentstack_sandbox::{Job, Outcome, Sandbox, SandboxConfig};
 use anyhow::{Context, bail, ensure};
@@ -283,14 +283,12 @@ fn bench(args: &Args, rt: &tokio::runtime::Runtime, scratch: &Path) -> anyhow::R
         throughput,
     };
     let section = report.markdown();
-    print!("{section}");
-    if let Some(path) = &args.json {
-        write_json(path, &report.json())?;
-    }
-    if let Some(path) = &args.write_results {
-        append_section(path, &section)?;
-    }
-    Ok(())
+    publish(
+        &section,
+        args.json.as_deref(),
+        || report.json(),
+        args.write_results.as_deref(),
+    )
 }
 
 /// An empty directory on the host: the plain subprocess's working directory and home,

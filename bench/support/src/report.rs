@@ -50,6 +50,24 @@ pub fn version_of(program: &Path) -> String {
         .unwrap_or_default()
 }
 
+/// Prints a run's Markdown `section` on stdout, then writes `figures` as JSON to `json`
+/// and appends `section` to `results`, each where given.
+pub fn publish<T: Serialize>(
+    section: &str,
+    json: Option<&Path>,
+    figures: impl FnOnce() -> T,
+    results: Option<&Path>,
+) -> anyhow::Result<()> {
+    print!("{section}");
+    if let Some(path) = json {
+        write_json(path, &figures())?;
+    }
+    if let Some(path) = results {
+        append_section(path, section)?;
+    }
+    Ok(())
+}
+
 /// Appends a Markdown section to `path` (created if missing) and says so on stderr.
 pub fn append_section(path: &Path, section: &str) -> anyhow::Result<()> {
     let mut text = std::fs::read_to_string(path).unwrap_or_default();

@@ -139,6 +139,20 @@ mod tests {
         }
     }
 
+    /// Spawns `sh -c SCRIPT` and reads its port as a server named `test`.
+    async fn port_of(script: &str) -> (Shell, Result<u16>) {
+        let (mut shell, stdout) = Shell::spawn(script);
+        let port = read_port(
+            &mut shell,
+            stdout,
+            "test",
+            Instant::now() + STARTUP,
+            STARTUP,
+        )
+        .await;
+        (shell, port)
+    }
+
     impl Supervised for Shell {
         fn ensure_running(&mut self) -> Result<()> {
             match self.child.try_wait()? {
@@ -157,17 +171,9 @@ mod tests {
 
     #[tokio::test]
     async fn the_port_is_read_from_a_child_and_the_child_stopped() {
-        let (mut shell, stdout) =
-            Shell::spawn("echo 'listening on http://127.0.0.1:4321/'; exec sleep 30");
-        let port = read_port(
-            &mut shell,
-            stdout,
-            "test",
-            Instant::now() + STARTUP,
-            STARTUP,
-        )
-        .await
-        .unwrap();
+        let (mut shell, port) =
+            port_of("echo 'listening on http://127.0.0.1:4321/'; exec sleep 30").await;
+        let port = port.unwrap();
         assert_eq!(port, 4321);
         let started = std::time::Instant::now();
         stop(&mut shell.child).await;
@@ -177,16 +183,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_wrong_first_line_is_quoted_in_the_error() {
-        let (mut shell, stdout) = Shell::spawn("echo 'Uvicorn running'; exec sleep 30");
-        let error = read_port(
-            &mut shell,
-            stdout,
-            "test",
-            Instant::now() + STARTUP,
-            STARTUP,
-        )
-        .await
-        .unwrap_err();
+        let (mut shell, error) = port_of("echo 'Uvicorn running'; exec sleep 30").await;
+        let error = error.unwrap_err();
         assert_eq!(
             error.to_string(),
             format!(
@@ -198,16 +196,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_child_that_exits_silently_is_reported() {
-        let (mut shell, stdout) = Shell::spawn("exit 3");
-        let error = read_port(
-            &mut shell,
-            stdout,
-            "test",
-            Instant::now() + STARTUP,
-            STARTUP,
-        )
-        .await
-        .unwrap_err();
+        let (_shell, error) = port_of("exit 3").await;
+        let error = error.unwrap_err();
         let text = format!("{error:#}");
         assert!(
             text.contains("exited") || text.contains("closed its stdout"),
