@@ -36,7 +36,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::memory::WeightBytes;
+use super::memory::Weights;
 use super::{ActRow, K_SUMS, QK_K, per_group, q4k_step, q6k_step, unpack_q4k_scales, word_at};
 
 mod lowk;
@@ -104,14 +104,14 @@ pub(super) struct KPacked {
     /// Super-blocks per row.
     pub(super) nb: usize,
     pub(super) groups: usize,
-    quants: WeightBytes,
-    small: Vec<u8>,
-    d: Vec<f32>,
+    quants: Weights,
+    small: Weights,
+    d: Weights<f32>,
     /// Q4_K and Q5_K.
-    dmin: Vec<f32>,
+    dmin: Weights<f32>,
     /// Q5_K only: the fifth bits, `[chunk i: 4][step t: 8][lane: 16]` one byte each:
     /// bit `k` for value `64i + 4t + k`, bit `4 + k` for value `64i + 32 + 4t + k`.
-    high: WeightBytes,
+    high: Weights,
 }
 
 /// One group's buffers for one super-block.
@@ -141,18 +141,18 @@ impl KPacked {
             ty,
             nb,
             groups,
-            quants: WeightBytes::zeroed(slots * ty.quant_bytes()),
-            small: vec![0; slots * SMALL],
-            d: vec![0.0; slots * LANES],
-            dmin: if matches!(ty, KType::Q3K | KType::Q6K) {
-                Vec::new()
+            quants: Weights::zeroed(slots * ty.quant_bytes()),
+            small: Weights::zeroed(slots * SMALL),
+            d: Weights::zeroed(slots * LANES),
+            dmin: Weights::zeroed(if matches!(ty, KType::Q3K | KType::Q6K) {
+                0
             } else {
-                vec![0.0; slots * LANES]
-            },
+                slots * LANES
+            }),
             high: match ty {
-                KType::Q2K | KType::Q4K => WeightBytes::default(),
-                KType::Q3K | KType::Q5K => WeightBytes::zeroed(slots * HIGH),
-                KType::Q6K => WeightBytes::zeroed(slots * HIGH6),
+                KType::Q2K | KType::Q4K => Weights::default(),
+                KType::Q3K | KType::Q5K => Weights::zeroed(slots * HIGH),
+                KType::Q6K => Weights::zeroed(slots * HIGH6),
             },
         };
         let half_at =

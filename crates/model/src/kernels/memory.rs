@@ -14,7 +14,10 @@
 //! whose host backs guest memory lazily, first touches of memory the host has taken
 //! back dominate load time.)
 
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
+
+use bytemuck::Pod;
 
 use rayon::prelude::*;
 
@@ -27,11 +30,16 @@ const CACHE_LINE: usize = 64;
 /// Buffers smaller than this stay on the heap.
 const MIN_LEN: usize = HUGE_PAGE;
 
-/// Zeroed bytes of a repacked weight, from a 64-byte boundary at least (so no 512-bit
-/// load of a kernel step straddles two cache lines; a heap allocation is only 16-byte
-/// aligned).
-#[derive(Default)]
-pub(crate) struct WeightBytes(Backing);
+/// Zeroed values of a repacked weight (its quants, scales or minimums), from a 64-byte
+/// boundary at least (so no 512-bit load of a kernel step straddles two cache lines; a
+/// heap allocation is only 16-byte aligned).
+pub(crate) struct Weights<T: Pod = u8>(Backing, PhantomData<T>);
+
+impl<T: Pod> Default for Weights<T> {
+    fn default() -> Self {
+        Self(Backing::Empty, PhantomData)
+    }
+}
 
 #[derive(Default)]
 enum Backing {
@@ -52,20 +60,21 @@ enum Backing {
     },
 }
 
-impl WeightBytes {
-    /// `len` zero bytes.
+impl<T: Pod> Weights<T> {
+    /// `len` zero values.
     pub(crate) fn zeroed(len: usize) -> Self {
+        let len = len * size_of::<T>();
         if len == 0 {
-            return Self(Backing::Empty);
+            return Self::default();
         }
         if len >= MIN_LEN
             && let Some(backing) = mapped(len, huge_pages_on())
         {
-            return Self(backing);
+            return Self(backing, PhantomData);
         }
         let v = vec![0; len + CACHE_LINE - 1];
         let start = v.as_ptr().align_offset(CACHE_LINE).min(CACHE_LINE - 1);
-        Self(Backing::Heap { v, start, len })
+        Self(Backing::Heap { v, start, len }, PhantomData)
     }
 
     /// Whether it is backed by a mapping advised as huge pages (the kernel may still
@@ -139,31 +148,50 @@ fn mapped(_: usize, _: bool) -> Option<Backing> {
     None
 }
 
-impl Deref for WeightBytes {
-    type Target = [u8];
+impl Backing {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Empty => &[],
+            Self::Heap { v, start, len } => &v[*start..*start + *len],
+            Self::Mapped { map, start, len } => &map[*start..*start + *len],
+        }
+    }
 
-    fn deref(&self) -> &[u8] {
-        match &self.0 {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Self::Empty => &mut [],
+            Self::Heap { v, start, len } => &mut v[*start..*start + *len],
+            Self::Mapped { map, start, len } => &mut map[*start..*start + *len],
+        }
+    }
+}
+
+// The bytes start on a 64-byte boundary and hold a whole number of values, so the casts
+// cannot fail for any plain type of alignment up to 64.
+impl<T: Pod> Deref for Weights<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        match self.0 {
+            // An empty byte slice's dangling pointer is not aligned for `T`.
             Backing::Empty => &[],
-            Backing::Heap { v, start, len } => &v[*start..*start + *len],
-            Backing::Mapped { map, start, len } => &map[*start..*start + *len],
+            _ => bytemuck::cast_slice(self.0.bytes()),
         }
     }
 }
 
-impl DerefMut for WeightBytes {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        match &mut self.0 {
+impl<T: Pod> DerefMut for Weights<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self.0 {
             Backing::Empty => &mut [],
-            Backing::Heap { v, start, len } => &mut v[*start..*start + *len],
-            Backing::Mapped { map, start, len } => &mut map[*start..*start + *len],
+            _ => bytemuck::cast_slice_mut(self.0.bytes_mut()),
         }
     }
 }
 
-impl std::fmt::Debug for WeightBytes {
+impl<T: Pod> std::fmt::Debug for Weights<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "WeightBytes({} bytes)", self.len())
+        write!(f, "Weights({} values)", self.len())
     }
 }
 
@@ -190,9 +218,25 @@ mod tests {
     }
 
     #[test]
+    fn values_of_any_plain_type_are_zeroed_and_aligned() {
+        assert!(Weights::<f32>::default().is_empty());
+        assert!(Weights::<f32>::default().iter_mut().next().is_none());
+        for len in [0, 3, MIN_LEN / 4 + 1] {
+            let mut d = Weights::<f32>::zeroed(len);
+            assert_eq!(d.len(), len);
+            assert!(d.iter().all(|&x| x == 0.0));
+            d.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32);
+            assert_eq!(d.last().copied(), len.checked_sub(1).map(|i| i as f32));
+            assert!(len == 0 || (d.as_ptr() as usize).is_multiple_of(CACHE_LINE));
+            let h = Weights::<half::f16>::zeroed(len);
+            assert!(h.iter().all(|x| x.to_f32() == 0.0) && h.len() == len);
+        }
+    }
+
+    #[test]
     fn buffers_are_zeroed_writable_and_aligned_when_mapped() {
         for len in [0, 1, 1000, MIN_LEN - 1, MIN_LEN, 3 * HUGE_PAGE + 12_345] {
-            let mut b = WeightBytes::zeroed(len);
+            let mut b = Weights::<u8>::zeroed(len);
             assert_eq!(b.len(), len);
             assert!(b.iter().all(|&x| x == 0), "{len}");
             if let Some(last) = b.last_mut() {
@@ -211,11 +255,14 @@ mod tests {
         }
         // A large buffer gets its own mapping, with or without huge pages.
         #[cfg(target_os = "linux")]
-        assert!(WeightBytes::zeroed(MIN_LEN).is_mapped());
+        assert!(Weights::<u8>::zeroed(MIN_LEN).is_mapped());
         #[cfg(target_os = "linux")]
         {
             let len = 2 * HUGE_PAGE + 100;
-            let mut b = WeightBytes(mapped(len, false).expect("an ordinary mapping"));
+            let mut b = Weights::<u8>(
+                mapped(len, false).expect("an ordinary mapping"),
+                PhantomData,
+            );
             assert_eq!((b.len(), b.as_ptr() as usize % HUGE_PAGE), (len, 0));
             assert!(b.iter().all(|&x| x == 0));
             b[len - 1] = 1;

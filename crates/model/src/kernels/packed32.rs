@@ -32,7 +32,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::memory::WeightBytes;
+use super::memory::Weights;
 use super::{ActRow, QK, per_group, word_at};
 
 /// Weight rows per group.
@@ -92,16 +92,16 @@ pub(super) struct Packed32 {
     /// Blocks per row.
     pub(super) nb: usize,
     pub(super) groups: usize,
-    /// The packed quants, from a 64-byte boundary (see [`WeightBytes`]).
-    quants: WeightBytes,
+    /// The packed quants, from a 64-byte boundary (see [`Weights`]).
+    quants: Weights,
     /// Scales (not for bytes).
-    d: Vec<f32>,
+    d: Weights<f32>,
     /// Bytes' scales, as the file holds them (exactly: Q8_0's are f16).
-    d16: Vec<f16>,
-    m: Vec<f32>,
+    d16: Weights<f16>,
+    m: Weights<f32>,
     /// Fifth bits: `[step t: 4][lane]` one byte each per group and block, bit `k` for
     /// value `4t + k`, bit `4 + k` for value `16 + 4t + k`.
-    high: Vec<u8>,
+    high: Weights,
 }
 
 struct Block<'a> {
@@ -159,7 +159,7 @@ impl Packed32 {
         let qb = form.packed_bytes() * LANES;
         let five = matches!(form, Form::Nibbles { five: true, .. });
         let bytes = form == Form::Bytes;
-        let mut held = WeightBytes::zeroed(slots * qb);
+        let mut held = Weights::zeroed(slots * qb);
         // Bytes are held as `q + 128`: zero padding rows stay weights 0.
         if bytes {
             held.fill(0x80);
@@ -169,26 +169,10 @@ impl Packed32 {
             nb,
             groups,
             quants: held,
-            d: if bytes {
-                Vec::new()
-            } else {
-                vec![0.0; slots * LANES]
-            },
-            d16: if bytes {
-                vec![f16::ZERO; slots * LANES]
-            } else {
-                Vec::new()
-            },
-            m: if m.is_empty() {
-                Vec::new()
-            } else {
-                vec![0.0; slots * LANES]
-            },
-            high: if five {
-                vec![0; slots * 4 * LANES]
-            } else {
-                Vec::new()
-            },
+            d: Weights::zeroed(if bytes { 0 } else { slots * LANES }),
+            d16: Weights::zeroed(if bytes { slots * LANES } else { 0 }),
+            m: Weights::zeroed(if m.is_empty() { 0 } else { slots * LANES }),
+            high: Weights::zeroed(if five { slots * 4 * LANES } else { 0 }),
         };
         let rb = form.row_bytes();
         let parts = (
