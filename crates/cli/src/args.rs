@@ -1,4 +1,12 @@
 //! Command-line arguments (parsing only).
+//!
+//! Doc comments here are clap's `--help` text, printed as written: brackets and angle
+//! brackets in them are the usual usage notation, not rustdoc links or HTML.
+#![expect(
+    rustdoc::broken_intra_doc_links,
+    rustdoc::invalid_html_tags,
+    reason = "doc comments are --help text in usage notation"
+)]
 
 use std::net::IpAddr;
 use std::path::PathBuf;

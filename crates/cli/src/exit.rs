@@ -88,7 +88,7 @@ impl From<anyhow::Error> for Exit {
 
 /// Whether `error` is the user's: marked so anywhere along its chain (contexts added
 /// above a [`UserError`] keep it the user's), or caused by a domain error whose kind
-/// is the user's ([`blames_the_user`]).
+/// is the user's (see `blames_the_user`).
 pub fn is_users(error: &anyhow::Error) -> bool {
     error.downcast_ref::<UserError>().is_some() || error.chain().any(blames_the_user)
 }

@@ -292,8 +292,8 @@ impl Engine {
     }
 
     /// Queues a request. The request is checked first (bad input is an error here, not
-    /// an event). Fails with [`ModelError::Overloaded`]-style `InvalidRequest` when the
-    /// waiting queue is full. Dropping the receiver cancels the request.
+    /// an event). Fails with [`ModelError::InvalidRequest`] saying the server is
+    /// overloaded when the waiting queue is full. Dropping the receiver cancels the request.
     pub fn submit(
         &self,
         request: GenerateRequest,
