@@ -193,23 +193,6 @@ impl QuantKind {
         }
     }
 
-    /// Bytes of quants per block, as the kernel holds them.
-    fn quant_bytes(self) -> usize {
-        match self {
-            Self::Q4_0 | Self::Q4_1 | Self::Iq4Nl | Self::Iq4Xs => 16,
-            // 16 bytes of nibbles, then 4 of fifth bits.
-            Self::Q5_0 | Self::Q5_1 => 20,
-            Self::Q8_0 => 32,
-            Self::Q2K => 64,
-            // 64 bytes of low 2 bits, 32 of high bits.
-            Self::Q3K => 96,
-            Self::Q4K => 128,
-            Self::Q5K => 160,
-            // 128 bytes of low 4 bits, then 64 of high 2 bits (the file's order).
-            Self::Q6K => 192,
-        }
-    }
-
     fn act_format(self) -> ActFormat {
         match self {
             Self::Q4_1 => ActFormat::Q8_1,
@@ -337,39 +320,35 @@ impl FastLinear {
                 packed: Packing::K(KPacked::pack(ty, data, out_features, nb)),
             });
         }
-        let qb = kind.quant_bytes();
-        let mut quants = Vec::with_capacity(blocks * qb);
-        let mut scales = Vec::with_capacity(blocks);
-        let mut mins = Vec::new();
         let half_at =
             |block: &[u8], i: usize| f16::from_le_bytes([block[i], block[i + 1]]).to_f32();
-        for block in data.chunks_exact(block_bytes) {
+        // Each file block straight into the kernel's form: its quants as the kernel of
+        // `kind` reads them (see `from_blocks`), its scale and minimum.
+        let read = |i: usize, src: &mut [u8]| {
+            let block = &data[i * block_bytes..(i + 1) * block_bytes];
             match kind {
                 QuantKind::Q4_1 => {
-                    scales.push(half_at(block, 0));
-                    mins.push(half_at(block, 2));
-                    quants.extend_from_slice(&block[4..20]);
+                    src.copy_from_slice(&block[4..20]);
+                    (half_at(block, 0), half_at(block, 2))
                 }
                 QuantKind::Q8_0 => {
-                    scales.push(half_at(block, 0));
-                    quants.extend_from_slice(&block[2..34]);
+                    src.copy_from_slice(&block[2..34]);
+                    (half_at(block, 0), 0.0)
                 }
                 QuantKind::Q4_0 => {
-                    scales.push(half_at(block, 0));
-                    quants.extend_from_slice(&block[2..18]);
+                    src.copy_from_slice(&block[2..18]);
+                    (half_at(block, 0), 0.0)
                 }
                 // d, (Q5_1: m), 4 bytes of fifth bits, 16 of nibbles: value j takes the
                 // low nibble of byte j and bit j, value j + 16 the high nibble and bit
-                // j + 16.
+                // j + 16. The kernel's order: nibbles, then the fifth bits.
                 QuantKind::Q5_0 | QuantKind::Q5_1 => {
-                    let at = if kind == QuantKind::Q5_1 { 4 } else { 2 };
-                    // The kernel's order: nibbles, then the fifth bits.
-                    quants.extend_from_slice(&block[at + 4..at + 20]);
-                    quants.extend_from_slice(&block[at..at + 4]);
-                    scales.push(half_at(block, 0));
-                    if kind == QuantKind::Q5_1 {
-                        mins.push(half_at(block, 2));
-                    }
+                    let five_1 = kind == QuantKind::Q5_1;
+                    let at = if five_1 { 4 } else { 2 };
+                    src[..16].copy_from_slice(&block[at + 4..at + 20]);
+                    src[16..20].copy_from_slice(&block[at..at + 4]);
+                    let min = if five_1 { half_at(block, 2) } else { 0.0 };
+                    (half_at(block, 0), min)
                 }
                 QuantKind::Q2K
                 | QuantKind::Q3K
@@ -378,14 +357,20 @@ impl FastLinear {
                 | QuantKind::Q6K => unreachable!("packed above"),
                 QuantKind::Iq4Nl | QuantKind::Iq4Xs => unreachable!("no candle type"),
             }
-        }
-        Ok(Self::from_blocks(
+        };
+        let has_min = matches!(kind, QuantKind::Q4_1 | QuantKind::Q5_1);
+        let nb = in_features / QK;
+        Ok(Self {
             kind,
-            (out_features, in_features),
-            &quants,
-            &scales,
-            &mins,
-        ))
+            out_features,
+            in_features,
+            packed: Packing::B32(Packed32::pack_with(
+                Form::of(kind),
+                has_min,
+                (out_features, nb),
+                read,
+            )),
+        })
     }
 
     /// A weight in blocks of 32 from per-row arrays, row after row: `quants` as the
@@ -399,32 +384,19 @@ impl FastLinear {
         scales: &[f32],
         mins: &[f32],
     ) -> Self {
-        let form = match kind {
-            QuantKind::Q4_0 => Form::Nibbles {
-                offset: 8,
-                five: false,
-            },
-            QuantKind::Q4_1 => Form::Nibbles {
-                offset: 0,
-                five: false,
-            },
-            QuantKind::Q5_0 => Form::Nibbles {
-                offset: 16,
-                five: true,
-            },
-            QuantKind::Q5_1 => Form::Nibbles {
-                offset: 0,
-                five: true,
-            },
-            QuantKind::Iq4Nl | QuantKind::Iq4Xs => Form::Codebook,
-            _ => Form::Bytes,
-        };
         let nb = in_features / QK;
         Self {
             kind,
             out_features,
             in_features,
-            packed: Packing::B32(Packed32::pack(form, quants, scales, mins, out_features, nb)),
+            packed: Packing::B32(Packed32::pack(
+                Form::of(kind),
+                quants,
+                scales,
+                mins,
+                out_features,
+                nb,
+            )),
         }
     }
 

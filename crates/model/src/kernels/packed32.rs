@@ -33,7 +33,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::memory::Weights;
-use super::{ActRow, QK, per_group, word_at};
+use super::{ActRow, QK, QuantKind, per_group, word_at};
 
 /// Weight rows per group.
 pub(super) const LANES: usize = 16;
@@ -68,6 +68,30 @@ impl Form {
     /// Bytes of quants per row and block, as the per-row arrays hold them: with
     /// fifth bits, the 16 bytes of nibbles and then the 4 of fifth bits (ggml's `qh`,
     /// bit `j` for value `j`).
+    /// The form of a blocks-of-32 type's kernel (Q8_0 for any other).
+    pub(super) fn of(kind: QuantKind) -> Self {
+        match kind {
+            QuantKind::Q4_0 => Self::Nibbles {
+                offset: 8,
+                five: false,
+            },
+            QuantKind::Q4_1 => Self::Nibbles {
+                offset: 0,
+                five: false,
+            },
+            QuantKind::Q5_0 => Self::Nibbles {
+                offset: 16,
+                five: true,
+            },
+            QuantKind::Q5_1 => Self::Nibbles {
+                offset: 0,
+                five: true,
+            },
+            QuantKind::Iq4Nl | QuantKind::Iq4Xs => Self::Codebook,
+            _ => Self::Bytes,
+        }
+    }
+
     pub(super) fn row_bytes(self) -> usize {
         match self {
             Self::Nibbles { five: true, .. } => QK / 2 + 4,
@@ -154,6 +178,23 @@ impl Packed32 {
         out: usize,
         nb: usize,
     ) -> Self {
+        let rb = form.row_bytes();
+        Self::pack_with(form, !m.is_empty(), (out, nb), |i, src| {
+            src.copy_from_slice(&quants[i * rb..(i + 1) * rb]);
+            (d[i], m.get(i).copied().unwrap_or(0.0))
+        })
+    }
+
+    /// Repacks blocks that `read(i, src)` gives one at a time, block `i = o·nb + b`
+    /// (row `o`, block `b`): it fills `src` (`form.row_bytes()`) and returns the
+    /// block's scale and minimum (ignored unless `has_min`). Reading the file's blocks
+    /// this way leaves no per-row copy of the weight.
+    pub(super) fn pack_with(
+        form: Form,
+        has_min: bool,
+        (out, nb): (usize, usize),
+        read: impl Fn(usize, &mut [u8]) -> (f32, f32) + Sync,
+    ) -> Self {
         let groups = out.div_ceil(LANES);
         let slots = groups * nb;
         let qb = form.packed_bytes() * LANES;
@@ -171,7 +212,7 @@ impl Packed32 {
             quants: held,
             d: Weights::zeroed(if bytes { 0 } else { slots * LANES }),
             d16: Weights::zeroed(if bytes { slots * LANES } else { 0 }),
-            m: Weights::zeroed(if m.is_empty() { 0 } else { slots * LANES }),
+            m: Weights::zeroed(if has_min { slots * LANES } else { 0 }),
             high: Weights::zeroed(if five { slots * 4 * LANES } else { 0 }),
         };
         let rb = form.row_bytes();
@@ -185,9 +226,12 @@ impl Packed32 {
         let pack_group = |g: usize, (q, ds, d16s, ms, high): Parts<'_>| {
             for o in g * LANES..out.min((g + 1) * LANES) {
                 let lane = o % LANES;
+                let mut block = [0u8; QK];
                 for b in 0..nb {
                     let gb = b;
-                    let src = &quants[(o * nb + b) * rb..(o * nb + b + 1) * rb];
+                    let src = &mut block[..rb];
+                    let (scale, min) = read(o * nb + b, src);
+                    let src = &*src;
                     let dst = &mut q[gb * qb..(gb + 1) * qb];
                     for t in 0..qb / LANES / 4 {
                         let at = (t * LANES + lane) * 4;
@@ -207,7 +251,6 @@ impl Packed32 {
                             high[gb * 4 * LANES + t * LANES + lane] = byte;
                         }
                     }
-                    let scale = d[o * nb + b];
                     if bytes {
                         let half = f16::from_f32(scale);
                         assert!(
@@ -218,8 +261,8 @@ impl Packed32 {
                     } else {
                         ds[gb * LANES + lane] = scale;
                     }
-                    if !m.is_empty() {
-                        ms[gb * LANES + lane] = m[o * nb + b];
+                    if has_min {
+                        ms[gb * LANES + lane] = min;
                     }
                 }
             }
