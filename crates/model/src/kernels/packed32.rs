@@ -224,6 +224,8 @@ impl Packed32 {
             per_group(&mut p.high, groups),
         );
         let pack_group = |g: usize, (q, ds, d16s, ms, high): Parts<'_>| {
+            // Read once here: as captures they would be re-read after every store.
+            let (bytes, five, has_min, rb, qb) = (bytes, five, has_min, rb, qb);
             for o in g * LANES..out.min((g + 1) * LANES) {
                 let lane = o % LANES;
                 let mut block = [0u8; QK];
@@ -233,22 +235,21 @@ impl Packed32 {
                     let (scale, min) = read(o * nb + b, src);
                     let src = &*src;
                     let dst = &mut q[gb * qb..(gb + 1) * qb];
+                    // Bytes are held as q + 128: the sign bit of each byte flipped.
+                    let flip = if bytes { 0x8080_8080 } else { 0 };
                     for t in 0..qb / LANES / 4 {
                         let at = (t * LANES + lane) * 4;
-                        dst[at..at + 4].copy_from_slice(&src[4 * t..4 * t + 4]);
-                        if bytes {
-                            dst[at..at + 4].iter_mut().for_each(|q| *q ^= 0x80);
-                        }
+                        let w = u32::from_le_bytes(src[4 * t..4 * t + 4].try_into().expect("4"));
+                        dst[at..at + 4].copy_from_slice(&(w ^ flip).to_le_bytes());
                     }
                     if five {
+                        // Step t: values 4t..4t + 4 (low nibbles) and 16 + 4t.. (high), so
+                        // the fifth bits 4t..4t + 4 and 16 + 4t.. of the block's word.
                         let qh = u32::from_le_bytes(src[16..20].try_into().expect("4 bytes"));
                         for t in 0..4 {
-                            let mut byte = 0u8;
-                            for k in 0..4 {
-                                byte |= (((qh >> (4 * t + k)) & 1) as u8) << k;
-                                byte |= (((qh >> (16 + 4 * t + k)) & 1) as u8) << (4 + k);
-                            }
-                            high[gb * 4 * LANES + t * LANES + lane] = byte;
+                            high[gb * 4 * LANES + t * LANES + lane] = (((qh >> (4 * t)) & 0xF)
+                                | (((qh >> (16 + 4 * t)) & 0xF) << 4))
+                                as u8;
                         }
                     }
                     if bytes {
