@@ -1,7 +1,7 @@
 //! Exit codes (issue 22): 1 for the user's errors, 2 for everything else, and every
 //! cause of an error printed once.
 
-use super::{agentstack, agentstack_in, snapshot};
+use super::{agentstack, agentstack_in, assert_user_errors, snapshot};
 
 /// Regression: a launch state database that cannot be opened read as the user's
 /// error (exit 1). It is ours: exit 2, and the message says which file.
@@ -128,15 +128,7 @@ fn user_errors_still_exit_1() {
             "not a readable GGUF file",
         ),
     ];
-    for (args, wanted) in cases {
-        let out = agentstack(args);
-        assert_eq!(out.code, 1, "{args:?}\n{}", snapshot(&out));
-        assert!(
-            out.stderr.contains(wanted),
-            "{args:?}: wanted {wanted:?}\n{}",
-            out.stderr
-        );
-    }
+    assert_user_errors(&cases);
 }
 
 /// A server that cannot be reached is not the user's error (exit 2, as `env

@@ -58,6 +58,20 @@ fn test_model() -> String {
     })
 }
 
+/// Runs each case and checks that it is refused as the user's error (exit 1) with a
+/// message containing the wanted text.
+fn assert_user_errors(cases: &[(&[&str], &str)]) {
+    for &(args, wanted) in cases {
+        let out = agentstack(args);
+        assert_eq!(out.code, 1, "{args:?}\n{}", snapshot(&out));
+        assert!(
+            out.stderr.contains(wanted),
+            "{args:?}: wanted {wanted:?}\n{}",
+            out.stderr
+        );
+    }
+}
+
 fn snapshot(out: &Output) -> String {
     format!(
         "exit: {}\n--- stdout\n{}--- stderr\n{}",
@@ -637,15 +651,7 @@ fn eval_rejects_bad_input_before_loading_anything() {
             "is not a finished run",
         ),
     ];
-    for (args, wanted) in cases {
-        let out = agentstack(args);
-        assert_eq!(out.code, 1, "{args:?}\n{}", snapshot(&out));
-        assert!(
-            out.stderr.contains(wanted),
-            "{args:?}: wanted {wanted:?}\n{}",
-            out.stderr
-        );
-    }
+    assert_user_errors(&cases);
     // Both --env and --model are required for a run.
     let out = agentstack(&["eval", "--env", "arithmetic"]);
     assert_eq!(out.code, 1, "{}", snapshot(&out));
@@ -689,11 +695,7 @@ fn sandbox_run_mirrors_the_command_and_refuses_bad_limits() {
             "reading --files /nonexistent",
         ),
     ];
-    for (args, message) in cases {
-        let out = agentstack(args);
-        assert_eq!(out.code, 1, "{args:?}: {}", out.stderr);
-        assert!(out.stderr.contains(message), "{args:?}: {}", out.stderr);
-    }
+    assert_user_errors(&cases);
     let out = agentstack(&["sandbox", "check"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     // Development only, and it says so.
