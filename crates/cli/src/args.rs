@@ -1029,7 +1029,7 @@ pub struct ModelServeArgs {
     #[arg(
         long = "api-key",
         value_name = "KEY",
-        env = crate::env_vars::AGENTSTACK_API_KEY,
+        env = agentstack_static::env_vars::AGENTSTACK_API_KEY,
         hide_env_values = true,
         value_delimiter = ','
     )]
@@ -1116,7 +1116,7 @@ pub struct ServeArgs {
     #[arg(
         long = "api-key",
         value_name = "KEY",
-        env = crate::env_vars::AGENTSTACK_API_KEY,
+        env = agentstack_static::env_vars::AGENTSTACK_API_KEY,
         hide_env_values = true,
         value_delimiter = ','
     )]

@@ -9,7 +9,6 @@
 
 pub mod args;
 pub mod commands;
-pub mod env_vars;
 pub mod exit;
 pub mod settings;
 
@@ -18,6 +17,7 @@ pub use exit::{Exit, ExitStatus, IntoUserError, UserError};
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
+use agentstack_static::env_vars;
 use clap::Parser;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;

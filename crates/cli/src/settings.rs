@@ -7,9 +7,9 @@ use agentstack_env::client::{ApiKey, ClientConfig};
 use agentstack_env::server::ServerConfig;
 
 use agentstack_serve::Limits;
+use agentstack_static::env_vars;
 
 use crate::args::{ConnectionArgs, ServeArgs};
-use crate::env_vars;
 
 /// The Python interpreter for foreign Python packages.
 pub fn python(flag: Option<&str>) -> String {

@@ -30,12 +30,7 @@ use std::str::FromStr;
 
 use crate::spec::JobGroup;
 
-/// The instance's own component.
-pub const AGENTSTACK_COMPONENT: &str = "AGENTSTACK_COMPONENT";
-/// The instance's replica index, from 0.
-pub const AGENTSTACK_REPLICA: &str = "AGENTSTACK_REPLICA";
-/// The port the instance should listen on.
-pub const AGENTSTACK_PORT: &str = "AGENTSTACK_PORT";
+pub use agentstack_static::env_vars::{AGENTSTACK_COMPONENT, AGENTSTACK_PORT, AGENTSTACK_REPLICA};
 /// SkyPilot: the node's rank in the task, from 0.
 pub const SKYPILOT_NODE_RANK: &str = "SKYPILOT_NODE_RANK";
 /// SkyPilot: the task's node addresses, one per line.

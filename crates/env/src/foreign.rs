@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use agentstack_static::env_vars;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::ws::{CloseFrame as AxumCloseFrame, Message as AxumMessage, WebSocketUpgrade};
@@ -240,7 +241,7 @@ impl ForeignCommand {
         // The package's modules import each other both as `server.x` and as
         // `<name>.server.x`; put the package and its parent on the path.
         let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
-        let pythonpath = |first: &Path, second: &Path| match std::env::var("PYTHONPATH") {
+        let pythonpath = |first: &Path, second: &Path| match std::env::var(env_vars::PYTHONPATH) {
             Ok(p) if !p.is_empty() => format!("{}:{}:{p}", first.display(), second.display()),
             _ => format!("{}:{}", first.display(), second.display()),
         };
@@ -272,14 +273,14 @@ impl ForeignCommand {
                 Box::new(Self {
                     argv: uvicorn(&format!("{package}.{app}")),
                     cwd: Some(parent.clone()),
-                    env: vec![("PYTHONPATH".into(), pythonpath(&parent, &dir))],
+                    env: vec![(env_vars::PYTHONPATH.into(), pythonpath(&parent, &dir))],
                     name: manifest.name.clone(),
                     fallback: None,
                 })
             });
         Ok(Self {
             argv: uvicorn(&app),
-            env: vec![("PYTHONPATH".into(), pythonpath(&dir, &parent))],
+            env: vec![(env_vars::PYTHONPATH.into(), pythonpath(&dir, &parent))],
             cwd: Some(dir),
             name: manifest.name,
             fallback,

@@ -29,6 +29,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentstack_static::env_vars;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -625,7 +626,7 @@ fn tail(stderr: &str, lines: usize) -> String {
 
 /// Loads the environment in the staged package with `python`, as the server will.
 async fn probe(dir: &Path, python: &str, limit: Duration) -> Result<Probe, ImportError> {
-    let pythonpath = match std::env::var("PYTHONPATH") {
+    let pythonpath = match std::env::var(env_vars::PYTHONPATH) {
         Ok(p) if !p.is_empty() => format!("{}:{p}", dir.display()),
         _ => dir.display().to_string(),
     };
@@ -633,7 +634,7 @@ async fn probe(dir: &Path, python: &str, limit: Duration) -> Result<Probe, Impor
         .arg("-c")
         .arg(PROBE)
         .current_dir(dir)
-        .env("PYTHONPATH", pythonpath)
+        .env(env_vars::PYTHONPATH, pythonpath)
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())

@@ -241,7 +241,7 @@ pub struct OpenAiModel {
 }
 
 /// The standard variable for an OpenAI API key; sent when [`API_KEY_ENV`] is unset.
-pub const OPENAI_API_KEY_ENV: &str = "OPENAI_API_KEY";
+pub const OPENAI_API_KEY_ENV: &str = agentstack_static::env_vars::OPENAI_API_KEY;
 
 /// The key to send to an OpenAI-compatible server, from the environment: the first key
 /// of [`API_KEY_ENV`] (`AGENTSTACK_API_KEY`, what `agentstack model serve` asks for),

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use agentstack_protocol::http::ResetRequest;
+use agentstack_static::with_causes;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
@@ -230,18 +231,6 @@ pub enum RunError {
     /// The configuration is unusable.
     #[error("{0}")]
     Config(String),
-}
-
-/// `error` and its causes on one line, for a log (the messages do not repeat their
-/// causes).
-fn with_causes(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(c) = cause {
-        text.push_str(&format!(": {c}"));
-        cause = c.source();
-    }
-    text
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RunError + '_ {

@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use agentstack_static::with_causes;
 use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -47,17 +48,6 @@ impl RegistryError {
             Self::Db(_) | Self::Blob(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }
-}
-
-/// `error` and its causes on one line (the messages do not repeat their causes).
-fn with_causes(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(c) = cause {
-        text.push_str(&format!(": {c}"));
-        cause = c.source();
-    }
-    text
 }
 
 impl IntoResponse for RegistryError {

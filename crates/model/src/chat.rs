@@ -1,6 +1,7 @@
 //! Chat templates: the model's own Jinja template from its metadata, rendered with
 //! minijinja (Python string methods included), or ChatML when the model has none.
 
+use agentstack_static::with_causes;
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
@@ -132,7 +133,7 @@ impl ChatTemplate {
             "26 Jul 2024".to_owned()
         });
         env.add_template_owned("chat", source.clone())
-            .map_err(|e| ModelError::Template(describe(&e)))?;
+            .map_err(|e| ModelError::Template(with_causes(&e)))?;
         Ok(Self {
             env,
             source,
@@ -174,7 +175,7 @@ impl ChatTemplate {
         let template = self
             .env
             .get_template("chat")
-            .map_err(|e| ModelError::Template(describe(&e)))?;
+            .map_err(|e| ModelError::Template(with_causes(&e)))?;
         // Templates expect arguments as objects; the API carries them as JSON text.
         let messages: Vec<Json> = messages
             .iter()
@@ -202,19 +203,8 @@ impl ChatTemplate {
                 bos_token => self.bos,
                 eos_token => self.eos,
             })
-            .map_err(|e| ModelError::Template(describe(&e)))
+            .map_err(|e| ModelError::Template(with_causes(&e)))
     }
-}
-
-fn describe(error: &minijinja::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(inner) = source {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    text
 }
 
 /// For templates that know nothing of tools (SmolLM2's): describe the tools in the

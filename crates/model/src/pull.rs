@@ -15,6 +15,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use agentstack_static::env_vars;
 use sha2::{Digest, Sha256};
 
 use crate::error::{ModelError, Result};
@@ -139,7 +140,7 @@ pub async fn pull(
             file,
             revision,
         } => {
-            let endpoint = std::env::var("HF_ENDPOINT")
+            let endpoint = std::env::var(env_vars::HF_ENDPOINT)
                 .ok()
                 .filter(|e| !e.is_empty())
                 .unwrap_or_else(|| HF_DEFAULT_ENDPOINT.to_owned());
@@ -147,7 +148,9 @@ pub async fn pull(
                 "{}/{repo}/resolve/{revision}/{file}",
                 endpoint.trim_end_matches('/')
             );
-            let token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty());
+            let token = std::env::var(env_vars::HF_TOKEN)
+                .ok()
+                .filter(|t| !t.is_empty());
             download(&url, token.as_deref(), &dest, progress).await?;
             Ok(dest)
         }
@@ -219,7 +222,7 @@ async fn download(
 }
 
 fn pip_extract(requirement: &str, file: &str, dest: &Path) -> Result<()> {
-    let python = std::env::var("AGENTSTACK_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = std::env::var(env_vars::AGENTSTACK_PYTHON).unwrap_or_else(|_| "python3".into());
     pip_extract_with(&python, requirement, file, dest)
 }
 

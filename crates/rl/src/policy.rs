@@ -9,13 +9,7 @@ use rand::Rng;
 use crate::loss::{token_logprobs, token_logprobs_at};
 
 fn model_error(e: agentstack_model::ModelError) -> candle_core::Error {
-    let mut message = e.to_string();
-    let mut source = std::error::Error::source(&e);
-    while let Some(s) = source {
-        message.push_str(&format!(": {s}"));
-        source = s.source();
-    }
-    candle_core::Error::Msg(message)
+    candle_core::Error::Msg(agentstack_static::with_causes(&e))
 }
 
 /// `log π(completion_t | prompt, completion_<t)` for every completion token, in one

@@ -16,7 +16,7 @@ use crate::wire::{FileHeader, Hello, INIT_ARG, INIT_NAME, Isolation, JobHeader, 
 /// Names the program started as the sandbox's init process, when it is not the
 /// current executable (tests, or a library embedding the sandbox in another binary).
 /// The program must call [`run_if_init`](crate::run_if_init) first thing in `main`.
-pub const INIT_PROGRAM_ENV: &str = "AGENTSTACK_SANDBOX_INIT";
+pub const INIT_PROGRAM_ENV: &str = agentstack_static::env_vars::AGENTSTACK_SANDBOX_INIT;
 
 /// How long a sandbox may take to isolate itself.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(20);

@@ -35,7 +35,7 @@ use subtle::ConstantTimeEq;
 
 /// The environment variable that holds a server's API keys (several, comma-separated)
 /// and that clients send the first of.
-pub const API_KEY_ENV: &str = "AGENTSTACK_API_KEY";
+pub const API_KEY_ENV: &str = agentstack_static::env_vars::AGENTSTACK_API_KEY;
 
 /// The route that answers without a key: a supervisor's readiness probe has none.
 pub const HEALTH_PATH: &str = "/health";

@@ -24,6 +24,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentstack_static::env_vars;
 use base64::Engine as _;
 use serde_json::{Value, json};
 use serde_norway::Value as Yaml;
@@ -74,10 +75,10 @@ fn config_error(path: &Path, what: impl Into<String>) -> BackendError {
 impl Credentials {
     /// The kubeconfig at `$KUBECONFIG` (its first file) or `~/.kube/config`.
     pub fn default_path() -> Option<PathBuf> {
-        if let Some(paths) = std::env::var_os("KUBECONFIG") {
+        if let Some(paths) = std::env::var_os(env_vars::KUBECONFIG) {
             return std::env::split_paths(&paths).next();
         }
-        std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".kube/config"))
+        std::env::var_os(env_vars::HOME).map(|h| PathBuf::from(h).join(".kube/config"))
     }
 
     /// Reads `context` (the current one when `None`) from the kubeconfig at `path`.

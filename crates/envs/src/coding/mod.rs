@@ -43,7 +43,7 @@ pub const NAME: &str = "coding";
 
 /// Names a directory of tasks (the documented layout) served instead of the built-in
 /// set.
-pub const TASKS_ENV: &str = "AGENTSTACK_CODING_TASKS";
+pub const TASKS_ENV: &str = agentstack_static::env_vars::AGENTSTACK_CODING_TASKS;
 
 /// The file function tasks are written in.
 pub const SOLUTION_FILE: &str = "solution.py";

@@ -90,7 +90,7 @@ impl<T: Pod> Weights<T> {
 fn huge_pages_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        let value = std::env::var("AGENTSTACK_HUGE_PAGES").ok();
+        let value = std::env::var(agentstack_static::env_vars::AGENTSTACK_HUGE_PAGES).ok();
         huge_pages_setting(value.as_deref()).unwrap_or_else(|| {
             tracing::warn!(
                 value = value.as_deref().unwrap_or_default(),

@@ -84,7 +84,7 @@ enum Simd {
 fn simd() -> Simd {
     static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let cap = match std::env::var("AGENTSTACK_KERNELS").as_deref() {
+        let cap = match std::env::var(agentstack_static::env_vars::AGENTSTACK_KERNELS).as_deref() {
             Ok("scalar") => Simd::Scalar,
             Ok("avx2") => Simd::Avx2,
             _ => Simd::Avx512Vnni,

@@ -12,6 +12,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use agentstack_static::with_causes;
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -166,7 +167,7 @@ pub(super) async fn load_adapter(
             Err(refusal) => {
                 tracing::debug!(
                     path = %requested.display(),
-                    cause = %error_chain(&refusal),
+                    cause = %with_causes(&refusal),
                     "adapter file refused"
                 );
                 Err(ApiError::invalid("path", NOT_LOADABLE))
@@ -189,18 +190,6 @@ fn told(error: ModelError) -> ApiError {
         ModelError::InvalidRequest(message) => ApiError::invalid("path", message),
         other => other.into(),
     }
-}
-
-/// `error` and its sources, `: `-separated, for a log line.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
 }
 
 pub(super) async fn list_adapters(State(state): State<AppState>) -> Json<serde_json::Value> {

@@ -12,11 +12,12 @@ use std::time::Duration;
 use agentstack_env::EnvSpec;
 use agentstack_env::foreign::{ForeignCommand, ForeignEnv};
 use agentstack_env::server::Server;
+use agentstack_static::env_vars;
 use anyhow::Context;
 
 use crate::args::ServeArgs;
+use crate::settings;
 use crate::{Exit, IntoUserError, user_error};
-use crate::{env_vars, settings};
 
 /// What one target names.
 pub(crate) enum Target {

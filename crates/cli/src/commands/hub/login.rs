@@ -5,10 +5,11 @@ use std::io::{BufRead, Write};
 
 use agentstack_hub::auth::Token;
 use agentstack_hub::client::HubClient;
+use agentstack_static::env_vars;
 use anyhow::{Context, anyhow};
 
 use crate::args::HubLoginArgs;
-use crate::{Exit, env_vars, settings};
+use crate::{Exit, settings};
 
 /// Saves the URL and token once the hub accepts the token.
 pub async fn run(args: HubLoginArgs) -> Result<(), Exit> {

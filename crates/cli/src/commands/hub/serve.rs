@@ -14,6 +14,7 @@ use agentstack_hub::registry::{Limits, Registry};
 use agentstack_hub::validate::{Conformance, Lift, Validators};
 use agentstack_rl::config::TrainConfig;
 use agentstack_sandbox::{Sandbox, SandboxConfig};
+use agentstack_static::env_vars;
 use anyhow::{Context, anyhow};
 
 use crate::args::HubServeArgs;
@@ -110,7 +111,10 @@ async fn sandboxed(
         expose_program: true,
         ..SandboxConfig::default()
     };
-    let python = ("AGENTSTACK_PYTHON".to_owned(), args.validate_python.clone());
+    let python = (
+        env_vars::AGENTSTACK_PYTHON.to_owned(),
+        args.validate_python.clone(),
+    );
     match Sandbox::start(config).await {
         Ok(sandbox) => {
             let sandbox = Arc::new(sandbox);

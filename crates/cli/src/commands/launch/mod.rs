@@ -25,12 +25,13 @@ use agentstack_compute::backend::ray::RayBackend;
 use agentstack_compute::backend::slurm::{SlurmBackend, SlurmSettings};
 use agentstack_compute::state::{JobRecord, JobState, Store, now_ms};
 use agentstack_compute::supervisor::{Supervisor, SupervisorSettings};
+use agentstack_static::env_vars;
 use anyhow::{anyhow, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::Exit;
 use crate::args::JobNameArgs;
 use crate::settings::data_dir;
-use crate::{Exit, env_vars};
 
 /// A supervisor that has not written for this long is taken for dead.
 const SUPERVISOR_SILENCE: Duration = Duration::from_secs(60);

@@ -14,14 +14,15 @@ use agentstack_compute::spec::Infra;
 use agentstack_compute::state::{JobState, Store};
 use agentstack_compute::supervisor::{SuperviseError, create_launch};
 use agentstack_compute::{BuildError, JobGroup};
+use agentstack_static::env_vars;
 use anyhow::anyhow;
 
 use super::{
     LaunchOptions, backend, env_pair, find, internal, jobs_dir, local_cpus, open_store,
     spawn_supervisor, supervise_here, supervisor_settings,
 };
+use crate::Exit;
 use crate::args::{InfraArg, LaunchArgs};
-use crate::{Exit, env_vars};
 
 /// Runs `agentstack launch`.
 pub async fn run(args: LaunchArgs) -> Result<(), Exit> {

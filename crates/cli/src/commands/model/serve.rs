@@ -7,10 +7,11 @@ use std::sync::Arc;
 use agentstack_model::constraint::ConstraintCompiler;
 use agentstack_model::engine::{Engine, EngineConfig};
 use agentstack_model::server::{AppState, ServerConfig, serve};
+use agentstack_static::env_vars;
 use anyhow::Context;
 
 use crate::args::ModelServeArgs;
-use crate::{Exit, IntoUserError, env_vars, settings};
+use crate::{Exit, IntoUserError, settings};
 
 /// Runs the command.
 pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
