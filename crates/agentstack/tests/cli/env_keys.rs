@@ -7,8 +7,6 @@ use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use assert_cmd::cargo::CommandCargoExt;
-
 use super::{Output, snapshot};
 
 /// The server's keys, as `AGENTSTACK_API_KEY` holds them.
@@ -20,7 +18,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 /// The binary with a clean environment for keys and logs at `log`.
 fn command(log: &str) -> Command {
-    let mut command = Command::cargo_bin("agentstack").unwrap();
+    let mut command = Command::new(super::bin());
     command
         .env_remove("AGENTSTACK_API_KEY")
         .env("AGENTSTACK_LOG", log)

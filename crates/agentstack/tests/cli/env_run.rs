@@ -13,7 +13,6 @@ use agentstack_env::{
 use agentstack_protocol::http::{ResetRequest, SchemaResponse};
 use agentstack_protocol::mcp::{CallToolResult, ToolSpec};
 use agentstack_protocol::ws::StepResult;
-use assert_cmd::cargo::CommandCargoExt;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
@@ -127,7 +126,7 @@ fn run_against_arcade(args: &[&str], vars: &[(&str, &str)]) -> Output {
     let handle = server.handle();
     rt.spawn(server.serve());
     let home = tempfile::tempdir().unwrap();
-    let mut command = Command::cargo_bin("agentstack").unwrap();
+    let mut command = Command::new(super::bin());
     command
         .args(["env", "run", &url])
         .args(args)

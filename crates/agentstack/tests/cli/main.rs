@@ -4,58 +4,19 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use assert_cmd::cargo::CommandCargoExt;
+use agentstack_test_support::cli::{
+    Output, agentstack, agentstack_in, bin, listening_url, snapshot,
+};
 
 mod env_keys;
 mod env_run;
 mod exit_codes;
 
-struct Output {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-/// The URL a server started with `--port 0` prints first on stdout (`listening on URL`).
-fn listening_url(child: &mut std::process::Child) -> String {
-    let first = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .next()
-        .unwrap()
-        .unwrap();
-    first.trim_start_matches("listening on ").to_owned()
-}
-fn agentstack(args: &[&str]) -> Output {
-    let home = tempfile::tempdir().unwrap();
-    agentstack_in(home.path(), args)
-}
-
-/// The binary with `home` as its home (its data directory is `home/data`).
-fn agentstack_in(home: &std::path::Path, args: &[&str]) -> Output {
-    let out = Command::cargo_bin("agentstack")
-        .unwrap()
-        .args(args)
-        .env("HOME", home)
-        .env("AGENTSTACK_HOME", home.join("data"))
-        .env_remove("AGENTSTACK_LOG")
-        .env("NO_COLOR", "1")
-        .output()
-        .unwrap();
-    Output {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-/// The SmolLM2 test model (`AGENTSTACK_TEST_MODEL`, or the cached copy).
+/// The SmolLM2 test model's path, as an argument.
 fn test_model() -> String {
-    std::env::var("AGENTSTACK_TEST_MODEL").unwrap_or_else(|_| {
-        format!(
-            "{}/.cache/agentstack/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-            std::env::var("HOME").unwrap()
-        )
-    })
+    agentstack_test_support::peers::test_model()
+        .display()
+        .to_string()
 }
 
 /// Runs each case and checks that it is refused as the user's error (exit 1) with a
@@ -70,13 +31,6 @@ fn assert_user_errors(cases: &[(&[&str], &str)]) {
             out.stderr
         );
     }
-}
-
-fn snapshot(out: &Output) -> String {
-    format!(
-        "exit: {}\n--- stdout\n{}--- stderr\n{}",
-        out.code, out.stdout, out.stderr
-    )
 }
 
 #[test]
@@ -247,8 +201,7 @@ fn import_failure_leaves_nothing_behind() {
 
 #[test]
 fn serve_prints_urls_and_stops_cleanly_on_sigterm() {
-    let mut child = Command::cargo_bin("agentstack")
-        .unwrap()
+    let mut child = Command::new(bin())
         .args(["env", "serve", "echo", "arithmetic", "--port", "0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -304,8 +257,7 @@ fn abandoned_sessions_release_their_memory() {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::Message;
 
-    let mut child = Command::cargo_bin("agentstack")
-        .unwrap()
+    let mut child = Command::new(bin())
         .args(["env", "serve", "echo", "--port", "0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -365,8 +317,7 @@ fn abandoned_sessions_release_their_memory() {
 /// exit on its next stdout write.
 #[test]
 fn serve_survives_its_stdout_closing() {
-    let mut child = Command::cargo_bin("agentstack")
-        .unwrap()
+    let mut child = Command::new(bin())
         .args([
             "env",
             "serve",

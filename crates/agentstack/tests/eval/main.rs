@@ -13,17 +13,12 @@
 //! Every test needs the model (and the last-but-one the OpenEnv venv) from
 //! `scripts/install-peers`, so each is `#[ignore]`d; CI runs ignored tests.
 
-#[path = "../interop/peers.rs"]
-mod peers;
-#[path = "../interop/processes.rs"]
-mod processes;
-
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use peers::{cache_dir, test_model};
-use processes::{Finished, Server, run_bounded};
+use agentstack_test_support::peers::{openenv_python, test_model};
+use agentstack_test_support::processes::{Finished, Server, run_bounded};
 use serde_json::Value;
 
 /// The most one evaluation may take on a busy 2-core machine.
@@ -31,19 +26,6 @@ const EVAL_LIMIT: Duration = Duration::from_secs(900);
 
 /// How long `agentstack model serve` and the Python package may take to start.
 const SERVER_READY: Duration = Duration::from_secs(180);
-
-fn openenv_python() -> PathBuf {
-    let python = match std::env::var_os("AGENTSTACK_OPENENV_PYTHON") {
-        Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => cache_dir().join("venv-openenv-0.10.0/bin/python"),
-    };
-    assert!(
-        python.is_file(),
-        "{} is missing\nhint: run scripts/install-peers",
-        python.display()
-    );
-    python
-}
 
 fn agentstack() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_agentstack"));

@@ -8,16 +8,13 @@
 //! that never sit in memory, token expiry and revocation, leaderboard text that
 //! cannot drive a terminal, README links that cannot run script, private files.
 
-#[path = "../interop/peers.rs"]
-mod peers;
-
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use peers::test_model;
+use agentstack_test_support::peers::test_model;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_agentstack");

@@ -20,8 +20,8 @@ use std::path::PathBuf;
 use futures_util::StreamExt as _;
 use tokio_tungstenite::tungstenite::Error as WsError;
 
-use crate::processes::{Finished, Server, run_bounded};
 use crate::{CLI_LIMIT, agentstack, assert_success, interop_dir, serve_peer_package};
+use agentstack_test_support::processes::{Finished, Server, run_bounded};
 
 /// Episodes `agentstack env run` drives against each hosted package.
 const FOREIGN_EPISODES: usize = 2;

@@ -27,16 +27,14 @@
 //! ```
 
 mod foreign_envs;
-mod peers;
-mod processes;
 mod verifiers;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use peers::{cache_dir, test_model};
-use processes::{Finished, Server, run_bounded};
+use agentstack_test_support::peers::{openenv_python, peer_python, test_model};
+use agentstack_test_support::processes::{Finished, Server, run_bounded};
 use serde_json::Value;
 
 /// How long our own server may take to print its address.
@@ -64,9 +62,6 @@ const OPENENV_URL_CHECKS: u64 = 6;
 /// The built-in environments the Python clients are pointed at.
 const BUILTINS: [&str; 4] = ["echo", "arithmetic", "connect_four", "word_guess"];
 
-const INSTALL_HINT: &str = "hint: run scripts/install-peers (it creates the OpenEnv venvs under \
-     ${AGENTSTACK_CACHE:-~/.cache/agentstack}), or point the variable at a venv's bin/python";
-
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
@@ -76,26 +71,6 @@ fn repo_root() -> PathBuf {
 
 fn interop_dir() -> PathBuf {
     repo_root().join("tests/interop")
-}
-
-/// A peer's Python: `$variable`, else `<cache>/<venv>/bin/python`. Fails (does not
-/// skip) when it is missing, so an unprovisioned CI run cannot pass silently.
-fn peer_python(variable: &str, venv: &str) -> PathBuf {
-    let python = match std::env::var_os(variable) {
-        Some(path) if !path.is_empty() => PathBuf::from(path),
-        _ => cache_dir().join(venv).join("bin/python"),
-    };
-    assert!(
-        python.is_file(),
-        "the OpenEnv peer is not installed: {} does not exist (from {variable} or its default)\n{INSTALL_HINT}",
-        python.display()
-    );
-    python
-}
-
-/// Python with `openenv` 0.10.0.
-fn openenv_python() -> PathBuf {
-    peer_python("AGENTSTACK_OPENENV_PYTHON", "venv-openenv-0.10.0")
 }
 
 /// Python with the official `openai` client.

@@ -8,11 +8,11 @@ use agentstack_env::client::{ClientConfig, EnvClient};
 use agentstack_protocol::http::ResetRequest;
 use serde_json::{Value, json};
 
-use super::processes::{Server, run_bounded};
 use super::{
     PEER_COMMAND_LIMIT, PEER_READY_TIMEOUT_S, PEER_SERVER_READY, agentstack, assert_success,
     interop_dir, peer_python, python_command,
 };
+use agentstack_test_support::processes::{Server, run_bounded};
 
 /// The verifiers release the import is tested with: the newest that installs beside
 /// `openenv` 0.10.0 (0.4.0 pins `mcp==2.0.0`, which openenv's `fastmcp<4` excludes,

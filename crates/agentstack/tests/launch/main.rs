@@ -1,20 +1,12 @@
 //! `agentstack launch | status | logs | cancel | down`: the real binary in a temporary
 //! home, on local processes.
 
-#[path = "../interop/peers.rs"]
-mod peers;
-
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use assert_cmd::cargo::CommandCargoExt;
-
-struct Output {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
+use agentstack_test_support::cli::{Output, command_in, snapshot};
+use agentstack_test_support::peers::test_model;
+use agentstack_test_support::ports::free_port;
 
 fn agentstack(home: &Path, args: &[&str]) -> Output {
     agentstack_with(home, args, "8")
@@ -22,29 +14,12 @@ fn agentstack(home: &Path, args: &[&str]) -> Output {
 
 /// With `AGENTSTACK_LOCAL_CPUS` set to `cpus`.
 fn agentstack_with(home: &Path, args: &[&str], cpus: &str) -> Output {
-    let out = Command::cargo_bin("agentstack")
-        .unwrap()
-        .args(args)
-        .current_dir(home)
-        .env("HOME", home)
-        .env("AGENTSTACK_HOME", home.join("data"))
-        .env_remove("AGENTSTACK_LOG")
-        .env("AGENTSTACK_LOCAL_CPUS", cpus)
-        .env_remove("KUBECONFIG")
-        .env("NO_COLOR", "1")
-        .output()
-        .unwrap();
-    Output {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-fn snapshot(out: &Output) -> String {
-    format!(
-        "exit: {}\n--- stdout\n{}--- stderr\n{}",
-        out.code, out.stdout, out.stderr
+    Output::of(
+        command_in(home)
+            .args(args)
+            .current_dir(home)
+            .env("AGENTSTACK_LOCAL_CPUS", cpus)
+            .env_remove("KUBECONFIG"),
     )
 }
 
@@ -95,11 +70,7 @@ fn bad_input_says_what_is_wrong_and_how_to_fix_it() {
 fn a_group_runs_to_the_end_and_logs_and_status_show_it() {
     let home = tempfile::tempdir().unwrap();
     let h = home.path();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     write(
         h,
         "group.yaml",
@@ -323,39 +294,29 @@ fn the_example_rl_job_group_trains_against_its_own_servers() {
     let home = tempfile::tempdir().unwrap();
     let h = home.path();
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/rl-job.yaml");
-    let model = peers::test_model();
+    let model = test_model();
     let bin_dir = Path::new(env!("CARGO_BIN_EXE_agentstack"))
         .parent()
         .unwrap();
-    let out = Command::cargo_bin("agentstack")
-        .unwrap()
-        .arg("launch")
-        .arg(&example)
-        .arg("--env")
-        .arg(format!("MODEL={}", model.display()))
-        .args(["--env", "STEPS=2"])
-        .current_dir(h)
-        .env("HOME", h)
-        .env("AGENTSTACK_HOME", h.join("data"))
-        .env("AGENTSTACK_LOCAL_CPUS", "6")
-        .env(
-            "PATH",
-            format!(
-                "{}:{}",
-                bin_dir.display(),
-                std::env::var("PATH").unwrap_or_default()
-            ),
-        )
-        .env_remove("AGENTSTACK_LOG")
-        .env_remove("KUBECONFIG")
-        .env("NO_COLOR", "1")
-        .output()
-        .unwrap();
-    let out = Output {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    };
+    let out = Output::of(
+        command_in(h)
+            .arg("launch")
+            .arg(&example)
+            .arg("--env")
+            .arg(format!("MODEL={}", model.display()))
+            .args(["--env", "STEPS=2"])
+            .current_dir(h)
+            .env("AGENTSTACK_LOCAL_CPUS", "6")
+            .env(
+                "PATH",
+                format!(
+                    "{}:{}",
+                    bin_dir.display(),
+                    std::env::var("PATH").unwrap_or_default()
+                ),
+            )
+            .env_remove("KUBECONFIG"),
+    );
     let logs =
         |component: &str| agentstack(h, &["logs", &format!("rl-arithmetic/{component}")]).stdout;
     assert_eq!(

@@ -11,17 +11,12 @@
 //! The first two need the model from `scripts/install-peers`, so they are `#[ignore]`d;
 //! CI runs ignored tests.
 
-#[path = "../interop/peers.rs"]
-mod peers;
-#[path = "../interop/processes.rs"]
-mod processes;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use peers::test_model;
-use processes::{Server, run_bounded};
+use agentstack_test_support::peers::test_model;
+use agentstack_test_support::processes::{Server, run_bounded};
 use serde_json::{Value, json};
 
 /// The API key the sync test's model server asks for (one of two) and its trainer sends.

@@ -17,28 +17,10 @@ use agentstack_compute::backend::ray::RayBackend;
 use agentstack_compute::backend::slurm::{SlurmBackend, SlurmSettings};
 use agentstack_compute::state::{JobState, Store, UnitRecord, UnitState};
 use agentstack_compute::supervisor::{Supervisor, SupervisorSettings, create_launch};
+use agentstack_test_support::ports::{free_port, free_port_pair};
 
 /// Longest wait for anything in these tests; engines on a loaded 2-core machine are slow.
 const PATIENCE: Duration = Duration::from_secs(90);
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A port `p` with `p + 1` free too (checked by binding both), for two replicas.
-fn free_port_pair() -> u16 {
-    loop {
-        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = first.local_addr().unwrap().port();
-        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
-            return port;
-        }
-    }
-}
 
 async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
     let start = Instant::now();

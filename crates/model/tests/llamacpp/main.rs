@@ -4,13 +4,14 @@
 //! Needs `scripts/install-llamacpp` and `scripts/fetch-model` (CI runs both; `scripts/test`
 //! too). llama.cpp is driven through one `llama-server` on a free loopback port.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use agentstack_model::generate::{GenerateRequest, generate};
 use agentstack_model::sampling::log_softmax;
 use agentstack_model::{LanguageModel, Logits, Message, SeqInput, WeightForm};
+use agentstack_test_support::peers::{llama_bin, test_model as model_path};
+use agentstack_test_support::ports::free_port;
 use serde_json::{Value, json};
 
 /// How far our log-probabilities may be from llama.cpp's, relative to how far llama.cpp's
@@ -43,39 +44,6 @@ const OUR_GAP_LIMIT: f32 = 1.0;
 /// Tokens of each greedy continuation compared.
 const GREEDY_TOKENS: usize = 32;
 
-fn cache_dir() -> PathBuf {
-    std::env::var_os("AGENTSTACK_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/agentstack")
-        })
-}
-
-fn model_path() -> PathBuf {
-    let path = std::env::var_os("AGENTSTACK_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(
-        path.is_file(),
-        "{} is missing; run scripts/fetch-model",
-        path.display()
-    );
-    path
-}
-
-fn llama_bin(tool: &str) -> PathBuf {
-    let dir = std::env::var_os("AGENTSTACK_LLAMACPP_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache_dir().join("llama.cpp-0.3.36/bin"));
-    let path = dir.join(tool);
-    assert!(
-        path.is_file(),
-        "{} is missing; run scripts/install-llamacpp",
-        path.display()
-    );
-    path
-}
-
 struct LlamaServer {
     child: Child,
     url: String,
@@ -95,11 +63,7 @@ impl LlamaServer {
     }
 
     async fn start_with(extra: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let child = Command::new(llama_bin("llama-server"))
             .arg("-m")
             .arg(model_path())

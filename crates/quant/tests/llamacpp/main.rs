@@ -12,6 +12,7 @@ use agentstack_quant::gguf::Gguf;
 use agentstack_quant::imatrix::Imatrix;
 use agentstack_quant::recipe::{Plan, quantize_file};
 use agentstack_quant::types::GgmlType;
+use agentstack_test_support::peers::{llama_bin, test_model as model_path};
 
 /// Share of bytes that may differ from llama-quantize's. ggml is compiled with
 /// `-march=native`, so the C compiler contracts `a*b + c` into fused multiply-adds in the
@@ -20,39 +21,6 @@ use agentstack_quant::types::GgmlType;
 const MAX_DIFFERING_BYTES: f64 = 0.001;
 /// Where bytes differ, our reconstruction error may exceed llama.cpp's by this fraction.
 const RMSE_SLACK: f64 = 0.01;
-
-fn cache_dir() -> PathBuf {
-    std::env::var_os("AGENTSTACK_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/agentstack")
-        })
-}
-
-fn model_path() -> PathBuf {
-    let path = std::env::var_os("AGENTSTACK_TEST_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    assert!(
-        path.is_file(),
-        "{} is missing; run scripts/fetch-model",
-        path.display()
-    );
-    path
-}
-
-fn llama_bin(tool: &str) -> PathBuf {
-    let dir = std::env::var_os("AGENTSTACK_LLAMACPP_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache_dir().join("llama.cpp-0.3.36/bin"));
-    let path = dir.join(tool);
-    assert!(
-        path.is_file(),
-        "{} is missing; run scripts/install-llamacpp",
-        path.display()
-    );
-    path
-}
 
 fn run(cmd: &mut Command) -> String {
     let out = cmd.output().expect("running a llama.cpp tool");

@@ -114,6 +114,7 @@ async fn push_adapter(
 
 #[cfg(test)]
 mod tests {
+    use agentstack_test_support::ports::free_port;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
@@ -153,14 +154,6 @@ mod tests {
         );
         socket.write_all(reply.as_bytes()).await.unwrap();
         String::from_utf8_lossy(&got).into_owned()
-    }
-
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
     }
 
     /// A model server that is not up yet, then answers 503 while it loads, gets the

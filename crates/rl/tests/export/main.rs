@@ -3,48 +3,15 @@
 //! loads and runs it. Needs the model and llama.cpp's tools from
 //! `scripts/install-peers` (`#[ignore]`d; CI runs ignored tests).
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use agentstack_model::adapter::{Adapter, AdapterWeights, Target};
 use agentstack_model::{LanguageModel, Logits, Model, SeqInput, WeightForm};
 
 use agentstack_quant::types::GgmlType;
+use agentstack_test_support::peers::{llama_bin, test_model};
 use candle_core::{D, Device, Tensor};
 use rand::{Rng, SeedableRng};
-
-fn cache_dir() -> PathBuf {
-    match std::env::var_os("AGENTSTACK_CACHE") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/agentstack"),
-    }
-}
-
-fn test_model() -> PathBuf {
-    let path = match std::env::var_os("AGENTSTACK_TEST_MODEL") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => cache_dir().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
-    assert!(
-        path.is_file(),
-        "{} is missing\nhint: run scripts/fetch-model",
-        path.display()
-    );
-    path
-}
-
-fn llama_bin(tool: &str) -> PathBuf {
-    let dir = std::env::var_os("AGENTSTACK_LLAMACPP_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| cache_dir().join("llama.cpp-0.3.36/bin"));
-    let path = dir.join(tool);
-    assert!(
-        path.is_file(),
-        "{} is missing\nhint: run scripts/install-peers",
-        path.display()
-    );
-    path
-}
 
 /// Log-probabilities of every next token of `tokens`.
 fn logprobs(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
