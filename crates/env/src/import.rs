@@ -29,7 +29,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use agentstack_static::env_vars;
+use agentstack_static::{env_vars, packaging};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -45,24 +45,6 @@ pub const MAX_SOURCE_BYTES: u64 = 64 << 20;
 
 /// The most files copied from a source directory.
 pub const MAX_SOURCE_FILES: usize = 5_000;
-
-/// Directories never copied from a source: version control, caches, virtual
-/// environments, build output.
-const SKIPPED_DIRS: &[&str] = &[
-    ".git",
-    ".hg",
-    ".svn",
-    "__pycache__",
-    ".pytest_cache",
-    ".mypy_cache",
-    ".ruff_cache",
-    ".venv",
-    "venv",
-    "node_modules",
-    "target",
-    "build",
-    "dist",
-];
 
 /// Module names the copied source may not take: the package's own `server`, and the
 /// libraries the server imports, which a module of the same name would shadow.
@@ -527,8 +509,9 @@ fn write(path: &Path, text: &str) -> Result<(), ImportError> {
     std::fs::write(path, text).map_err(io)
 }
 
-/// Copies the regular files under `from` to `to`, skipping [`SKIPPED_DIRS`] and
-/// symbolic links, within [`MAX_SOURCE_BYTES`] and [`MAX_SOURCE_FILES`].
+/// Copies the regular files under `from` to `to`, skipping what packaging skips
+/// ([`packaging::is_skipped`]) and symbolic links, within [`MAX_SOURCE_BYTES`] and
+/// [`MAX_SOURCE_FILES`].
 fn copy_tree(
     from: &Path,
     to: &Path,
@@ -552,11 +535,12 @@ fn copy_tree(
     for entry in entries {
         let path = entry.path();
         let name = entry.file_name();
+        if packaging::is_skipped(&name.to_string_lossy()) {
+            continue;
+        }
         let kind = entry.file_type().map_err(io("read", &path))?;
         if kind.is_dir() {
-            if !SKIPPED_DIRS.contains(&name.to_string_lossy().as_ref()) {
-                copy_tree(&path, &to.join(&name), root, totals)?;
-            }
+            copy_tree(&path, &to.join(&name), root, totals)?;
         } else if kind.is_file() {
             let size = entry.metadata().map_err(io("read", &path))?.len();
             totals.0 += size;
@@ -945,6 +929,10 @@ mod tests {
         .unwrap();
         std::fs::write(root.join("proj/pyproject.toml"), "[project]\n").unwrap();
         std::fs::write(root.join("proj/__pycache__/proj.pyc"), "junk").unwrap();
+        // The hub's skips too (the copies of the list had drifted): stray bytecode and
+        // Finder litter.
+        std::fs::write(root.join("proj/old.pyc"), "junk").unwrap();
+        std::fs::write(root.join("proj/.DS_Store"), "junk").unwrap();
         let mut request = ImportRequest::new(root.join("proj"));
         request.out = Some(root.join("out"));
         request.args.insert("n".into(), 3.into());
@@ -954,6 +942,8 @@ mod tests {
         assert!(dir.join("source/proj.py").is_file());
         assert!(dir.join("source/pyproject.toml").is_file());
         assert!(!dir.join("source/__pycache__").exists());
+        assert!(!dir.join("source/old.pyc").exists());
+        assert!(!dir.join("source/.DS_Store").exists());
         let app = std::fs::read_to_string(dir.join("server/app.py")).unwrap();
         assert!(app.contains("env_name=\"proj\"") && !app.contains("{{"));
         let settings: Value = serde_json::from_str(

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 
+use agentstack_static::packaging;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -19,23 +20,6 @@ pub const MANIFEST_PATH: &str = ".agentstack/manifest.json";
 pub const MAX_PACKAGE_BYTES: u64 = 512 << 20;
 /// The most files a package may hold.
 pub const MAX_PACKAGE_FILES: usize = 20_000;
-
-/// Directories and files never packed: version control, caches, build output,
-/// virtual environments.
-const IGNORED: &[&str] = &[
-    ".git",
-    ".hg",
-    ".svn",
-    "__pycache__",
-    ".pytest_cache",
-    ".mypy_cache",
-    ".ruff_cache",
-    ".venv",
-    "venv",
-    "target",
-    "node_modules",
-    ".DS_Store",
-];
 
 /// What can go wrong with a package.
 #[derive(Debug, thiserror::Error)]
@@ -249,7 +233,7 @@ fn collect(
                 entry.path().display()
             ))
         })?;
-        if IGNORED.contains(&name) || name.ends_with(".pyc") {
+        if packaging::is_skipped(name) {
             continue;
         }
         let path = entry.path();
@@ -683,6 +667,25 @@ mod tests {
         // A changed byte is a different package.
         write(b.path(), "README.md", "# demo!\n");
         assert_ne!(pack(b.path()).unwrap().sha256, pa.sha256);
+    }
+
+    #[test]
+    fn packing_leaves_out_every_name_packaging_skips() {
+        let dir = tempfile::tempdir().unwrap();
+        sample(dir.path());
+        for name in packaging::SKIPPED_NAMES {
+            write(dir.path(), &format!("{name}/inside.py"), "x = 1\n");
+            write(dir.path(), &format!("server/{name}/inside.py"), "x = 1\n");
+        }
+        write(dir.path(), "server/old.pyc", "junk");
+        let packed = pack(dir.path()).unwrap();
+        let paths: Vec<&str> = packed
+            .manifest
+            .files
+            .iter()
+            .map(|f| f.path.as_str())
+            .collect();
+        assert_eq!(paths, ["README.md", "openenv.yaml", "server/app.py"]);
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //!
 //! - [`env_vars`]: every environment variable agentstack reads (and the ones it sets
 //!   for the programs it launches), declared once with what it means.
+//! - [`packaging`]: the names packing, pushing or importing an environment never copies
+//!   (`.git`, `__pycache__`, `.venv`, `target`, …), one list for the hub and `env import`.
 //! - [`with_causes`]: an error and its sources as one `: `-separated line, for messages
 //!   that leave the process (an HTTP body, a results file, a log line).
 //!
@@ -17,5 +19,6 @@
 
 pub mod env_vars;
 mod error_chain;
+pub mod packaging;
 
 pub use error_chain::with_causes;
