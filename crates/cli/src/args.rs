@@ -137,14 +137,14 @@ pub struct LaunchArgs {
     /// Set an environment variable of every component (fills `envs` given as null).
     #[arg(long = "env", value_name = "KEY=VALUE")]
     pub envs: Vec<String>,
-    /// The Ray Jobs API [env: AGENTSTACK_RAY_ADDRESS] (default http://127.0.0.1:8265).
-    #[arg(long)]
+    /// The Ray Jobs API (default http://127.0.0.1:8265; empty = unset).
+    #[arg(long, env = agentstack_static::env_vars::AGENTSTACK_RAY_ADDRESS)]
     pub ray_address: Option<String>,
-    /// The container image for Kubernetes [env: AGENTSTACK_K8S_IMAGE].
-    #[arg(long)]
+    /// The container image for Kubernetes (empty = unset).
+    #[arg(long, env = agentstack_static::env_vars::AGENTSTACK_K8S_IMAGE)]
     pub k8s_image: Option<String>,
-    /// The Kubernetes namespace [env: AGENTSTACK_K8S_NAMESPACE] (default: the context's, else default).
-    #[arg(long)]
+    /// The Kubernetes namespace (default: the context's, else default; empty = unset).
+    #[arg(long, env = agentstack_static::env_vars::AGENTSTACK_K8S_NAMESPACE)]
     pub k8s_namespace: Option<String>,
     /// The kubeconfig context (default: the current one).
     #[arg(long)]
@@ -158,6 +158,9 @@ pub struct LaunchArgs {
     /// Seconds every component has to start (gang start) before the launch fails.
     #[arg(long, default_value_t = 600)]
     pub start_timeout: u64,
+    /// Print the resolved settings and exit without launching.
+    #[arg(long, hide = true)]
+    pub show_settings: bool,
 }
 
 /// `agentstack status`.
@@ -633,7 +636,7 @@ pub struct TrainArgs {
     /// The run directory's name under --runs-dir (default: `<config file>-<algorithm>`).
     #[arg(long)]
     pub run_id: Option<String>,
-    /// Where runs are written (default: `runs`).
+    /// Where runs are written (default: the data directory's runs/).
     #[arg(long)]
     pub runs_dir: Option<PathBuf>,
     /// Discard an existing run of that id instead of resuming it.
@@ -658,13 +661,17 @@ pub struct TrainArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// The Python that runs a Python environment package.
-    #[arg(long)]
+    /// The Python that runs a Python environment package (default python3; empty =
+    /// unset).
+    #[arg(long, env = agentstack_static::env_vars::AGENTSTACK_PYTHON)]
     pub python: Option<String>,
     /// Print the run's report as JSON on stdout (run directory, steps, held-out
     /// reward before and after with 95% intervals) instead of lines of text.
     #[arg(long)]
     pub json: bool,
+    /// Print the resolved settings and exit without training.
+    #[arg(long, hide = true)]
+    pub show_settings: bool,
 }
 
 /// `eval`.
@@ -783,8 +790,9 @@ pub struct EvalRunArgs {
     /// Compute threads for an in-process model.
     #[arg(long)]
     pub threads: Option<usize>,
-    /// The Python interpreter for OpenEnv package directories.
-    #[arg(long)]
+    /// The Python interpreter for OpenEnv package directories (default python3; empty
+    /// = unset).
+    #[arg(long, env = agentstack_static::env_vars::AGENTSTACK_PYTHON)]
     pub python: Option<String>,
     /// Print the summary as JSON.
     #[arg(long)]
@@ -793,6 +801,9 @@ pub struct EvalRunArgs {
     /// hub:owner/name[@version] and a token: `agentstack hub login`).
     #[arg(long)]
     pub post: bool,
+    /// Print the resolved settings and exit without evaluating.
+    #[arg(long, hide = true)]
+    pub show_settings: bool,
 }
 
 /// `quickstart`.

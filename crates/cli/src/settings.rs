@@ -1,6 +1,14 @@
 //! Settings resolved from flags and environment variables, with one precedence rule:
-//! flag > environment variable > default.
+//! flag > environment variable > default ([`flag_or_env`]).
+//!
+//! One rule for an empty value: an environment variable set to the empty string is
+//! unset (`AGENTSTACK_K8S_NAMESPACE= agentstack launch …` uses the default), and so is
+//! an empty flag value — which is also what clap passes on from an empty variable bound
+//! to a flag with `#[arg(env = …)]`. Each command gathers its settings in one
+//! `*Settings::resolve` (`train`, `eval`, `launch`), which the hidden `--show-settings`
+//! prints.
 
+use std::fmt::Display;
 use std::time::Duration;
 
 use agentstack_env::client::{ApiKey, ClientConfig};
@@ -11,15 +19,67 @@ use agentstack_static::env_vars;
 
 use crate::args::{ConnectionArgs, ServeArgs};
 
-/// The Python interpreter for foreign Python packages.
+/// The environment variable `name`, by the one rule for an empty value: empty (or not
+/// Unicode) is unset.
+pub fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// The one precedence rule: the flag, else the environment variable `name`, else
+/// `None` (the caller then takes its default). An empty value, from either, is unset.
+/// The text is parsed with `parse`; a value that does not parse is the user's error,
+/// saying where it came from (`NAME=`value`: why`, or `` `value`: why `` for a flag).
+pub fn flag_or_env<T, E: Display>(
+    flag: Option<&str>,
+    name: &str,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+) -> anyhow::Result<Option<T>> {
+    flag_or_value(flag, name, std::env::var(name).ok(), parse)
+}
+
+/// [`flag_or_env`] with the variable's value given (`None`: unset).
+fn flag_or_value<T, E: Display>(
+    flag: Option<&str>,
+    name: &str,
+    value: Option<String>,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+) -> anyhow::Result<Option<T>> {
+    let (text, from_env) = match flag.filter(|v| !v.is_empty()) {
+        Some(text) => (text.to_owned(), false),
+        None => match value.filter(|v| !v.is_empty()) {
+            Some(text) => (text, true),
+            None => return Ok(None),
+        },
+    };
+    parse(&text).map(Some).map_err(|e| {
+        if from_env {
+            crate::user_error!("{name}=`{text}` {e}")
+        } else {
+            crate::user_error!("`{text}` {e}")
+        }
+    })
+}
+
+/// [`flag_or_env`] for a setting whose text is its value.
+pub fn flag_or_env_text(flag: Option<&str>, name: &str) -> Option<String> {
+    flag_or_env(flag, name, |text| {
+        Ok::<_, std::convert::Infallible>(text.to_owned())
+    })
+    .ok()
+    .flatten()
+}
+
+/// What the hidden `--show-settings` prints: a command's resolved settings, in Rust's
+/// pretty debug form, on stdout (a closed pipe is success, as for any output).
+pub fn show(settings: &impl std::fmt::Debug) -> Result<(), crate::Exit> {
+    use std::io::Write as _;
+    writeln!(std::io::stdout().lock(), "{settings:#?}").map_err(crate::Exit::internal)
+}
+
+/// The Python interpreter for foreign Python packages: the flag, else
+/// `AGENTSTACK_PYTHON`, else `python3`.
 pub fn python(flag: Option<&str>) -> String {
-    flag.map(str::to_owned)
-        .or_else(|| {
-            std::env::var(env_vars::AGENTSTACK_PYTHON)
-                .ok()
-                .filter(|p| !p.is_empty())
-        })
-        .unwrap_or_else(|| "python3".to_owned())
+    flag_or_env_text(flag, env_vars::AGENTSTACK_PYTHON).unwrap_or_else(|| "python3".to_owned())
 }
 
 /// A server's connection limits: the flags, else `default_max_connections` and the
@@ -124,12 +184,7 @@ pub fn hub_url(flag: Option<&str>) -> String {
 }
 
 fn hub_url_with(flag: Option<&str>, saved: Option<&HubCredentials>) -> String {
-    flag.map(str::to_owned)
-        .or_else(|| {
-            std::env::var(env_vars::AGENTSTACK_HUB_URL)
-                .ok()
-                .filter(|v| !v.is_empty())
-        })
+    flag_or_env_text(flag, env_vars::AGENTSTACK_HUB_URL)
         .or_else(|| saved.map(|c| c.url.clone()))
         .unwrap_or_else(|| "http://127.0.0.1:8700".to_owned())
 }
@@ -139,10 +194,7 @@ fn hub_token_with(
     url: &str,
     saved: Option<&HubCredentials>,
 ) -> Option<agentstack_hub::auth::Token> {
-    if let Some(t) = std::env::var(env_vars::AGENTSTACK_HUB_TOKEN)
-        .ok()
-        .filter(|v| !v.is_empty())
-    {
+    if let Some(t) = env_var(env_vars::AGENTSTACK_HUB_TOKEN) {
         return Some(agentstack_hub::auth::Token::new(t));
     }
     saved
@@ -180,12 +232,7 @@ pub fn hub_cache_dir(url: &str) -> std::path::PathBuf {
 /// The hub's database URL: the flag, then `AGENTSTACK_HUB_DATABASE_URL`, then
 /// `hub.db` in the data directory.
 pub fn hub_database(flag: Option<&str>) -> String {
-    flag.map(str::to_owned)
-        .or_else(|| {
-            std::env::var(env_vars::AGENTSTACK_HUB_DATABASE_URL)
-                .ok()
-                .filter(|v| !v.is_empty())
-        })
+    flag_or_env_text(flag, env_vars::AGENTSTACK_HUB_DATABASE_URL)
         .unwrap_or_else(|| format!("sqlite://{}", data_dir().join("hub.db").display()))
 }
 
@@ -203,6 +250,33 @@ mod tests {
         assert!(!no_key_on_a_network("127.0.0.1".parse().unwrap(), false));
         assert!(!no_key_on_a_network("::1".parse().unwrap(), false));
         assert!(no_key_on_a_network("::".parse().unwrap(), false));
+    }
+
+    #[test]
+    fn flag_then_variable_then_nothing_and_empty_is_unset() {
+        let text = |t: &str| Ok::<_, std::convert::Infallible>(t.to_owned());
+        let var = |v: &str| Some(v.to_owned());
+        let pick = |flag, value| flag_or_value(flag, "X", value, text).unwrap();
+        assert_eq!(pick(Some("f"), var("v")), Some("f".into()));
+        assert_eq!(pick(None, var("v")), Some("v".into()));
+        assert_eq!(pick(None, None), None);
+        assert_eq!(pick(None, var("")), None, "an empty variable is unset");
+        assert_eq!(
+            pick(Some(""), var("v")),
+            Some("v".into()),
+            "an empty flag (clap's value of an empty bound variable) is unset"
+        );
+        assert_eq!(pick(Some(""), var("")), None);
+    }
+
+    #[test]
+    fn a_value_that_does_not_parse_is_the_users_error_and_names_its_variable() {
+        let number = |t: &str| t.parse::<u32>().map_err(|_| "is not a number");
+        let error = flag_or_value(None, "X", Some("ten".into()), number).unwrap_err();
+        assert_eq!(error.to_string(), "X=`ten` is not a number");
+        assert!(error.downcast_ref::<crate::UserError>().is_some());
+        let error = flag_or_value(Some("ten"), "X", None, number).unwrap_err();
+        assert_eq!(error.to_string(), "`ten` is not a number");
     }
 
     #[test]

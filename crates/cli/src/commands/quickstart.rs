@@ -29,7 +29,7 @@ pub async fn run(args: QuickstartArgs) -> Result<(), Exit> {
         ("connect_four", Some(r#"{"strength": 0}"#), 24, 12, true),
     ];
     for (env, options, max_turns, max_tokens, constrain) in plan {
-        let (summary, dir) = super::eval::evaluate(EvalRunArgs {
+        let settings = super::eval::EvalSettings::resolve(&EvalRunArgs {
             env: Some(env.to_owned()),
             model: Some(model.clone()),
             model_name: None,
@@ -57,8 +57,9 @@ pub async fn run(args: QuickstartArgs) -> Result<(), Exit> {
             python: None,
             json: false,
             post: false,
-        })
-        .await?;
+            show_settings: false,
+        })?;
+        let (summary, dir) = super::eval::evaluate(settings).await?;
         super::eval::print_summary(&summary, &dir, false);
         dirs.push(dir);
     }

@@ -28,10 +28,13 @@ pub async fn run(args: EvalArgs) -> Result<(), Exit> {
     match args.command {
         Some(EvalCommand::Compare(args)) => compare::run(args),
         None => {
-            let json = args.run.json;
-            let post = args.run.post;
-            let (summary, dir) = evaluate(args.run).await?;
-            print_summary(&summary, &dir, json);
+            let resolved = EvalSettings::resolve(&args.run)?;
+            if args.run.show_settings {
+                return settings::show(&resolved);
+            }
+            let post = resolved.post;
+            let (summary, dir) = evaluate(resolved).await?;
+            print_summary(&summary, &dir, args.run.json);
             if post {
                 post_summary(&summary).await?;
             }
@@ -201,90 +204,161 @@ fn read_profile(path: Option<&PathBuf>, env: &str) -> anyhow::Result<Profile> {
     })
 }
 
+/// What `eval` runs with: its flags and environment variables, checked and resolved by
+/// the one precedence rule (see [`crate::settings`]). The environment and model are
+/// references here; they are opened (and a `hub:` package pulled) when the run starts.
+#[derive(Debug)]
+pub struct EvalSettings {
+    /// The environment reference (`--env`).
+    pub env: String,
+    /// The model reference (`--model`).
+    pub model: String,
+    /// The model name sent to an OpenAI-compatible server (`None`: its first).
+    pub model_name: Option<String>,
+    /// The variable holding an OpenAI-compatible server's API key.
+    pub api_key_env: String,
+    /// Tasks to play.
+    pub episodes: usize,
+    /// Episodes per task.
+    pub samples: usize,
+    /// Episodes played at once.
+    pub concurrency: usize,
+    /// The run's seed.
+    pub seed: u64,
+    /// The split tasks come from.
+    pub split: Option<String>,
+    /// Reset options for every episode.
+    pub reset_options: Map<String, Value>,
+    /// How an episode is played: turns, sampling, context.
+    pub play: LoopConfig,
+    /// A prompt profile file (`None`: the environment's built-in profile).
+    pub profile: Option<PathBuf>,
+    /// Reward at or above which an episode counts as a success.
+    pub success_threshold: f64,
+    /// The run's id (`None`: from env, model and the configuration's hash).
+    pub run_id: Option<String>,
+    /// Where runs are kept: `--runs-dir`, else the data directory's `runs/`.
+    pub runs_dir: PathBuf,
+    /// Discard an existing run with the same id.
+    pub fresh: bool,
+    /// Compute threads for an in-process model.
+    pub threads: Option<usize>,
+    /// The Python for OpenEnv package directories: `--python`, else
+    /// `AGENTSTACK_PYTHON`, else `python3`.
+    pub python: String,
+    /// Post the summary to the hub's leaderboard.
+    pub post: bool,
+}
+
+impl EvalSettings {
+    /// Checks the flags and resolves them.
+    pub fn resolve(args: &EvalRunArgs) -> Result<Self, Exit> {
+        let env = args
+            .env
+            .clone()
+            .ok_or_else(|| user_error!("--env is required"))?;
+        let model = args
+            .model
+            .clone()
+            .ok_or_else(|| user_error!("--model is required"))?;
+        if args.episodes == 0 || args.samples == 0 || args.concurrency == 0 || args.max_turns == 0 {
+            return Err(Exit::user(anyhow!(
+                "--episodes, --samples, --concurrency and --max-turns must be at least 1"
+            )));
+        }
+        if args.max_tokens == 0 {
+            return Err(Exit::user(anyhow!("--max-tokens must be at least 1")));
+        }
+        let overflow: Overflow = args.overflow.parse().map_err(|e: String| user_error!(e))?;
+        if let Some(budget) = args.context_tokens
+            && budget <= args.max_tokens
+        {
+            return Err(Exit::user(anyhow!(
+                "--context-tokens ({budget}) must be larger than --max-tokens ({}): the budget holds the prompt and the answer",
+                args.max_tokens
+            )));
+        }
+        let reset_options = parse_options(args.options.as_deref())?;
+        if args.post && !env.starts_with("hub:") {
+            return Err(Exit::user(anyhow!(
+                "--post needs --env hub:owner/name[@version]: leaderboards belong to hub packages"
+            )));
+        }
+        Ok(Self {
+            env,
+            model,
+            model_name: args.model_name.clone(),
+            api_key_env: args.api_key_env.clone(),
+            episodes: args.episodes,
+            samples: args.samples,
+            concurrency: args.concurrency,
+            seed: args.seed,
+            split: args.split.clone(),
+            reset_options,
+            play: LoopConfig {
+                max_turns: args.max_turns,
+                sampling: Sampling {
+                    temperature: args.temperature,
+                    top_p: args.top_p,
+                    max_tokens: args.max_tokens,
+                },
+                context: ContextPolicy {
+                    max_tokens: args.context_tokens,
+                    overflow,
+                    keep_thinking: !args.strip_thinking,
+                },
+                constrain: args.constrain,
+            },
+            profile: args.profile.clone(),
+            success_threshold: args.success_threshold.unwrap_or(1.0),
+            run_id: args.run_id.clone(),
+            runs_dir: runs_dir(args.runs_dir.clone()),
+            fresh: args.fresh,
+            threads: args.threads,
+            python: settings::python(args.python.as_deref()),
+            post: args.post,
+        })
+    }
+}
+
 /// Plays a run to completion (resuming it if it exists) and returns its summary and
 /// directory.
-pub(crate) async fn evaluate(args: EvalRunArgs) -> Result<(Summary, PathBuf), Exit> {
-    let env_ref = args
-        .env
-        .clone()
-        .ok_or_else(|| user_error!("--env is required"))?;
-    let model_ref = args
-        .model
-        .clone()
-        .ok_or_else(|| user_error!("--model is required"))?;
-    if args.episodes == 0 || args.samples == 0 || args.concurrency == 0 || args.max_turns == 0 {
-        return Err(Exit::user(anyhow!(
-            "--episodes, --samples, --concurrency and --max-turns must be at least 1"
-        )));
-    }
-    if args.max_tokens == 0 {
-        return Err(Exit::user(anyhow!("--max-tokens must be at least 1")));
-    }
-    let overflow: Overflow = args.overflow.parse().map_err(|e: String| user_error!(e))?;
-    if let Some(budget) = args.context_tokens
-        && budget <= args.max_tokens
-    {
-        return Err(Exit::user(anyhow!(
-            "--context-tokens ({budget}) must be larger than --max-tokens ({}): the budget holds the prompt and the answer",
-            args.max_tokens
-        )));
-    }
-    let reset_options = parse_options(args.options.as_deref())?;
-    if args.post && !env_ref.starts_with("hub:") {
-        return Err(Exit::user(anyhow!(
-            "--post needs --env hub:owner/name[@version]: leaderboards belong to hub packages"
-        )));
-    }
+pub(crate) async fn evaluate(settings: EvalSettings) -> Result<(Summary, PathBuf), Exit> {
     // A hub reference is pulled once and recorded with the version it resolved to, so a
     // run (and its leaderboard entry) names exactly what it evaluated.
-    let (env_ref, target) = match crate::commands::hub::pull_hub_target(&env_ref).await? {
+    let (env_ref, target) = match crate::commands::hub::pull_hub_target(&settings.env).await? {
         Some(p) => (
             format!("hub:{}@{}", p.package, p.version),
             p.dir.to_string_lossy().into_owned(),
         ),
-        None => (env_ref.clone(), env_ref),
+        None => (settings.env.clone(), settings.env.clone()),
     };
-    let env = open_env(&target, args.python.as_deref()).await?;
-    let profile = read_profile(args.profile.as_ref(), env.handle.name())?;
-    let success_threshold = args.success_threshold.unwrap_or(1.0);
+    let env = open_env(&target, Some(&settings.python)).await?;
+    let profile = read_profile(settings.profile.as_ref(), env.handle.name())?;
     let model = open_model(
-        &model_ref,
-        args.model_name.as_deref(),
-        &args.api_key_env,
-        args.threads,
+        &settings.model,
+        settings.model_name.as_deref(),
+        &settings.api_key_env,
+        settings.threads,
     )
     .await?;
     let config = EvalConfig {
         env: env_ref,
-        model: model_ref,
-        tasks: args.episodes,
-        samples: args.samples,
-        seed: args.seed,
-        split: args.split.clone(),
-        reset_options,
-        play: LoopConfig {
-            max_turns: args.max_turns,
-            sampling: Sampling {
-                temperature: args.temperature,
-                top_p: args.top_p,
-                max_tokens: args.max_tokens,
-            },
-            context: ContextPolicy {
-                max_tokens: args.context_tokens,
-                overflow,
-                keep_thinking: !args.strip_thinking,
-            },
-            constrain: args.constrain,
-        },
+        model: settings.model,
+        tasks: settings.episodes,
+        samples: settings.samples,
+        seed: settings.seed,
+        split: settings.split,
+        reset_options: settings.reset_options,
+        play: settings.play,
         profile,
-        success_threshold,
+        success_threshold: settings.success_threshold,
     };
-    let dir = runs_dir(args.runs_dir.clone()).join(
-        args.run_id
-            .clone()
-            .unwrap_or_else(|| config.default_run_id()),
-    );
-    let run = Run::open(&dir, config, args.concurrency, args.fresh).map_err(|e| anyhow!(e))?;
+    let dir = settings
+        .runs_dir
+        .join(settings.run_id.unwrap_or_else(|| config.default_run_id()));
+    let run =
+        Run::open(&dir, config, settings.concurrency, settings.fresh).map_err(|e| anyhow!(e))?;
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template(
             "{msg:>12} {bar:30} {pos}/{len} episodes  {elapsed_precise} eta {eta}  mean reward {prefix}",

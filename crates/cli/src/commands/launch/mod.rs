@@ -70,19 +70,27 @@ pub(crate) fn internal(e: impl Into<anyhow::Error>) -> Exit {
 /// What a launch's backend needs besides the spec, kept with the launch so a later
 /// supervisor builds the same backend.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub(crate) struct LaunchOptions {
+pub struct LaunchOptions {
+    /// Ray's Jobs API (`None`: [`DEFAULT_RAY_ADDRESS`]).
     pub ray_address: Option<String>,
+    /// Slurm `--time` in minutes.
     pub slurm_time: Option<u32>,
+    /// The container image for Kubernetes.
     pub k8s_image: Option<String>,
+    /// The Kubernetes namespace (`None`: the context's, else `default`).
     pub k8s_namespace: Option<String>,
+    /// The kubeconfig context (`None`: the current one).
     pub k8s_context: Option<String>,
+    /// A Kueue LocalQueue.
     pub k8s_queue: Option<String>,
+    /// CPUs local launches may hold at once (`None`: the machine's).
     pub local_cpus: Option<f64>,
+    /// Seconds every component has to start.
     pub start_timeout: Option<u64>,
 }
 
 /// Ray's default Jobs API address (the dashboard port of a local head).
-pub(crate) const DEFAULT_RAY_ADDRESS: &str = "http://127.0.0.1:8265";
+pub const DEFAULT_RAY_ADDRESS: &str = "http://127.0.0.1:8265";
 
 /// The backend for `infra` (`local`, `slurm`, `ray`, `kubernetes`).
 pub(crate) fn backend(infra: &str, options: &LaunchOptions) -> Result<AnyBackend, Exit> {
@@ -152,24 +160,21 @@ pub(crate) fn supervisor_settings(infra: &str, options: &LaunchOptions) -> Super
     }
 }
 
-/// `AGENTSTACK_LOCAL_CPUS`, read.
+/// `AGENTSTACK_LOCAL_CPUS`, read (empty is unset, like every variable).
 pub(crate) fn local_cpus() -> Result<Option<f64>, Exit> {
-    match std::env::var(env_vars::AGENTSTACK_LOCAL_CPUS) {
-        Ok(text) => text
-            .trim()
+    crate::settings::flag_or_env(None, env_vars::AGENTSTACK_LOCAL_CPUS, |text| {
+        text.trim()
             .parse::<f64>()
             .ok()
             .filter(|n| *n > 0.0)
-            .map(Some)
             .ok_or_else(|| {
-                Exit::user(anyhow!(
-                    "{}=`{text}` is not a number of CPUs\nhint: e.g. {}=8",
-                    env_vars::AGENTSTACK_LOCAL_CPUS,
+                format!(
+                    "is not a number of CPUs\nhint: e.g. {}=8",
                     env_vars::AGENTSTACK_LOCAL_CPUS
-                ))
-            }),
-        Err(_) => Ok(None),
-    }
+                )
+            })
+    })
+    .map_err(Exit::from)
 }
 
 /// Runs the launch's supervisor in this process until the launch ends.

@@ -1,7 +1,8 @@
 //! `agentstack launch FILE [--infra local|slurm|ray|k8s] [--detach] [--dry-run]`.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::fmt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agentstack_compute::backend::Backend;
@@ -21,61 +22,119 @@ use super::{
     LaunchOptions, backend, env_pair, find, internal, jobs_dir, local_cpus, open_store,
     spawn_supervisor, supervise_here, supervisor_settings,
 };
-use crate::Exit;
 use crate::args::{InfraArg, LaunchArgs};
+use crate::{Exit, settings};
+
+/// What `agentstack launch` runs with: its flags, environment variables and the job
+/// group's file, resolved by the one precedence rule (see [`crate::settings`]).
+pub struct LaunchSettings {
+    /// The task or job-group YAML.
+    pub file: PathBuf,
+    /// The job group read from it, with `--env` applied and paths resolved.
+    pub group: JobGroup,
+    /// Where it runs: `--infra`, else the components' `resources.infra`, else local.
+    pub infra: &'static str,
+    /// Return once submitted.
+    pub detach: bool,
+    /// Print what would be submitted and stop.
+    pub dry_run: bool,
+    /// What the backend needs besides the spec (kept with the launch).
+    pub options: LaunchOptions,
+}
+
+impl fmt::Debug for LaunchSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The group by its name and components: the whole spec is the file's.
+        let components: Vec<&str> = self
+            .group
+            .components
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect();
+        f.debug_struct("LaunchSettings")
+            .field("file", &self.file)
+            .field("group", &self.group.name)
+            .field("components", &components)
+            .field("infra", &self.infra)
+            .field("detach", &self.detach)
+            .field("dry_run", &self.dry_run)
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl LaunchSettings {
+    /// Reads the file and resolves the flags and `AGENTSTACK_RAY_ADDRESS`,
+    /// `AGENTSTACK_K8S_IMAGE`, `AGENTSTACK_K8S_NAMESPACE` and `AGENTSTACK_LOCAL_CPUS`.
+    pub fn resolve(args: &LaunchArgs) -> Result<Self, Exit> {
+        let file = &args.file;
+        let text = std::fs::read_to_string(file).map_err(|e| {
+            Exit::user(anyhow!(
+                "cannot read {}: {e}\nhint: give the path of a task or job-group YAML, e.g. examples/rl-job.yaml",
+                file.display()
+            ))
+        })?;
+        let mut group =
+            JobGroup::parse(&text).map_err(|e| Exit::user(anyhow!("{}: {e}", file.display())))?;
+        let base = file
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let base = base.canonicalize().unwrap_or_else(|_| base.to_path_buf());
+        group.resolve_paths(&base);
+        for pair in &args.envs {
+            let (key, value) = env_pair(pair).map_err(Exit::user)?;
+            for task in &mut group.components {
+                task.envs.insert(key.clone(), Some(value.clone()));
+            }
+        }
+        for task in &group.components {
+            if let Some((key, _)) = task.envs.iter().find(|(_, v)| v.is_none()) {
+                return Err(Exit::user(anyhow!(BuildError::UnsetEnv {
+                    component: task.name.clone(),
+                    key: key.clone(),
+                })));
+            }
+        }
+        let infra = infra(&group, args.infra)?;
+        let text = |flag: &Option<String>, name| settings::flag_or_env_text(flag.as_deref(), name);
+        let options = LaunchOptions {
+            ray_address: text(&args.ray_address, env_vars::AGENTSTACK_RAY_ADDRESS),
+            slurm_time: args.slurm_time,
+            k8s_image: text(&args.k8s_image, env_vars::AGENTSTACK_K8S_IMAGE),
+            k8s_namespace: text(&args.k8s_namespace, env_vars::AGENTSTACK_K8S_NAMESPACE),
+            k8s_context: args.k8s_context.clone(),
+            k8s_queue: args.k8s_queue.clone(),
+            local_cpus: local_cpus()?,
+            start_timeout: Some(args.start_timeout),
+        };
+        Ok(Self {
+            file: file.clone(),
+            group,
+            infra,
+            detach: args.detach,
+            dry_run: args.dry_run,
+            options,
+        })
+    }
+}
 
 /// Runs `agentstack launch`.
 pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
-    let file = &args.file;
-    let text = std::fs::read_to_string(file).map_err(|e| {
-        Exit::user(anyhow!(
-            "cannot read {}: {e}\nhint: give the path of a task or job-group YAML, e.g. examples/rl-job.yaml",
-            file.display()
-        ))
-    })?;
-    let mut group =
-        JobGroup::parse(&text).map_err(|e| Exit::user(anyhow!("{}: {e}", file.display())))?;
-    let base = file
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let base = base.canonicalize().unwrap_or_else(|_| base.to_path_buf());
-    group.resolve_paths(&base);
-    for pair in &args.envs {
-        let (key, value) = env_pair(pair).map_err(Exit::user)?;
-        for task in &mut group.components {
-            task.envs.insert(key.clone(), Some(value.clone()));
-        }
+    let resolved = LaunchSettings::resolve(&args)?;
+    if args.show_settings {
+        return settings::show(&resolved);
     }
-    for task in &group.components {
-        if let Some((key, _)) = task.envs.iter().find(|(_, v)| v.is_none()) {
-            return Err(Exit::user(anyhow!(BuildError::UnsetEnv {
-                component: task.name.clone(),
-                key: key.clone(),
-            })));
-        }
-    }
-    let infra = infra(&group, args.infra)?;
-    let options = LaunchOptions {
-        ray_address: args
-            .ray_address
-            .clone()
-            .or_else(|| std::env::var(env_vars::AGENTSTACK_RAY_ADDRESS).ok()),
-        slurm_time: args.slurm_time,
-        k8s_image: args
-            .k8s_image
-            .clone()
-            .or_else(|| std::env::var(env_vars::AGENTSTACK_K8S_IMAGE).ok()),
-        k8s_namespace: args
-            .k8s_namespace
-            .clone()
-            .or_else(|| std::env::var(env_vars::AGENTSTACK_K8S_NAMESPACE).ok()),
-        k8s_context: args.k8s_context.clone(),
-        k8s_queue: args.k8s_queue.clone(),
-        local_cpus: local_cpus()?,
-        start_timeout: Some(args.start_timeout),
-    };
-    if args.dry_run {
+    let LaunchSettings {
+        file,
+        group,
+        infra,
+        detach,
+        dry_run: dry,
+        options,
+    } = resolved;
+    let file = &file;
+    if dry {
         return dry_run(&group, infra, &options);
     }
 
@@ -118,7 +177,7 @@ pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
         group.components.len(),
         job.id
     );
-    if args.detach {
+    if detach {
         let pid = spawn_supervisor(&job)?;
         eprintln!("supervisor running in the background (pid {pid})");
         eprintln!("  agentstack status {}", group.name);

@@ -1,5 +1,6 @@
 //! `agentstack train grpo|distill|sft --config train.toml`.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agentstack_rl::config::{Algorithm, TrainConfig};
@@ -7,66 +8,136 @@ use agentstack_rl::train::{Setup, StepMetrics, train};
 use anyhow::{Context, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::Exit;
 use crate::args::{TrainArgs, TrainExportArgs};
 use crate::commands::eval::{open_env, runs_dir};
+use crate::{Exit, settings};
+
+/// What `train grpo|distill|sft` runs with: the configuration file with the flags'
+/// overrides applied, and where the run goes, resolved by the one precedence rule (see
+/// [`crate::settings`]).
+#[derive(Debug)]
+pub struct TrainSettings {
+    /// The configuration file.
+    pub config_file: PathBuf,
+    /// Its configuration, overrides applied and checked; paths in the file made
+    /// relative to it.
+    pub config: TrainConfig,
+    /// GRPO, distillation or SFT.
+    pub algorithm: Algorithm,
+    /// The run directory: `--runs-dir` (else the data directory's `runs/`) and
+    /// `--run-id` (else `<config file>-<algorithm>`).
+    pub dir: PathBuf,
+    /// Discard an existing run instead of resuming it.
+    pub fresh: bool,
+    /// The Python for a Python environment package: `--python`, else
+    /// `AGENTSTACK_PYTHON`, else `python3`.
+    pub python: String,
+    /// Compute threads (`None`: all cores).
+    pub threads: Option<usize>,
+    /// Report as JSON.
+    pub json: bool,
+}
+
+impl TrainSettings {
+    /// Reads the configuration and applies the flags.
+    pub fn resolve(args: &TrainArgs, algorithm: Algorithm) -> Result<Self, Exit> {
+        let text = std::fs::read_to_string(&args.config)
+            .with_context(|| format!("could not read {}", args.config.display()))
+            .map_err(Exit::user)?;
+        let mut config = TrainConfig::parse(&text)
+            .map_err(|e| Exit::user(anyhow!("{}: {e}", args.config.display())))?;
+        if let Some(steps) = args.steps {
+            config.steps = steps;
+        }
+        if let Some(model) = &args.model {
+            config.model = model.clone();
+        }
+        if let Some(env) = &args.env {
+            config.env = env.clone();
+        }
+        if let Some(teacher) = &args.teacher {
+            match &mut config.distill {
+                Some(d) => d.teacher = teacher.clone(),
+                None => {
+                    return Err(Exit::user(anyhow!(
+                        "{}: --teacher needs a [distill] section in the config",
+                        args.config.display()
+                    )));
+                }
+            }
+        }
+        config
+            .sync
+            .servers
+            .extend(args.sync_servers.iter().cloned());
+        // Paths in the file are relative to the file.
+        let base = args
+            .config
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        let relative = |p: &mut PathBuf| {
+            if p.is_relative() && !p.as_os_str().is_empty() && base.join(&*p).exists() {
+                *p = base.join(&*p);
+            }
+        };
+        if args.model.is_none() {
+            relative(&mut config.model);
+        }
+        if let Some(d) = &mut config.distill
+            && args.teacher.is_none()
+        {
+            relative(&mut d.teacher);
+        }
+        if let Some(s) = &mut config.sft {
+            s.runs.iter_mut().for_each(relative);
+        }
+        config
+            .check()
+            .map_err(|e| Exit::user(anyhow!("{}: {e}", args.config.display())))?;
+        let stem = args
+            .config
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "train".into());
+        let id = args.run_id.clone().unwrap_or_else(|| {
+            format!(
+                "{stem}-{}",
+                serde_json::to_value(algorithm)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default()
+            )
+        });
+        Ok(Self {
+            config_file: args.config.clone(),
+            config,
+            algorithm,
+            dir: runs_dir(args.runs_dir.clone()).join(id),
+            fresh: args.fresh,
+            python: settings::python(args.python.as_deref()),
+            threads: args.threads,
+            json: args.json,
+        })
+    }
+}
 
 /// Runs (or resumes) a training run.
 pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
-    let text = std::fs::read_to_string(&args.config)
-        .with_context(|| format!("could not read {}", args.config.display()))
-        .map_err(Exit::user)?;
-    let mut config = TrainConfig::parse(&text)
-        .map_err(|e| Exit::user(anyhow!("{}: {e}", args.config.display())))?;
-    if let Some(steps) = args.steps {
-        config.steps = steps;
+    let resolved = TrainSettings::resolve(&args, algorithm)?;
+    if args.show_settings {
+        return settings::show(&resolved);
     }
-    if let Some(model) = &args.model {
-        config.model = model.clone();
-    }
-    if let Some(env) = &args.env {
-        config.env = env.clone();
-    }
-    if let Some(teacher) = &args.teacher {
-        match &mut config.distill {
-            Some(d) => d.teacher = teacher.clone(),
-            None => {
-                return Err(Exit::user(anyhow!(
-                    "{}: --teacher needs a [distill] section in the config",
-                    args.config.display()
-                )));
-            }
-        }
-    }
-    config
-        .sync
-        .servers
-        .extend(args.sync_servers.iter().cloned());
-    // Paths in the file are relative to the file.
-    let base = args
-        .config
-        .parent()
-        .map(std::path::Path::to_path_buf)
-        .unwrap_or_default();
-    let relative = |p: &mut std::path::PathBuf| {
-        if p.is_relative() && !p.as_os_str().is_empty() && base.join(&*p).exists() {
-            *p = base.join(&*p);
-        }
-    };
-    if args.model.is_none() {
-        relative(&mut config.model);
-    }
-    if let Some(d) = &mut config.distill
-        && args.teacher.is_none()
-    {
-        relative(&mut d.teacher);
-    }
-    if let Some(s) = &mut config.sft {
-        s.runs.iter_mut().for_each(relative);
-    }
-    config
-        .check()
-        .map_err(|e| Exit::user(anyhow!("{}: {e}", args.config.display())))?;
+    let TrainSettings {
+        config_file,
+        config,
+        algorithm,
+        dir,
+        fresh,
+        python,
+        threads: _,
+        json,
+    } = resolved;
     if !config.model.exists() {
         return Err(Exit::user(anyhow!(
             "the model {} does not exist\nhint: scripts/fetch-model fetches the test model; paths in the config are relative to it",
@@ -88,30 +159,15 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
         if config.env.is_empty() {
             return Err(Exit::user(anyhow!(
                 "{}: env is required (a built-in name, an OpenEnv URL, a package directory or hub:owner/name)",
-                args.config.display()
+                config_file.display()
             )));
         }
         let target = match crate::commands::hub::pull_hub_target(&config.env).await? {
             Some(p) => p.dir.to_string_lossy().into_owned(),
             None => config.env.clone(),
         };
-        Some(open_env(&target, args.python.as_deref()).await?)
+        Some(open_env(&target, Some(&python)).await?)
     };
-    let stem = args
-        .config
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "train".into());
-    let id = args.run_id.clone().unwrap_or_else(|| {
-        format!(
-            "{stem}-{}",
-            serde_json::to_value(algorithm)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_default()
-        )
-    });
-    let dir = runs_dir(args.runs_dir.clone()).join(id);
     let bar = ProgressBar::new(config.steps as u64).with_style(
         ProgressStyle::with_template(
             "{msg:>10} {bar:30} {pos}/{len} steps  {elapsed_precise} eta {eta}  {prefix}",
@@ -146,7 +202,7 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
             algorithm,
             dir: dir.clone(),
             env: env.as_ref().map(|e| e.handle.clone()),
-            fresh: args.fresh,
+            fresh,
             stop,
         },
         |m: &StepMetrics| {
@@ -170,7 +226,7 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
         Some((m, (lo, hi))) => format!("{m:.3} (95% CI {lo:.3}–{hi:.3})"),
         None => "–".into(),
     };
-    if args.json {
+    if json {
         let text = serde_json::to_string(&report).map_err(|e| anyhow!(e))?;
         println!("{text}");
         return match report.stopped_at {
@@ -234,7 +290,7 @@ pub async fn export(args: TrainExportArgs) -> Result<(), Exit> {
             Some(m) => m.clone(),
             None => config["config"]["model"]
                 .as_str()
-                .map(std::path::PathBuf::from)
+                .map(PathBuf::from)
                 .ok_or_else(|| {
                     Exit::user(anyhow!("the run's config names no model; pass --model"))
                 })?,
