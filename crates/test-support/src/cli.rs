@@ -72,6 +72,13 @@ pub fn snapshot(out: &Output) -> String {
     )
 }
 
+/// `insta` filters (regex, replacement) for what changes from one run of the CLI to
+/// the next: loopback ports and temporary directories (`tempfile`'s `.tmpXXXXXX`).
+pub const FILTERS: [(&str, &str); 2] = [
+    (r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]"),
+    (r"[^\s'\x22]*/\.tmp[0-9A-Za-z]{6}", "[TMP]"),
+];
+
 /// The URL a server started with `--port 0` prints first on stdout
 /// (`listening on URL`); the child's stdout must be piped.
 pub fn listening_url(child: &mut Child) -> String {

@@ -11,6 +11,7 @@ use agentstack_test_support::cli::{
 mod env_keys;
 mod env_run;
 mod exit_codes;
+mod normal_output;
 
 /// The SmolLM2 test model's path, as an argument.
 fn test_model() -> String {

@@ -1566,6 +1566,50 @@ async fn leaderboards_print_stored_control_characters_escaped() {
     assert_eq!(r.status(), 400);
 }
 
+/// What the hub commands print when they succeed, against a loopback hub: push, search,
+/// info and leaderboard, after validation has passed. The push's hash is the packed
+/// archive's (packing is deterministic); ports and dates are filtered out.
+#[tokio::test(flavor = "multi_thread")]
+async fn hub_commands_print_tables_and_summaries() {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(
+        src.path(),
+        "maze",
+        "1.0.0",
+        "# Maze\n\nFind the exit of a grid.\n",
+    );
+    let pushed = hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let v = validation(&hub, "alice/maze", "1.0.0").await;
+    assert_eq!(v["status"], "passed", "{v}");
+    let post = serde_json::json!({"model": "smollm2-135m", "score": 0.5, "ci95": [0.4, 0.6], "episodes": 20, "harness": "agentstack eval"});
+    let r = reqwest::Client::new()
+        .post(hub.api("/envs/alice/maze/versions/1.0.0/leaderboard"))
+        .bearer_auth(&alice)
+        .json(&post)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    let mut all = format!("$ agentstack hub push <maze>\n{pushed}\n");
+    for args in [
+        &["hub", "search"][..],
+        &["hub", "search", "grid"],
+        &["hub", "info", "alice/maze"],
+        &["hub", "leaderboard", "alice/maze"],
+    ] {
+        let out = hub.cli_ok(None, args);
+        all.push_str(&format!("$ agentstack {}\n{out}\n", args.join(" ")));
+    }
+    insta::with_settings!({filters => vec![
+        (r"127\.0\.0\.1:\d+", "127.0.0.1:[PORT]"),
+        (r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d(:\d\d)?Z?", "[DATE]"),
+    ]}, {
+        insta::assert_snapshot!(all);
+    });
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_package_page_runs_no_script_from_a_readme() {
     let hub = Hub::start(Backend::Sqlite);

@@ -66,6 +66,45 @@ fn bad_input_says_what_is_wrong_and_how_to_fix_it() {
     insta::assert_snapshot!(all);
 }
 
+/// What `--dry-run` prints on each engine, for a group of a server with a port and CPUs
+/// and a primary client: the discovery variables, the Slurm script, the Ray submission
+/// and the Kubernetes manifests. Nothing runs and no engine is asked.
+#[test]
+fn dry_run_prints_what_each_engine_would_be_given() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path();
+    write(
+        h,
+        "group.yaml",
+        "name: demo\nexecution: parallel\nprimary_tasks: [client]\n---\nname: server\nresources: {ports: 8000, cpus: 1}\nrun: exec python3 -m http.server $AGENTSTACK_PORT\n---\nname: client\nrun: echo hi\n",
+    );
+    let mut all = String::new();
+    for infra in ["local", "slurm", "ray", "k8s"] {
+        let args = ["launch", "group.yaml", "--dry-run", "--infra", infra];
+        let out = Output::of(
+            command_in(h)
+                .args(args)
+                .current_dir(h)
+                .env("AGENTSTACK_LOCAL_CPUS", "8")
+                .env_remove("AGENTSTACK_RAY_ADDRESS")
+                .env_remove("KUBECONFIG"),
+        );
+        assert_eq!(out.code, 0, "{}", snapshot(&out));
+        all.push_str(&format!(
+            "$ agentstack {}\n{}\n",
+            args.join(" "),
+            snapshot(&out)
+        ));
+    }
+    let status = agentstack(h, &["status"]);
+    assert!(
+        status.stderr.contains("no launches"),
+        "a dry run recorded a launch\n{}",
+        snapshot(&status)
+    );
+    insta::assert_snapshot!(all);
+}
+
 #[test]
 fn a_group_runs_to_the_end_and_logs_and_status_show_it() {
     let home = tempfile::tempdir().unwrap();
