@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::context::{self, ContextPolicy, Overflow};
 use crate::env::{EnvError, EnvHandle, StepOutcome};
-use crate::model::{ChatRequest, ModelClient, ModelError, Sampling};
+use crate::model::{ChatRequest, ModelClient, ModelError, Sampling, TokenTrace};
 use crate::prompt::{ActionFormat, Presenter};
 
 /// How episodes are played. Recorded with every result.
@@ -53,15 +53,10 @@ pub enum TurnKind {
 pub struct Turn {
     /// What the call was for.
     pub kind: TurnKind,
-    /// The prompt's token ids, when the model side gives them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompt_ids: Option<Vec<u32>>,
-    /// The generated token ids, exactly as sampled, when the model side gives them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub completion_ids: Option<Vec<u32>>,
-    /// Their log-probabilities.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub logprobs: Option<Vec<f32>>,
+    /// The call's token ids and logprobs, as far as the model side gives them
+    /// (`prompt_ids`, `completion_ids`, `logprobs` in JSON).
+    #[serde(flatten)]
+    pub tokens: TokenTrace,
     /// The reply's text.
     pub text: String,
     /// The reply's tool calls.
@@ -93,9 +88,7 @@ impl Turn {
     fn from_reply(kind: TurnKind, reply: crate::model::ChatResponse) -> Self {
         Self {
             kind,
-            prompt_ids: reply.prompt_ids,
-            completion_ids: reply.completion_ids,
-            logprobs: reply.logprobs,
+            tokens: reply.tokens,
             text: reply.text,
             tool_calls: reply.tool_calls,
             finish_reason: reply.finish_reason,
@@ -393,4 +386,58 @@ async fn fit(
         }
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// The turn's JSON keeps `prompt_ids`, `completion_ids` and `logprobs` as top-level
+    /// keys, in their old place, each left out when absent (episode files written
+    /// before [`TokenTrace`] read the same).
+    #[test]
+    fn token_trace_keeps_the_turns_json_keys() {
+        let turn = Turn::from_reply(
+            TurnKind::Act,
+            crate::model::ChatResponse {
+                text: "42".into(),
+                tool_calls: Vec::new(),
+                finish_reason: "stop".into(),
+                tokens: TokenTrace {
+                    prompt_ids: Some(vec![1, 2]),
+                    completion_ids: Some(vec![7]),
+                    logprobs: Some(vec![-0.5]),
+                },
+                prompt_tokens: 2,
+                completion_tokens: 1,
+            },
+        );
+        let text = serde_json::to_string(&turn).unwrap();
+        assert_eq!(
+            text,
+            r#"{"kind":"act","prompt_ids":[1,2],"completion_ids":[7],"logprobs":[-0.5],"text":"42","finish_reason":"stop","done":false,"prompt_tokens":2,"completion_tokens":1}"#
+        );
+        assert_eq!(serde_json::from_str::<Turn>(&text).unwrap(), turn);
+
+        // Partial traces stay partial; none at all leaves the keys out.
+        let mut partial = turn.clone();
+        partial.tokens.prompt_ids = None;
+        let value = serde_json::to_value(&partial).unwrap();
+        assert!(value.get("prompt_ids").is_none());
+        assert_eq!(value["completion_ids"], json!([7]));
+        assert_eq!(serde_json::from_value::<Turn>(value).unwrap(), partial);
+        assert_eq!(partial.tokens.complete(), None);
+        let mut bare = turn.clone();
+        bare.tokens = TokenTrace::default();
+        let value = serde_json::to_value(&bare).unwrap();
+        for key in ["prompt_ids", "completion_ids", "logprobs"] {
+            assert!(value.get(key).is_none(), "{key}");
+        }
+        assert_eq!(
+            turn.tokens.complete(),
+            Some((&[1, 2][..], &[7][..], &[-0.5][..]))
+        );
+    }
 }

@@ -108,19 +108,45 @@ pub struct ChatResponse {
     pub tool_calls: Vec<ToolCall>,
     /// OpenAI's finish reason: `stop`, `length`, `tool_calls`, ….
     pub finish_reason: String,
-    /// The prompt's token ids, when the model side gives them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompt_ids: Option<Vec<u32>>,
-    /// The generated token ids, exactly as sampled, when the model side gives them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub completion_ids: Option<Vec<u32>>,
-    /// The log-probability of each generated token, when the model side gives them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub logprobs: Option<Vec<f32>>,
+    /// The call's token ids and logprobs, as far as the model side gives them
+    /// (`prompt_ids`, `completion_ids`, `logprobs` in JSON).
+    #[serde(flatten)]
+    pub tokens: TokenTrace,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
+}
+
+/// One model call at the token level, what training learns from: the prompt's and the
+/// completion's token ids and the completion's log-probabilities. Each is there when
+/// the model side gives it (always in process; from a server when it returns them).
+///
+/// The reply and the turn flatten it (`#[serde(flatten)]`), so in their JSON these are
+/// the top-level keys `prompt_ids`, `completion_ids` and `logprobs`, each left out when
+/// absent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenTrace {
+    /// The prompt's token ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// The generated token ids, exactly as sampled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_ids: Option<Vec<u32>>,
+    /// The log-probability of each generated token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<f32>>,
+}
+
+impl TokenTrace {
+    /// The prompt ids, completion ids and logprobs, when all three are there.
+    pub fn complete(&self) -> Option<(&[u32], &[u32], &[f32])> {
+        Some((
+            self.prompt_ids.as_deref()?,
+            self.completion_ids.as_deref()?,
+            self.logprobs.as_deref()?,
+        ))
+    }
 }
 
 /// Where the model runs, and a clock of when it has work.
@@ -424,9 +450,11 @@ impl EngineModel {
                         finish_reason,
                         prompt_tokens: prompt.len(),
                         completion_tokens: out.tokens.len(),
-                        prompt_ids: Some(prompt),
-                        completion_ids: Some(out.tokens),
-                        logprobs: Some(out.logprobs),
+                        tokens: TokenTrace {
+                            prompt_ids: Some(prompt),
+                            completion_ids: Some(out.tokens),
+                            logprobs: Some(out.logprobs),
+                        },
                     });
                 }
             }
@@ -535,9 +563,11 @@ fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
             .and_then(Value::as_str)
             .unwrap_or("stop")
             .to_owned(),
-        prompt_ids: ids(reply.get("prompt_token_ids")),
-        completion_ids: ids(choice.get("token_ids")),
-        logprobs,
+        tokens: TokenTrace {
+            prompt_ids: ids(reply.get("prompt_token_ids")),
+            completion_ids: ids(choice.get("token_ids")),
+            logprobs,
+        },
         prompt_tokens: usage("prompt_tokens"),
         completion_tokens: usage("completion_tokens"),
     })
@@ -557,14 +587,14 @@ mod tests {
         });
         let r = parse_completion(&reply).unwrap();
         assert_eq!(r.text, "42");
-        assert_eq!(r.prompt_ids, Some(vec![1, 2, 3]));
-        assert_eq!(r.completion_ids, Some(vec![7, 8]));
-        assert_eq!(r.logprobs, Some(vec![-0.5, -0.25]));
+        assert_eq!(r.tokens.prompt_ids, Some(vec![1, 2, 3]));
+        assert_eq!(r.tokens.completion_ids, Some(vec![7, 8]));
+        assert_eq!(r.tokens.logprobs, Some(vec![-0.5, -0.25]));
         let plain = json!({"choices": [{"message": {"content": null, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]});
         let r = parse_completion(&plain).unwrap();
         assert_eq!(r.tool_calls[0].function.name, "f");
-        assert_eq!(r.completion_ids, None);
+        assert_eq!(r.tokens, TokenTrace::default());
         assert!(parse_completion(&json!({"error": "x"})).is_err());
     }
 

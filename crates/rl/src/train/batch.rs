@@ -22,9 +22,7 @@ pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> V
     let mut samples = Vec::new();
     for (group, episode) in episodes {
         for turn in &episode.turns {
-            let (Some(prompt), Some(completion), Some(logprobs)) =
-                (&turn.prompt_ids, &turn.completion_ids, &turn.logprobs)
-            else {
+            let Some((prompt, completion, logprobs)) = turn.tokens.complete() else {
                 continue;
             };
             if completion.is_empty() {
@@ -32,9 +30,9 @@ pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> V
             }
             samples.push(Sample {
                 group: *group,
-                prompt: prompt.clone(),
-                completion: completion.clone(),
-                logprobs: logprobs.clone(),
+                prompt: prompt.to_vec(),
+                completion: completion.to_vec(),
+                logprobs: logprobs.to_vec(),
                 reward: episode.reward,
                 truncated: turn.finish_reason == "length",
             });
