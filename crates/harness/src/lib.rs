@@ -6,6 +6,8 @@
 //! - [`prompt`]: observations to messages, replies to actions;
 //! - [`context`]: context policies (token budget, truncation, compaction, thinking);
 //! - [`episode`]: one episode of the loop, recorded with token ids and logprobs;
+//! - [`reference`](mod@reference): what an `--env` or `--model` reference names (URL, built-in,
+//!   package directory, `hub:` package, command line; URL or local model);
 //! - [`run`]: evaluation runs written to `runs/<id>/`, resumable;
 //! - [`compare`]: tables and charts of several runs;
 //! - [`stats`]: mean, standard error, confidence interval, pass@k.
@@ -19,6 +21,7 @@ pub mod episode;
 pub mod leaderboard;
 pub mod model;
 pub mod prompt;
+pub mod reference;
 pub mod run;
 pub mod stats;
 

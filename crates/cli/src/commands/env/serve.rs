@@ -6,18 +6,18 @@
 //! key, serving off loopback is warned about. Keys are never logged.
 
 use std::io::Write;
-use std::path::Path;
 use std::time::Duration;
 
 use agentstack_env::EnvSpec;
 use agentstack_env::foreign::{ForeignCommand, ForeignEnv};
 use agentstack_env::server::Server;
+use agentstack_harness::reference::EnvReference;
 use agentstack_static::env_vars;
 use anyhow::Context;
 
 use crate::args::ServeArgs;
 use crate::settings;
-use crate::{Exit, IntoUserError, user_error};
+use crate::{Exit, IntoUserError};
 
 /// What one target names.
 pub(crate) enum Target {
@@ -27,44 +27,35 @@ pub(crate) enum Target {
     Foreign(ForeignCommand),
 }
 
-/// Resolves a target string: a built-in name, a package directory, or a command line.
+/// Resolves a target string: a built-in name, a package directory, or a command line
+/// (what it names is decided by agentstack-harness's [`EnvReference`]).
 pub(crate) fn resolve(target: &str, python: &str) -> anyhow::Result<Target> {
-    if let Some(spec) = agentstack_envs::find(target) {
-        return Ok(Target::Builtin(Box::new(spec)));
-    }
-    let path = Path::new(target);
-    if path.is_dir() {
-        // A package without openenv.yaml is served when it has server/app.py (several
-        // of OpenEnv's own environments ship none); the name and app are assumed and
-        // logged.
-        if !path.join("openenv.yaml").is_file() && !path.join("server/app.py").is_file() {
-            return Err(user_error!(
-                "{} is a directory with neither an openenv.yaml nor a server/app.py\nhint: serve an OpenEnv package directory, a built-in name ({}), or a quoted command line",
-                path.display(),
-                builtin_names()
-            ));
+    match EnvReference::parse_local(target, &builtins()).user()? {
+        EnvReference::Builtin(name) => agentstack_envs::find(&name)
+            .map(|spec| Target::Builtin(Box::new(spec)))
+            .ok_or_else(|| anyhow::anyhow!("the built-in environment {name} is gone")),
+        EnvReference::Package(dir) => Ok(Target::Foreign(
+            ForeignCommand::package(&dir, python).user()?,
+        )),
+        EnvReference::Command(line) => {
+            Ok(Target::Foreign(ForeignCommand::command_line(&line).user()?))
         }
-        return Ok(Target::Foreign(
-            ForeignCommand::package(path, python).user()?,
-        ));
+        other @ (EnvReference::Hub(_) | EnvReference::Url(_)) => Err(anyhow::anyhow!(
+            "{other} is not served by a process of ours"
+        )),
     }
-    if target.contains(char::is_whitespace) {
-        return Ok(Target::Foreign(
-            ForeignCommand::command_line(target).user()?,
-        ));
-    }
-    Err(user_error!(
-        "'{target}' is not a built-in environment, a directory or a command line\nhint: built-in environments are: {}",
-        builtin_names()
-    ))
 }
 
-pub(crate) fn builtin_names() -> String {
+/// The built-in environments' names.
+pub(crate) fn builtins() -> Vec<String> {
     agentstack_envs::builtin()
         .iter()
         .map(|s| s.name().to_owned())
-        .collect::<Vec<_>>()
-        .join(", ")
+        .collect()
+}
+
+pub(crate) fn builtin_names() -> String {
+    builtins().join(", ")
 }
 
 pub(crate) async fn shutdown_signal() {

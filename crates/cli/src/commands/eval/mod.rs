@@ -12,6 +12,7 @@ use agentstack_env::foreign::ForeignEnv;
 use agentstack_harness::context::{ContextPolicy, Overflow};
 use agentstack_harness::episode::LoopConfig;
 use agentstack_harness::model::Sampling;
+use agentstack_harness::reference::{EnvReference, ModelReference};
 use agentstack_harness::{EnvHandle, EvalConfig, ModelClient, Profile, Run, Summary};
 use agentstack_model::engine::{Engine, EngineConfig};
 use anyhow::{Context, anyhow};
@@ -19,7 +20,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value};
 
 use crate::args::{EvalArgs, EvalCommand, EvalRunArgs};
-use crate::commands::env::serve::{Target, resolve as resolve_env};
+use crate::commands::env::serve::{Target, builtins, resolve as resolve_env};
 use crate::settings;
 use crate::{Exit, IntoUserError, user_error};
 
@@ -67,19 +68,25 @@ async fn post_summary(summary: &Summary) -> Result<(), Exit> {
 }
 
 /// Opens an environment reference (a `hub:` reference is pulled by the caller and
-/// passed as its directory). A server reached by URL gets the first key of
-/// `AGENTSTACK_API_KEY`, when it is set.
-pub(crate) async fn open_env(reference: &str, python: Option<&str>) -> anyhow::Result<OpenedEnv> {
-    if reference.starts_with("http://") || reference.starts_with("https://") {
-        let handle = EnvHandle::remote(reference, settings::env_client())
-            .await
-            .with_context(|| format!("could not open the environment at {reference}"))?;
-        return Ok(OpenedEnv {
-            handle,
-            _foreign: None,
-        });
-    }
-    match resolve_env(reference, &settings::python(python))? {
+/// passed as its [`EnvReference::Package`]). A server reached by URL gets the first key
+/// of `AGENTSTACK_API_KEY`, when it is set; a package runs with `python`.
+pub(crate) async fn open_env(reference: &EnvReference, python: &str) -> anyhow::Result<OpenedEnv> {
+    let target = match reference {
+        EnvReference::Url(url) => {
+            let handle = EnvHandle::remote(url, settings::env_client())
+                .await
+                .with_context(|| format!("could not open the environment at {url}"))?;
+            return Ok(OpenedEnv {
+                handle,
+                _foreign: None,
+            });
+        }
+        EnvReference::Hub(package) => {
+            return Err(anyhow!("hub:{package} must be pulled before it is opened"));
+        }
+        other => resolve_env(&other.to_string(), python)?,
+    };
+    match target {
         Target::Builtin(spec) => Ok(OpenedEnv {
             handle: EnvHandle::local(*spec).map_err(|e| anyhow!("{e}"))?,
             _foreign: None,
@@ -99,35 +106,54 @@ pub(crate) async fn open_env(reference: &str, python: Option<&str>) -> anyhow::R
     }
 }
 
+/// An environment reference, its `hub:` package pulled: what a run records (the
+/// package with the version it resolved to, so a run and its leaderboard entry name
+/// exactly what it evaluated) and what to open.
+pub(crate) async fn pull_env(reference: &EnvReference) -> anyhow::Result<(String, EnvReference)> {
+    Ok(match reference {
+        EnvReference::Hub(package) => {
+            let pulled = crate::commands::hub::pull_package(package).await?;
+            (
+                format!("hub:{}@{}", pulled.package, pulled.version),
+                EnvReference::Package(pulled.dir),
+            )
+        }
+        other => (other.to_string(), other.clone()),
+    })
+}
+
 /// Opens a model reference: an OpenAI-compatible base URL, or a local model run by the
 /// in-process engine.
 pub(crate) async fn open_model(
-    reference: &str,
+    reference: &ModelReference,
     name: Option<&str>,
     api_key_env: &str,
     threads: Option<usize>,
 ) -> anyhow::Result<ModelClient> {
-    if reference.starts_with("http://") || reference.starts_with("https://") {
-        // By default AGENTSTACK_API_KEY (what `model serve` asks for), then
-        // OPENAI_API_KEY; a variable named with --api-key-env alone.
-        let api_key = if api_key_env == agentstack_harness::model::OPENAI_API_KEY_ENV {
-            agentstack_harness::model::api_key_from_env()
-        } else {
-            std::env::var(api_key_env).ok().filter(|k| !k.is_empty())
-        };
-        let base = reference.trim_end_matches('/');
-        let name = match name {
-            Some(name) => name.to_owned(),
-            None => first_model(base, api_key.as_deref()).await?,
-        };
-        return Ok(ModelClient::openai(
-            base,
-            &name,
-            api_key,
-            Duration::from_secs(600),
-        ));
-    }
-    let lm = Arc::new(crate::commands::model::load(reference, threads).await?);
+    let local = match reference {
+        ModelReference::Local(local) => local,
+        ModelReference::Url(_) => {
+            // By default AGENTSTACK_API_KEY (what `model serve` asks for), then
+            // OPENAI_API_KEY; a variable named with --api-key-env alone.
+            let api_key = if api_key_env == agentstack_harness::model::OPENAI_API_KEY_ENV {
+                agentstack_harness::model::api_key_from_env()
+            } else {
+                settings::env_var(api_key_env)
+            };
+            let base = reference.base_url().unwrap_or_default();
+            let name = match name {
+                Some(name) => name.to_owned(),
+                None => first_model(base, api_key.as_deref()).await?,
+            };
+            return Ok(ModelClient::openai(
+                base,
+                &name,
+                api_key,
+                Duration::from_secs(600),
+            ));
+        }
+    };
+    let lm = Arc::new(crate::commands::model::load(local, threads).await?);
     let name = name
         .map(str::to_owned)
         .unwrap_or_else(|| lm.info().name.clone());
@@ -209,10 +235,10 @@ fn read_profile(path: Option<&PathBuf>, env: &str) -> anyhow::Result<Profile> {
 /// references here; they are opened (and a `hub:` package pulled) when the run starts.
 #[derive(Debug)]
 pub struct EvalSettings {
-    /// The environment reference (`--env`).
-    pub env: String,
-    /// The model reference (`--model`).
-    pub model: String,
+    /// The environment (`--env`).
+    pub env: EnvReference,
+    /// The model (`--model`).
+    pub model: ModelReference,
     /// The model name sent to an OpenAI-compatible server (`None`: its first).
     pub model_name: Option<String>,
     /// The variable holding an OpenAI-compatible server's API key.
@@ -284,9 +310,10 @@ impl EvalSettings {
                 "--post needs --env hub:owner/name[@version]: leaderboards belong to hub packages"
             )));
         }
+        let env = EnvReference::parse(&env, &builtins()).user()?;
         Ok(Self {
             env,
-            model,
+            model: ModelReference::parse(&model),
             model_name: args.model_name.clone(),
             api_key_env: args.api_key_env.clone(),
             episodes: args.episodes,
@@ -324,16 +351,8 @@ impl EvalSettings {
 /// Plays a run to completion (resuming it if it exists) and returns its summary and
 /// directory.
 pub(crate) async fn evaluate(settings: EvalSettings) -> Result<(Summary, PathBuf), Exit> {
-    // A hub reference is pulled once and recorded with the version it resolved to, so a
-    // run (and its leaderboard entry) names exactly what it evaluated.
-    let (env_ref, target) = match crate::commands::hub::pull_hub_target(&settings.env).await? {
-        Some(p) => (
-            format!("hub:{}@{}", p.package, p.version),
-            p.dir.to_string_lossy().into_owned(),
-        ),
-        None => (settings.env.clone(), settings.env.clone()),
-    };
-    let env = open_env(&target, Some(&settings.python)).await?;
+    let (env_ref, target) = pull_env(&settings.env).await?;
+    let env = open_env(&target, &settings.python).await?;
     let profile = read_profile(settings.profile.as_ref(), env.handle.name())?;
     let model = open_model(
         &settings.model,
@@ -344,7 +363,7 @@ pub(crate) async fn evaluate(settings: EvalSettings) -> Result<(Summary, PathBuf
     .await?;
     let config = EvalConfig {
         env: env_ref,
-        model: settings.model,
+        model: settings.model.to_string(),
         tasks: settings.episodes,
         samples: settings.samples,
         seed: settings.seed,

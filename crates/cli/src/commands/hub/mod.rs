@@ -69,8 +69,13 @@ pub(crate) async fn pull_hub_target(target: &str) -> anyhow::Result<Option<Pulle
         return Ok(None);
     }
     let package = PackageRef::parse(target).map_err(|e| crate::user_error!("{e}"))?;
+    Ok(Some(pull_package(&package).await?))
+}
+
+/// Pulls `package` from the hub the settings name.
+pub(crate) async fn pull_package(package: &PackageRef) -> anyhow::Result<Pulled> {
     let client = crate::settings::hub_client(None)?;
-    Ok(Some(pull_with(&client, &package).await?))
+    Ok(pull_with(&client, package).await?)
 }
 
 /// `hub:owner/name[@version]` → the directory of the pulled (checked, cached)

@@ -3,14 +3,16 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentstack_harness::reference::EnvReference;
 use agentstack_rl::config::{Algorithm, TrainConfig};
 use agentstack_rl::train::{Setup, StepMetrics, train};
 use anyhow::{Context, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{TrainArgs, TrainExportArgs};
-use crate::commands::eval::{open_env, runs_dir};
-use crate::{Exit, settings};
+use crate::commands::env::serve::builtins;
+use crate::commands::eval::{open_env, pull_env, runs_dir};
+use crate::{Exit, IntoUserError, settings};
 
 /// What `train grpo|distill|sft` runs with: the configuration file with the flags'
 /// overrides applied, and where the run goes, resolved by the one precedence rule (see
@@ -162,11 +164,9 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
                 config_file.display()
             )));
         }
-        let target = match crate::commands::hub::pull_hub_target(&config.env).await? {
-            Some(p) => p.dir.to_string_lossy().into_owned(),
-            None => config.env.clone(),
-        };
-        Some(open_env(&target, Some(&python)).await?)
+        let reference = EnvReference::parse(&config.env, &builtins()).user()?;
+        let (_, target) = pull_env(&reference).await?;
+        Some(open_env(&target, &python).await?)
     };
     let bar = ProgressBar::new(config.steps as u64).with_style(
         ProgressStyle::with_template(
