@@ -12,6 +12,7 @@ mod env_keys;
 mod env_run;
 mod exit_codes;
 mod normal_output;
+mod show_settings;
 
 /// The SmolLM2 test model's path, as an argument.
 fn test_model() -> String {
