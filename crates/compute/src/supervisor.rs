@@ -53,6 +53,23 @@ pub struct SupervisorSettings {
     pub discovery_timeout_seconds: u64,
     /// CPUs of this machine that local units may hold.
     pub local_cpus: f64,
+    /// Where the supervisor reads the time from.
+    pub clock: Clock,
+}
+
+/// Where a supervisor reads the time from. Its deadlines (gang start, termination
+/// delays, stop grace, readiness probes) are times in the state database, milliseconds
+/// since the Unix epoch, so that another process can pick a launch up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Clock {
+    /// The system's clock, the one every other process writes into the database.
+    #[default]
+    System,
+    /// Tokio's clock, set to the system's time when the supervisor is made: it moves
+    /// only with the runtime's time, so a test that pauses time
+    /// (`#[tokio::test(start_paused = true)]`, `tokio::time::advance`) steps through
+    /// timeouts, delays and restarts without waiting for them.
+    Runtime,
 }
 
 impl Default for SupervisorSettings {
@@ -63,6 +80,7 @@ impl Default for SupervisorSettings {
             start_timeout: Duration::from_secs(600),
             discovery_timeout_seconds: 600,
             local_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()) as f64,
+            clock: Clock::System,
         }
     }
 }
@@ -177,6 +195,8 @@ pub struct Supervisor<B> {
     /// Whether this tick started a unit: the next tick then comes at once, so a unit
     /// that starts quickly is seen running a poll interval sooner.
     started: std::sync::atomic::AtomicBool,
+    /// The system's time and Tokio's when the supervisor was made ([`Clock::Runtime`]).
+    made: (i64, tokio::time::Instant),
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -216,6 +236,7 @@ impl<B: Backend> Supervisor<B> {
             http: reqwest::Client::new(),
             probes: std::sync::Mutex::default(),
             started: std::sync::atomic::AtomicBool::new(false),
+            made: (now_ms(), tokio::time::Instant::now()),
         })
     }
 
@@ -228,35 +249,9 @@ impl<B: Backend> Supervisor<B> {
     pub async fn run(&self) -> Result<JobState, SuperviseError> {
         let span = tracing::info_span!("launch", id = %self.job_id, infra = self.backend.kind());
         let _enter = span.enter();
-        let pid = std::process::id();
         loop {
-            self.store.heartbeat(&self.job_id, pid).await?;
-            let job = self
-                .store
-                .job(&self.job_id)
-                .await?
-                .ok_or_else(|| SuperviseError::NoJob(self.job_id.clone()))?;
-            if job.state.is_terminal() {
-                return Ok(job.state);
-            }
-            if let Err(e) = self.tick(&job).await {
-                // An engine that does not answer for a moment is not the end of the
-                // launch; the next tick asks again.
-                match e {
-                    // Errors that another try will not mend end the launch (what runs
-                    // is stopped).
-                    SuperviseError::Backend(
-                        BackendError::Build(_) | BackendError::Config { .. },
-                    ) => {
-                        let message = format!("cannot go on: {e}");
-                        tracing::warn!(%message, "stopping the launch");
-                        self.store
-                            .set_job_state(&self.job_id, JobState::Stopping, Some(&message))
-                            .await?;
-                    }
-                    SuperviseError::Backend(e) => tracing::warn!(error = %e, "engine call failed"),
-                    e => return Err(e),
-                }
+            if let Some(end) = self.step().await? {
+                return Ok(end);
             }
             if !self
                 .started
@@ -264,6 +259,49 @@ impl<B: Backend> Supervisor<B> {
             {
                 tokio::time::sleep(self.settings.poll_interval).await;
             }
+        }
+    }
+
+    /// One look at the launch: a heartbeat, then the engine asked and what changed
+    /// acted on. Returns how the launch ended once it has. [`run`](Self::run) steps every
+    /// `poll_interval`; a test steps itself, between moves of a paused clock.
+    pub async fn step(&self) -> Result<Option<JobState>, SuperviseError> {
+        self.store
+            .heartbeat(&self.job_id, std::process::id())
+            .await?;
+        let job = self
+            .store
+            .job(&self.job_id)
+            .await?
+            .ok_or_else(|| SuperviseError::NoJob(self.job_id.clone()))?;
+        if job.state.is_terminal() {
+            return Ok(Some(job.state));
+        }
+        if let Err(e) = self.tick(&job).await {
+            // An engine that does not answer for a moment is not the end of the
+            // launch; the next tick asks again.
+            match e {
+                // Errors that another try will not mend end the launch (what runs
+                // is stopped).
+                SuperviseError::Backend(BackendError::Build(_) | BackendError::Config { .. }) => {
+                    let message = format!("cannot go on: {e}");
+                    tracing::warn!(%message, "stopping the launch");
+                    self.store
+                        .set_job_state(&self.job_id, JobState::Stopping, Some(&message))
+                        .await?;
+                }
+                SuperviseError::Backend(e) => tracing::warn!(error = %e, "engine call failed"),
+                e => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Now on the supervisor's [`Clock`], ms since the Unix epoch.
+    fn now_ms(&self) -> i64 {
+        match self.settings.clock {
+            Clock::System => now_ms(),
+            Clock::Runtime => self.made.0 + self.made.1.elapsed().as_millis() as i64,
         }
     }
 
@@ -282,7 +320,7 @@ impl<B: Backend> Supervisor<B> {
     async fn tick(&self, job: &JobRecord) -> Result<(), SuperviseError> {
         self.observe().await?;
         let units = self.store.units(&self.job_id).await?;
-        let now = now_ms();
+        let now = self.now_ms();
         let winding_down = job.cancel_requested || job.state == JobState::Stopping;
 
         if winding_down {
@@ -353,7 +391,7 @@ impl<B: Backend> Supervisor<B> {
             let Some(probe) = task.readiness_probe.as_ref() else {
                 continue;
             };
-            let now = now_ms();
+            let now = self.now_ms();
             let key = (u.component.clone(), u.replica, u.attempt);
             let probed = self
                 .probes
@@ -476,7 +514,7 @@ impl<B: Backend> Supervisor<B> {
             .map(|u| u.handle.clone().expect("filtered"))
             .collect();
         let statuses = self.backend.poll(&handles).await?;
-        let now = now_ms();
+        let now = self.now_ms();
         for (u, status) in watched.into_iter().zip(statuses) {
             match status {
                 UnitStatus::Pending => {}
@@ -615,7 +653,13 @@ impl<B: Backend> Supervisor<B> {
             .iter()
             .filter(|u| !self.group.is_primary(&u.component))
         {
-            if u.state.is_terminal() || u.state == UnitState::Stopping {
+            if u.state.is_terminal() {
+                continue;
+            }
+            if u.state == UnitState::Stopping {
+                // SIGTERM was sent; SIGKILL once the grace period is over (one that
+                // ignored SIGTERM kept the launch running for ever).
+                self.stop_unit(u, now).await?;
                 continue;
             }
             match u.deadline_ms {
@@ -790,7 +834,7 @@ impl<B: Backend> Supervisor<B> {
                     u,
                     UnitUpdate {
                         state: Some(UnitState::Starting),
-                        started_ms: Some(Some(now_ms())),
+                        started_ms: Some(Some(self.now_ms())),
                         ..Default::default()
                     },
                 )
@@ -830,7 +874,7 @@ impl<B: Backend> Supervisor<B> {
                                 v.replica,
                                 &UnitUpdate {
                                     deadline_ms: Some(Some(
-                                        now_ms() + self.settings.stop_grace.as_millis() as i64,
+                                        self.now_ms() + self.settings.stop_grace.as_millis() as i64,
                                     )),
                                     ..Default::default()
                                 },
@@ -896,7 +940,7 @@ impl<B: Backend> Supervisor<B> {
                 state: Some(UnitState::Starting),
                 attempt: Some(attempt),
                 handle: Some(Some(handle)),
-                started_ms: Some(Some(now_ms())),
+                started_ms: Some(Some(self.now_ms())),
                 running_ms: Some(None),
                 ready_ms: Some(None),
                 discovered: Some(false),
