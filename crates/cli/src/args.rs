@@ -725,7 +725,7 @@ pub struct EvalRunArgs {
     pub model_name: Option<String>,
     /// The environment variable holding the server's API key (by default
     /// AGENTSTACK_API_KEY when set, else OPENAI_API_KEY).
-    #[arg(long, default_value = "OPENAI_API_KEY")]
+    #[arg(long, default_value = agentstack_static::env_vars::OPENAI_API_KEY)]
     pub api_key_env: String,
     /// Tasks to play.
     #[arg(long, default_value_t = 20)]

@@ -140,8 +140,8 @@ fn set_compute_threads(threads: usize) {
     // SAFETY: called from `main` before the async runtime or any other thread starts,
     // so nothing reads the environment concurrently.
     unsafe {
-        std::env::set_var("RAYON_NUM_THREADS", &value);
-        std::env::set_var("CANDLE_NUM_THREADS", &value);
+        std::env::set_var(env_vars::RAYON_NUM_THREADS, &value);
+        std::env::set_var(env_vars::CANDLE_NUM_THREADS, &value);
     }
 }
 

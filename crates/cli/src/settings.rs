@@ -145,10 +145,10 @@ pub fn data_dir() -> std::path::PathBuf {
     if let Some(home) = var(env_vars::AGENTSTACK_HOME) {
         return home.into();
     }
-    if let Some(xdg) = var("XDG_DATA_HOME") {
+    if let Some(xdg) = var(env_vars::XDG_DATA_HOME) {
         return std::path::PathBuf::from(xdg).join("agentstack");
     }
-    let home = var("HOME").unwrap_or_else(|| ".".into());
+    let home = var(env_vars::HOME).unwrap_or_else(|| ".".into());
     std::path::PathBuf::from(home).join(".local/share/agentstack")
 }
 

@@ -411,8 +411,8 @@ impl ForeignEnv {
         let (program, args) = argv.split_first().ok_or(ForeignError::EmptyCommand)?;
         let mut cmd = Command::new(program);
         cmd.args(args)
-            .env("PORT", port.to_string())
-            .env("HOST", host)
+            .env(env_vars::PORT, port.to_string())
+            .env(env_vars::HOST, host)
             .envs(command.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())

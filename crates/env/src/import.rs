@@ -619,7 +619,7 @@ async fn probe(dir: &Path, python: &str, limit: Duration) -> Result<Probe, Impor
         .arg(PROBE)
         .current_dir(dir)
         .env(env_vars::PYTHONPATH, pythonpath)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env(env_vars::PYTHONDONTWRITEBYTECODE, "1")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

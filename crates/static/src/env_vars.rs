@@ -129,9 +129,34 @@ env_vars! {
     /// The user's home directory, for `~` defaults.
     HOME = "HOME";
 
+    /// Where user data goes (XDG); the default data directory is its `agentstack`
+    /// folder when `AGENTSTACK_HOME` is unset.
+    XDG_DATA_HOME = "XDG_DATA_HOME";
+
     /// Kept, after agentstack's own entries, in the Python path of the environment
     /// servers it starts.
     PYTHONPATH = "PYTHONPATH";
+
+    // ----- set for the programs and libraries agentstack runs -----
+
+    /// Set by the CLI, before any thread starts, to its thread count: rayon's global
+    /// pool (the model kernels) reads it.
+    RAYON_NUM_THREADS = "RAYON_NUM_THREADS";
+
+    /// Set by the CLI with `RAYON_NUM_THREADS`: candle's CPU kernels read it.
+    CANDLE_NUM_THREADS = "CANDLE_NUM_THREADS";
+
+    /// Set for a foreign environment server's command: the port it should listen on
+    /// (also its `{port}` placeholder).
+    PORT = "PORT";
+
+    /// Set for a foreign environment server's command: the address it should listen on
+    /// (also its `{host}` placeholder).
+    HOST = "HOST";
+
+    /// Set to `1` on the Python `env import` runs to probe a project, so the probe
+    /// leaves no `__pycache__` in the user's directory.
+    PYTHONDONTWRITEBYTECODE = "PYTHONDONTWRITEBYTECODE";
 
     // ----- tests and benchmarks -----
 

@@ -5,6 +5,7 @@
 use std::io::Write;
 
 use agentstack_harness::compare;
+use agentstack_static::env_vars;
 use anyhow::anyhow;
 
 use crate::Exit;
@@ -33,7 +34,7 @@ pub async fn run(args: QuickstartArgs) -> Result<(), Exit> {
             env: Some(env.to_owned()),
             model: Some(model.clone()),
             model_name: None,
-            api_key_env: "OPENAI_API_KEY".into(),
+            api_key_env: env_vars::OPENAI_API_KEY.into(),
             episodes: args.episodes,
             samples: 1,
             concurrency: args.concurrency,
