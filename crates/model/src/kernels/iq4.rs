@@ -207,16 +207,16 @@ mod tests {
             let Packing::B32(p) = &fast.packed else {
                 panic!("{ty:?} is not in blocks of 32");
             };
-            let xs: Vec<f32> = (0..4 * k)
+            let xs: Vec<f32> = (0..8 * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
                 .collect();
             // The activations as this type's weights take them.
             let rows = fast.quantize(&xs);
             for g in 0..p.groups {
-                for n in 1..=4 {
-                    let mut want = [0f32; 64];
+                for n in 1..=8 {
+                    let mut want = [0f32; 128];
                     p.group_scalar(g, &rows[..n], &mut want);
-                    let mut got = [0f32; 64];
+                    let mut got = [0f32; 128];
                     p.group(g, &rows[..n], &mut got);
                     assert_eq!(
                         got.map(f32::to_bits),

@@ -50,7 +50,8 @@ const QK: usize = 32;
 const QK_K: usize = 256;
 /// Activation sums per super-block: one per 16 values.
 const K_SUMS: usize = QK_K / 16;
-/// Activation rows handled together, so each unpacked weight block is used several times.
+/// Activation rows the K-quant kernels take together, so each unpacked weight block is
+/// used several times (blocks of 32 take [`packed32::ROW_TILE`]).
 const ROW_TILE: usize = 4;
 
 /// `v` cut into `groups` consecutive chunks of equal length (all empty when `v` is): a
@@ -228,6 +229,14 @@ impl Packing {
         match self {
             Self::K(p) => p.groups,
             Self::B32(p) => p.groups,
+        }
+    }
+
+    /// Activation rows [`Self::group`] takes at once.
+    fn row_tile(&self) -> usize {
+        match self {
+            Self::K(_) => ROW_TILE,
+            Self::B32(_) => packed32::ROW_TILE,
         }
     }
 
@@ -512,7 +521,8 @@ impl FastLinear {
         let mut tiles = vec![0f32; groups * stride];
         let task = |(t, dst): (usize, &mut [f32])| {
             for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
-                for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
+                let tile = p.row_tile();
+                for (chunk, d) in rows.chunks(tile).zip(dst.chunks_mut(tile * LANES)) {
                     p.group(g, chunk, d);
                 }
             }

@@ -12,10 +12,11 @@
 //! its f16 scale).
 //!
 //! Per output, whatever the instruction set: each block's `Σ (q_w − offset)·q_a` is an
-//! exact integer (the offset taken off as `offset·Σ q_a`), then `acc[b mod 2] = acc[b mod 2] + (d_w·d_a)·Σ` and, with a minimum,
-//! `acc[b mod 2] = acc[b mod 2] + m·s_a` (`s_a = d_a·Σ q_a`), and the output is
-//! `acc[0] + acc[1]`: two chains of float adds, the same in the scalar, AVX2 and AVX-512
-//! kernels, so all give the same bits for any number of activation rows.
+//! exact integer (the offset taken off as `offset·Σ q_a`), then `acc = fma(d_w·d_a, Σ,
+//! acc)` and, with a minimum, `acc = fma(m, s_a, acc)` (`s_a = d_a·Σ q_a`; `fma` rounds
+//! once), and the output is `acc`: one chain of fused multiply-adds, the same in the
+//! scalar, AVX2 and AVX-512 kernels, so all give the same bits for any number of
+//! activation rows.
 //!
 //! Layout per group and block (`gb = group·nb + b`; padding rows are zeros):
 //! - nibbles and codebook: `quants[gb·256..]` as `[step t: 4][lane: 16][4 bytes]`, the
@@ -37,6 +38,11 @@ use super::{ActRow, QK, QuantKind, per_group, word_at};
 
 /// Weight rows per group.
 pub(super) const LANES: usize = 16;
+
+/// Activation rows a group kernel takes at once: each unpacked step of weights serves
+/// eight rows (the AVX-512 kernel's registers hold eight rows' sums; AVX2 takes them
+/// four at a time).
+pub(super) const ROW_TILE: usize = 8;
 
 /// How far ahead of its loads, in bytes of packed quants, a kernel asks for the cache
 /// line it will read (one prefetch per 64 bytes). Decode streams the whole weight from
@@ -336,9 +342,10 @@ impl Packed32 {
         }));
     }
 
-    /// Group `g`'s sixteen outputs for each of `rows` (at most four): `out[r·16 + lane]`.
+    /// Group `g`'s sixteen outputs for each of `rows` (at most [`ROW_TILE`]):
+    /// `out[r·16 + lane]`.
     pub(super) fn group(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        assert!(rows.len() <= 4 && out.len() >= rows.len() * LANES);
+        assert!(rows.len() <= ROW_TILE && out.len() >= rows.len() * LANES);
         for row in rows {
             assert!(
                 row.qs.len() >= self.nb * QK
@@ -374,20 +381,19 @@ impl Packed32 {
     pub(super) fn group_scalar(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
         for (r, row) in rows.iter().enumerate() {
             for lane in 0..LANES {
-                let mut acc = [0f32; 2];
+                let mut acc = 0f32;
                 for b in 0..self.nb {
                     let blk = self.block(g, b);
                     let a = &row.qs[b * QK..(b + 1) * QK];
                     let isum: i32 = (0..QK)
                         .map(|j| self.quant(&blk, lane, j) * i32::from(a[j]))
                         .sum();
-                    let e = b % 2;
-                    acc[e] += (blk.scale(lane) * row.d[b]) * isum as f32;
+                    acc = (blk.scale(lane) * row.d[b]).mul_add(isum as f32, acc);
                     if !blk.m.is_empty() {
-                        acc[e] += blk.m[lane] * row.s[b];
+                        acc = blk.m[lane].mul_add(row.s[b], acc);
                     }
                 }
-                out[r * LANES + lane] = acc[0] + acc[1];
+                out[r * LANES + lane] = acc;
             }
         }
     }
@@ -401,33 +407,74 @@ impl Packed32 {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    #[cfg(doc)]
+    use super::ROW_TILE;
     use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
-    /// four) must hold `p.nb` blocks (quants, scales, integer sums, and sums `s` with a
-    /// minimum) and `out` `16·rows.len()` values.
+    /// [`ROW_TILE`]) must hold `p.nb` blocks (quants, scales, integer sums, and sums `s`
+    /// with a minimum) and `out` `16·rows.len()` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
         // SAFETY (all arms): as this function requires.
         unsafe {
-            match rows.len() {
-                0 => {}
-                1 => rows_n::<1>(p, g, rows, out),
-                2 => rows_n::<2>(p, g, rows, out),
-                3 => rows_n::<3>(p, g, rows, out),
-                _ => rows_n::<4>(p, g, rows, out),
+            match p.form {
+                Form::Nibbles { five: false, .. } => with_rows::<NIBBLES>(p, g, rows, out),
+                Form::Nibbles { five: true, .. } => with_rows::<FIVE>(p, g, rows, out),
+                Form::Codebook => with_rows::<CODEBOOK_FORM>(p, g, rows, out),
+                Form::Bytes => with_rows::<BYTES>(p, g, rows, out),
             }
         }
     }
 
-    /// Nibbles: `vpdpbusd` of the unsigned nibbles. Bytes: of the weights plus 128 as
-    /// held (unsigned bytes), less 128 times the block's activation sum: the same integer.
+    /// The forms as constants, so each gets its own kernel without a branch inside:
+    /// with one shared body, the compiler hoisted the activation broadcasts common to
+    /// the forms' branches and spilled them to the stack.
+    const NIBBLES: u8 = 0;
+    const FIVE: u8 = 1;
+    const CODEBOOK_FORM: u8 = 2;
+    const BYTES: u8 = 3;
+
+    /// # Safety
+    /// As [`group`]; `F` must be `p.form`'s constant.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn with_rows<const F: u8>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        // SAFETY (all arms): as this function requires.
+        unsafe {
+            match rows.len() {
+                0 => {}
+                1 => rows_n::<1, F>(p, g, rows, out),
+                2 => rows_n::<2, F>(p, g, rows, out),
+                3 => rows_n::<3, F>(p, g, rows, out),
+                4 => rows_n::<4, F>(p, g, rows, out),
+                5 => rows_n::<5, F>(p, g, rows, out),
+                6 => rows_n::<6, F>(p, g, rows, out),
+                7 => rows_n::<7, F>(p, g, rows, out),
+                _ => rows_n::<8, F>(p, g, rows, out),
+            }
+        }
+    }
+
+    /// `vpdpbusd` of the unsigned quants as held (nibbles, codebook values plus 128,
+    /// bytes plus 128) with the signed activations; each row's integer sum starts at
+    /// minus the offset times the block's activation sum, so it ends as the block's
+    /// exact `Σ (q_w − offset)·q_a`.
+    ///
+    /// Each block is unpacked once into eight registers of unsigned bytes, then every
+    /// row takes its products from them, its activation words broadcast straight from
+    /// memory. (Interleaving the rows within each step instead made the compiler hoist
+    /// all of a block's broadcasts and spill them to the stack.)
     ///
     /// # Safety
-    /// As [`group`].
+    /// As [`with_rows`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn rows_n<const R: usize>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    unsafe fn rows_n<const R: usize, const F: u8>(
+        p: &Packed32,
+        g: usize,
+        rows: &[ActRow],
+        out: &mut [f32],
+    ) {
         let low = _mm512_set1_epi8(0x0F);
         // The codebook plus 128 (unsigned bytes), in every 128-bit half.
         const SHIFTED: [i8; 16] = {
@@ -442,126 +489,101 @@ mod avx512 {
         let shifted = SHIFTED;
         // SAFETY: 16 readable bytes.
         let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(shifted.as_ptr().cast()) });
-        let mut acc = [[_mm512_setzero_ps(); R]; 2];
+        let offset = match p.form {
+            Form::Nibbles { offset, .. } => offset,
+            Form::Codebook | Form::Bytes => 128,
+        };
+        // Each row's arrays, whose lengths `group` asserted.
+        let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+        let da: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
+        let sa: [*const f32; R] = std::array::from_fn(|r| rows[r].s.as_ptr());
+        let isums: [*const i32; R] = std::array::from_fn(|r| rows[r].isums.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); R];
         let has_min = p.has_min();
         for b in 0..p.nb {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
-            // SAFETY: `group`'s caller guarantees nb blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
-            let mut isum = [[_mm512_setzero_si512(); R]; 2];
-            match p.form {
-                Form::Nibbles { offset, five } => {
+            // The block's weights as unsigned bytes: value `4t + k` of each lane in
+            // byte k of its lane of `w[t]`.
+            let mut w = [_mm512_setzero_si512(); 8];
+            // SAFETY: the block's 256 (nibbles, codebook) or 512 (bytes) bytes of quants
+            // and 64 of fifth bits.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(64 + PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(128 + PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(192 + PREFETCH).cast());
+                if F == BYTES {
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(256 + PREFETCH).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(320 + PREFETCH).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(384 + PREFETCH).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(448 + PREFETCH).cast());
+                    for (t, w) in w.iter_mut().enumerate() {
+                        *w = _mm512_loadu_si512(q.add(t * 64).cast());
+                    }
+                } else {
                     for t in 0..4 {
-                        // SAFETY: step t is 64 of the block's 256 bytes (and 16 of its 64
-                        // bytes of fifth bits); the activation words lie within the row's
-                        // block.
-                        unsafe {
-                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                            let w = _mm512_loadu_si512(q.add(t * 64).cast());
-                            let mut wl = _mm512_and_si512(w, low);
-                            let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
-                            if five {
-                                // The lane's fifth-bit byte in all four of its bytes; byte k
-                                // tests bit k (low nibbles) or 4 + k (high nibbles).
-                                let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                    blk.high.as_ptr().add(t * LANES).cast(),
-                                ));
-                                let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
-                                let ml = _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x0804_0201));
-                                let mh = _mm512_test_epi8_mask(
-                                    hb,
-                                    _mm512_set1_epi32(0x8040_2010u32 as i32),
-                                );
-                                wl = _mm512_mask_add_epi8(wl, ml, wl, _mm512_set1_epi8(16));
-                                wh = _mm512_mask_add_epi8(wh, mh, wh, _mm512_set1_epi8(16));
-                            }
-                            for r in 0..R {
-                                let al = _mm512_set1_epi32(word_at(a[r].add(4 * t)));
-                                let ah = _mm512_set1_epi32(word_at(a[r].add(16 + 4 * t)));
-                                isum[0][r] = _mm512_dpbusd_epi32(isum[0][r], wl, al);
-                                isum[1][r] = _mm512_dpbusd_epi32(isum[1][r], wh, ah);
-                            }
+                        let x = _mm512_loadu_si512(q.add(t * 64).cast());
+                        let mut wl = _mm512_and_si512(x, low);
+                        let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
+                        if F == CODEBOOK_FORM {
+                            wl = _mm512_shuffle_epi8(table, wl);
+                            wh = _mm512_shuffle_epi8(table, wh);
+                        } else if F == FIVE {
+                            // The lane's fifth-bit byte in all four of its bytes; byte k
+                            // tests bit k (low nibbles) or 4 + k (high nibbles).
+                            let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                blk.high.as_ptr().add(t * LANES).cast(),
+                            ));
+                            let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
+                            let ml = _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x0804_0201));
+                            let mh =
+                                _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x8040_2010u32 as i32));
+                            wl = _mm512_mask_add_epi8(wl, ml, wl, _mm512_set1_epi8(16));
+                            wh = _mm512_mask_add_epi8(wh, mh, wh, _mm512_set1_epi8(16));
                         }
-                    }
-                    if offset != 0 {
-                        for r in 0..R {
-                            let off = _mm512_set1_epi32(offset * rows[r].isums[b]);
-                            isum[0][r] = _mm512_sub_epi32(isum[0][r], off);
-                        }
-                    }
-                }
-                Form::Codebook => {
-                    for t in 0..4 {
-                        // SAFETY: step t is 64 of the block's 256 bytes; the activation
-                        // words lie within the row's block.
-                        unsafe {
-                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                            let w = _mm512_loadu_si512(q.add(t * 64).cast());
-                            let wl = _mm512_shuffle_epi8(table, _mm512_and_si512(w, low));
-                            let wh = _mm512_shuffle_epi8(
-                                table,
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(w), low),
-                            );
-                            for r in 0..R {
-                                let al = _mm512_set1_epi32(word_at(a[r].add(4 * t)));
-                                let ah = _mm512_set1_epi32(word_at(a[r].add(16 + 4 * t)));
-                                isum[0][r] = _mm512_dpbusd_epi32(isum[0][r], wl, al);
-                                isum[1][r] = _mm512_dpbusd_epi32(isum[1][r], wh, ah);
-                            }
-                        }
-                    }
-                    for r in 0..R {
-                        let offset = _mm512_set1_epi32(128 * rows[r].isums[b]);
-                        isum[0][r] = _mm512_sub_epi32(isum[0][r], offset);
-                    }
-                }
-                Form::Bytes => {
-                    for t in 0..8 {
-                        // SAFETY: step t is 64 of the block's 512 bytes; the activation
-                        // word lies within the row's block.
-                        unsafe {
-                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                            let w = _mm512_loadu_si512(q.add(t * 64).cast());
-                            for r in 0..R {
-                                let x = _mm512_set1_epi32(word_at(a[r].add(4 * t)));
-                                isum[t % 2][r] = _mm512_dpbusd_epi32(isum[t % 2][r], w, x);
-                            }
-                        }
-                    }
-                    for r in 0..R {
-                        let offset = _mm512_set1_epi32(128 * rows[r].isums[b]);
-                        isum[0][r] = _mm512_sub_epi32(isum[0][r], offset);
+                        w[t] = wl;
+                        w[4 + t] = wh;
                     }
                 }
             }
             // SAFETY: 16 scales each (`m` only with minimums).
             let d = unsafe {
-                if blk.d16.is_empty() {
-                    _mm512_loadu_ps(blk.d.as_ptr())
-                } else {
+                if F == BYTES {
                     _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
+                } else {
+                    _mm512_loadu_ps(blk.d.as_ptr())
                 }
             };
-            let e = b % 2;
             for r in 0..R {
-                let total = _mm512_add_epi32(isum[0][r], isum[1][r]);
-                let da = _mm512_set1_ps(rows[r].d[b]);
-                acc[e][r] = _mm512_add_ps(
-                    acc[e][r],
-                    _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(total)),
-                );
-                if has_min {
-                    // SAFETY: as above.
-                    let m = unsafe { _mm512_loadu_ps(blk.m.as_ptr()) };
-                    acc[e][r] =
-                        _mm512_add_ps(acc[e][r], _mm512_mul_ps(m, _mm512_set1_ps(rows[r].s[b])));
+                // SAFETY: block b of each of the row's arrays (its value words lie in the
+                // block's 32 bytes).
+                unsafe {
+                    let a = qs[r].add(b * QK);
+                    let mut s0 = if offset == 0 {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_set1_epi32(-offset * *isums[r].add(b))
+                    };
+                    let mut s1 = _mm512_setzero_si512();
+                    // Values 0..16 in the first chain, 16..32 in the second.
+                    for t in 0..4 {
+                        let lo = _mm512_set1_epi32(word_at(a.add(4 * t)));
+                        let hi = _mm512_set1_epi32(word_at(a.add(16 + 4 * t)));
+                        s0 = _mm512_dpbusd_epi32(s0, w[t], lo);
+                        s1 = _mm512_dpbusd_epi32(s1, w[4 + t], hi);
+                    }
+                    let total = _mm512_add_epi32(s0, s1);
+                    let dd = _mm512_mul_ps(d, _mm512_set1_ps(*da[r].add(b)));
+                    acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[r]);
+                    if has_min {
+                        let m = _mm512_loadu_ps(blk.m.as_ptr());
+                        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sa[r].add(b)), acc[r]);
+                    }
                 }
             }
         }
-        for (r, (&even, &odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
-            let v = _mm512_add_ps(even, odd);
+        for (r, &v) in acc.iter().enumerate() {
             // SAFETY: `out` holds 16·R values.
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
         }
@@ -582,15 +604,18 @@ mod avx2 {
     /// The CPU must support AVX2, FMA and F16C; otherwise as `avx512::group`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        for h in 0..2 {
-            // SAFETY (all arms): as this function requires.
-            unsafe {
-                match rows.len() {
-                    0 => {}
-                    1 => rows_n::<1>(p, g, h, rows, out),
-                    2 => rows_n::<2>(p, g, h, rows, out),
-                    3 => rows_n::<3>(p, g, h, rows, out),
-                    _ => rows_n::<4>(p, g, h, rows, out),
+        // Four rows at a time: sixteen registers hold no more.
+        for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
+            for h in 0..2 {
+                // SAFETY (all arms): as this function requires.
+                unsafe {
+                    match rows.len() {
+                        0 => {}
+                        1 => rows_n::<1>(p, g, h, rows, out),
+                        2 => rows_n::<2>(p, g, h, rows, out),
+                        3 => rows_n::<3>(p, g, h, rows, out),
+                        _ => rows_n::<4>(p, g, h, rows, out),
+                    }
                 }
             }
         }
@@ -616,7 +641,7 @@ mod avx2 {
         // SAFETY: 16 readable bytes.
         let table =
             _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
-        let mut acc = [[_mm256_setzero_ps(); R]; 2];
+        let mut acc = [_mm256_setzero_ps(); R];
         let has_min = p.has_min();
         for b in 0..p.nb {
             let blk = p.block(g, b);
@@ -749,23 +774,17 @@ mod avx2 {
                     _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
                 }
             };
-            let e = b % 2;
             for r in 0..R {
                 let da = _mm256_set1_ps(rows[r].d[b]);
-                acc[e][r] = _mm256_add_ps(
-                    acc[e][r],
-                    _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r])),
-                );
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]), acc[r]);
                 if has_min {
                     // SAFETY: as above.
                     let m = unsafe { _mm256_loadu_ps(blk.m.as_ptr().add(8 * h)) };
-                    acc[e][r] =
-                        _mm256_add_ps(acc[e][r], _mm256_mul_ps(m, _mm256_set1_ps(rows[r].s[b])));
+                    acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r]);
                 }
             }
         }
-        for (r, (&even, &odd)) in acc[0].iter().zip(&acc[1]).enumerate() {
-            let v = _mm256_add_ps(even, odd);
+        for (r, &v) in acc.iter().enumerate() {
             // SAFETY: `out` holds 16·R values.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
         }
@@ -845,8 +864,8 @@ mod tests {
             .collect()
     }
 
-    /// The AVX2 and AVX-512 kernels give the scalar kernel's bits: both forms, with and
-    /// without minimums, 1, 2, 3 and 19 blocks, one to four activation rows, a last
+    /// The AVX2 and AVX-512 kernels give the scalar kernel's bits: every form, with and
+    /// without minimums, 1, 2, 3 and 19 blocks, one to eight activation rows, a last
     /// group with padding rows, extreme quants and activations.
     #[cfg(target_arch = "x86_64")]
     #[test]
@@ -856,22 +875,22 @@ mod tests {
             return;
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
-        for form in NUMERIC_FORMS {
+        for form in NUMERIC_FORMS.into_iter().chain([Form::Codebook]) {
             for with_min in [false, true] {
                 for nb in [1, 2, 3, 19] {
                     let out = 20;
                     let (q, d, m) = rows_of(form, out, nb, with_min);
                     let packed = Packed32::pack(form, &q, &d, &m, out, nb);
-                    let rows = act_rows(nb * QK, 4);
+                    let rows = act_rows(nb * QK, ROW_TILE);
                     assert_eq!(rows[0].qs[..QK], [127; QK]);
                     for g in 0..packed.groups {
-                        for n in 1..=4 {
+                        for n in 1..=ROW_TILE {
                             let at = format!(
                                 "{form:?}, minimum {with_min}, {nb} blocks, group {g}, {n} rows"
                             );
-                            let mut want = [0f32; 4 * LANES];
+                            let mut want = [0f32; ROW_TILE * LANES];
                             packed.group_scalar(g, &rows[..n], &mut want);
-                            let mut got = [0f32; 4 * LANES];
+                            let mut got = [0f32; ROW_TILE * LANES];
                             #[expect(unsafe_code, reason = "the features were checked above")]
                             // SAFETY: detected_simd() found AVX2, FMA and F16C; sizes as
                             // required.
@@ -880,7 +899,7 @@ mod tests {
                             };
                             assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "AVX2: {at}");
                             if avx512 {
-                                let mut got = [0f32; 4 * LANES];
+                                let mut got = [0f32; ROW_TILE * LANES];
                                 #[expect(unsafe_code, reason = "the features were checked above")]
                                 // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
                                 unsafe {
@@ -927,7 +946,7 @@ mod tests {
                 let rb = form.row_bytes();
                 for o in 0..out {
                     for row in &rows {
-                        let mut acc = [0f32; 2];
+                        let mut acc = 0f32;
                         for b in 0..nb {
                             let bytes = &q[(o * nb + b) * rb..(o * nb + b + 1) * rb];
                             let value = |j: usize| -> i32 {
@@ -957,18 +976,14 @@ mod tests {
                             let isum: i32 = (0..QK)
                                 .map(|j| value(j) * i32::from(row.qs[b * QK + j]))
                                 .sum();
-                            acc[b % 2] += (d[o * nb + b] * row.d[b]) * isum as f32;
+                            acc = (d[o * nb + b] * row.d[b]).mul_add(isum as f32, acc);
                             if with_min {
-                                acc[b % 2] += m[o * nb + b] * row.s[b];
+                                acc = m[o * nb + b].mul_add(row.s[b], acc);
                             }
                         }
                         let mut got = [0f32; LANES];
                         packed.group_scalar(o / LANES, std::slice::from_ref(row), &mut got);
-                        assert_eq!(
-                            got[o % LANES].to_bits(),
-                            (acc[0] + acc[1]).to_bits(),
-                            "{form:?}, row {o}"
-                        );
+                        assert_eq!(got[o % LANES].to_bits(), acc.to_bits(), "{form:?}, row {o}");
                     }
                 }
             }
