@@ -35,6 +35,7 @@ use agentstack_compute::backend::ray::RayBackend;
 use agentstack_compute::backend::slurm::{SlurmBackend, SlurmSettings};
 use agentstack_compute::state::{JobState, Store, UnitState};
 use agentstack_compute::supervisor::{Supervisor, SupervisorSettings, create_launch};
+use agentstack_static::env_vars;
 use anyhow::{Context, bail, ensure};
 use clap::Parser;
 use serde_json::json;
@@ -77,7 +78,7 @@ async fn main() -> anyhow::Result<()> {
     let ray_address = args
         .ray_address
         .clone()
-        .or_else(|| std::env::var("AGENTSTACK_RAY_ADDRESS").ok())
+        .or_else(|| std::env::var(env_vars::AGENTSTACK_RAY_ADDRESS).ok())
         .unwrap_or_else(|| "http://127.0.0.1:8265".into());
     let load_start = machine::load_average().unwrap_or_default();
     let mut results = Vec::new();
@@ -376,7 +377,7 @@ fn report(args: &Args, results: &[(String, Figures)], load_start: &str) -> Strin
 }
 
 fn ray_version() -> String {
-    let venv = std::env::var("HOME").unwrap_or_default() + "/.cache/agentstack";
+    let venv = std::env::var(env_vars::HOME).unwrap_or_default() + "/.cache/agentstack";
     std::fs::read_dir(venv)
         .ok()
         .and_then(|entries| {

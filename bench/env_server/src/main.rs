@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use agentstack_bench_support::machine;
 use agentstack_bench_support::report::command_line;
+use agentstack_static::env_vars;
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -505,7 +506,8 @@ fn raise_nofile_limit(plan: &Plan) -> Result<(u64, u64)> {
 }
 
 fn default_python() -> PathBuf {
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from);
+    let home =
+        std::env::var_os(env_vars::HOME).map_or_else(|| PathBuf::from("/root"), PathBuf::from);
     home.join(".cache/agentstack/venv-openenv-0.10.0/bin/python")
 }
 

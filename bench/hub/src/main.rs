@@ -41,6 +41,7 @@ use agentstack_hub::api::{LeaderboardPost, PackageRef, SearchQuery, SearchSort, 
 use agentstack_hub::auth::Token;
 use agentstack_hub::blobs::sha256_hex;
 use agentstack_hub::client::HubClient;
+use agentstack_static::env_vars;
 use anyhow::{Context, bail, ensure};
 use clap::{Parser, ValueEnum};
 use indicatif::ProgressBar;
@@ -873,7 +874,7 @@ impl Hub {
             .args(["--database", database])
             .arg("--blobs")
             .arg(&blobs)
-            .env("AGENTSTACK_HOME", home)
+            .env(env_vars::AGENTSTACK_HOME, home)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)
@@ -907,7 +908,7 @@ impl Hub {
     fn user(&self, name: &str, database: &str) -> anyhow::Result<String> {
         let output = Command::new(&self.agentstack)
             .args(["hub", "user", "create", name, "--database", database])
-            .env("AGENTSTACK_HOME", &self.home)
+            .env(env_vars::AGENTSTACK_HOME, &self.home)
             .stdin(Stdio::null())
             .output()
             .context("running `agentstack hub user create`")?;
@@ -934,7 +935,7 @@ fn postgres_server(flag: Option<&str>) -> anyhow::Result<String> {
     if let Some(url) = flag {
         return Ok(url.to_owned());
     }
-    if let Ok(url) = std::env::var("AGENTSTACK_TEST_POSTGRES_URL") {
+    if let Ok(url) = std::env::var(env_vars::AGENTSTACK_TEST_POSTGRES_URL) {
         return Ok(url);
     }
     let output = Command::new("scripts/start-postgres")

@@ -11,22 +11,11 @@ use serde::Serialize;
 
 use crate::Args;
 
-/// The environment variables this benchmark reads, each once, here.
-pub mod env_vars {
-    /// The GGUF file both engines run (default: `$AGENTSTACK_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf`,
-    /// which `scripts/fetch-model` fetches). The model tests read it too.
-    pub const AGENTSTACK_TEST_MODEL: &str = "AGENTSTACK_TEST_MODEL";
-    /// A folder holding `llama-bench` and `llama-server` (read in bench/support, with
-    /// `AGENTSTACK_CACHE` and `HOME` for the default).
-    pub use agentstack_bench_support::paths::env_vars::AGENTSTACK_LLAMACPP_BIN;
-    /// Threads of rayon's global pool (our kernels), set on the in-process children.
-    pub const RAYON_NUM_THREADS: &str = "RAYON_NUM_THREADS";
-    /// Threads of candle's CPU kernels, set on the in-process children.
-    pub const CANDLE_NUM_THREADS: &str = "CANDLE_NUM_THREADS";
-    /// The widest kernel family agentstack-model may use (`avx2`, `scalar`), set on the
-    /// in-process children measured with `--kernels avx2`.
-    pub const AGENTSTACK_KERNELS: &str = "AGENTSTACK_KERNELS";
-}
+/// The environment variables this benchmark reads or sets (`AGENTSTACK_TEST_MODEL`,
+/// `AGENTSTACK_LLAMACPP_BIN`, and `RAYON_NUM_THREADS`, `CANDLE_NUM_THREADS`,
+/// `AGENTSTACK_KERNELS` on the in-process children), declared in the workspace's
+/// registry.
+pub use agentstack_static::env_vars;
 
 /// The model file the llama.cpp interop tests use too.
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

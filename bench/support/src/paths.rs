@@ -3,16 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-/// The environment variables read here, each once.
-pub mod env_vars {
-    /// agentstack's cache folder (default `~/.cache/agentstack`).
-    pub const AGENTSTACK_CACHE: &str = "AGENTSTACK_CACHE";
-    /// A folder holding the llama.cpp tools (default:
-    /// `$AGENTSTACK_CACHE/llama.cpp-0.3.36/bin`, which `scripts/install-llamacpp` builds).
-    pub const AGENTSTACK_LLAMACPP_BIN: &str = "AGENTSTACK_LLAMACPP_BIN";
-    /// Where `~` is.
-    pub const HOME: &str = "HOME";
-}
+use agentstack_static::env_vars;
 
 /// Where `scripts/install-llamacpp` puts the tools, under the cache folder.
 pub const DEFAULT_LLAMACPP_BIN: &str = "llama.cpp-0.3.36/bin";
