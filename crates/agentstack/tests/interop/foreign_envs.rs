@@ -20,7 +20,10 @@ use std::path::PathBuf;
 use futures_util::StreamExt as _;
 use tokio_tungstenite::tungstenite::Error as WsError;
 
-use crate::{CLI_LIMIT, agentstack, assert_success, interop_dir, serve_peer_package};
+use crate::{
+    CLI_LIMIT, agentstack, assert_success, interop_dir, run_random_episodes, runtime,
+    serve_peer_package,
+};
 use agentstack_test_support::processes::{Finished, Server, run_bounded};
 
 /// Episodes `agentstack env run` drives against each hosted package.
@@ -46,29 +49,7 @@ fn validate_and_run(server: &mut Server) -> Finished {
     assert_success(&validate, server, "agentstack env validate");
     println!("{}", validate.stdout);
 
-    let mut command = agentstack();
-    command
-        .args([
-            "env",
-            "run",
-            &server.url,
-            "--policy",
-            "random",
-            "--episodes",
-        ])
-        .arg(FOREIGN_EPISODES.to_string());
-    let run = run_bounded(command, CLI_LIMIT);
-    assert_success(&run, server, "agentstack env run");
-    let episode_rows = run
-        .stdout
-        .lines()
-        .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
-        .count();
-    assert!(
-        episode_rows >= FOREIGN_EPISODES,
-        "env run printed {episode_rows} episode rows, wanted {FOREIGN_EPISODES}\n{run}"
-    );
-    println!("{}", run.stdout);
+    run_random_episodes(server, FOREIGN_EPISODES);
     validate
 }
 
@@ -81,13 +62,6 @@ fn assert_logged(server: &mut Server, needles: &[&str]) {
             "the log lacks {needle:?}\n{report}"
         );
     }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
 }
 
 #[test]

@@ -254,9 +254,9 @@ fn openenv_validate_url_passes_our_echo() {
     assert_eq!(report["standard_profile"], "openenv-http/1.x", "{finished}");
 }
 
-/// `agentstack env run <url> --episodes 3 --policy random` and `agentstack env
-/// validate <url>` against a peer server, both expected to succeed.
-fn drive_peer_with_our_client(server: &mut Server) {
+/// `agentstack env run <url> --policy random --episodes <episodes>` against a peer
+/// server: it must succeed and print a row for each episode.
+fn run_random_episodes(server: &mut Server, episodes: usize) -> Finished {
     let mut command = agentstack();
     command
         .args([
@@ -267,23 +267,38 @@ fn drive_peer_with_our_client(server: &mut Server) {
             "random",
             "--episodes",
         ])
-        .arg(EPISODES.to_string());
+        .arg(episodes.to_string());
     let run = run_bounded(command, CLI_LIMIT);
     assert_success(&run, server, "agentstack env run");
-    assert!(
-        run.stdout.contains("reward"),
-        "env run printed no rewards\n{run}"
-    );
     let episode_rows = run
         .stdout
         .lines()
         .filter(|line| line.trim_start().starts_with(|c: char| c.is_ascii_digit()))
         .count();
     assert!(
-        episode_rows >= EPISODES,
-        "env run printed {episode_rows} episode rows, wanted {EPISODES}\n{run}"
+        episode_rows >= episodes,
+        "env run printed {episode_rows} episode rows, wanted {episodes}\n{run}"
     );
     println!("{}", run.stdout);
+    run
+}
+
+/// A current-thread Tokio runtime for a test's client calls.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+/// `agentstack env run <url> --episodes 3 --policy random` and `agentstack env
+/// validate <url>` against a peer server, both expected to succeed.
+fn drive_peer_with_our_client(server: &mut Server) {
+    let run = run_random_episodes(server, EPISODES);
+    assert!(
+        run.stdout.contains("reward"),
+        "env run printed no rewards\n{run}"
+    );
 
     let mut command = agentstack();
     command.args(["env", "validate", &server.url]);

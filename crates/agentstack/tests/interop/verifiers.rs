@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::{
     PEER_COMMAND_LIMIT, PEER_READY_TIMEOUT_S, PEER_SERVER_READY, agentstack, assert_success,
-    interop_dir, peer_python, python_command,
+    interop_dir, peer_python, python_command, runtime,
 };
 use agentstack_test_support::processes::{Server, run_bounded};
 
@@ -150,13 +150,6 @@ fn has_line(yaml: &str, line: &str) -> bool {
 fn assert_reward(got: Option<f64>, want: f64, what: &str) {
     let ok = got.is_some_and(|r| (r - want).abs() <= REWARD_TOLERANCE);
     assert!(ok, "{what}: reward {got:?}, wanted {want}");
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
 }
 
 #[test]
