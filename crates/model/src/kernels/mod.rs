@@ -37,6 +37,7 @@ use rayon::prelude::*;
 use crate::error::{ModelError, Result};
 use crate::gguf::{MappedTensor, TensorType};
 
+mod act;
 mod iq4;
 mod kquant;
 mod memory;
@@ -593,20 +594,15 @@ enum Sums {
 /// rounded through f16 here too.
 fn quantize_row(x: &[f32], sums: Sums) -> ActRow {
     let nb = x.len() / QK;
-    let mut qs = Vec::with_capacity(x.len());
+    let mut qs = vec![0i8; nb * QK];
     let mut d = Vec::with_capacity(nb);
     let mut s = Vec::with_capacity(if sums == Sums::None { 0 } else { nb });
     let mut isums = Vec::with_capacity(nb);
-    for block in x.chunks_exact(QK) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (block, q) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)) {
+        let amax = act::amax(block);
         let scale = amax / 127.0;
         let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let mut sum = 0i32;
-        for &v in block {
-            let q = round_ties_even(v * inv) as i8;
-            sum += i32::from(q);
-            qs.push(q);
-        }
+        let sum = act::quantize(block, inv, q);
         isums.push(sum);
         let rounded = f16::from_f32(scale).to_f32();
         d.push(rounded);
@@ -631,20 +627,15 @@ fn quantize_row(x: &[f32], sums: Sums) -> ActRow {
 /// product in integers, with two float multiplications per 256 values.
 fn quantize_row_k(x: &[f32]) -> ActRow {
     let nb = x.len() / QK_K;
-    let mut qs = Vec::with_capacity(x.len());
+    let mut qs = vec![0i8; nb * QK_K];
     let mut d = Vec::with_capacity(nb);
     let mut sums = Vec::with_capacity(nb * K_SUMS);
-    for block in x.chunks_exact(QK_K) {
-        let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (block, q) in x.chunks_exact(QK_K).zip(qs.chunks_exact_mut(QK_K)) {
+        let amax = act::amax(block);
         let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        for group in block.chunks_exact(16) {
-            let mut sum = 0i16;
-            for &v in group {
-                let q = round_ties_even(v * inv) as i8;
-                sum += i16::from(q);
-                qs.push(q);
-            }
-            sums.push(sum);
+        for (group, q) in block.chunks_exact(16).zip(q.chunks_exact_mut(16)) {
+            // At most 16·127 in magnitude.
+            sums.push(act::quantize(group, inv, q) as i16);
         }
         d.push(amax / 127.0);
     }
