@@ -237,6 +237,17 @@ fn package(dir: &Path, name: &str, version: &str, readme: &str) {
     std::fs::write(dir.join("data/cases.jsonl"), "{\"x\": 1}\n{\"x\": 2}\n").unwrap();
 }
 
+/// A hub on SQLite where alice has pushed `maze` 1.0.0 with `readme`: the hub, her
+/// token, and what `hub push` printed.
+fn hub_with_maze(readme: &str) -> (Hub, String, String) {
+    let hub = Hub::start(Backend::Sqlite);
+    let alice = hub.user("alice");
+    let src = tempfile::tempdir().unwrap();
+    package(src.path(), "maze", "1.0.0", readme);
+    let pushed = hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    (hub, alice, pushed)
+}
+
 /// A package `arith` that serves the built-in arithmetic environment.
 fn arithmetic_package(dir: &Path, version: &str, readme: &str) {
     package(dir, "arith", version, readme);
@@ -1100,16 +1111,9 @@ async fn a_lift_check_trains_briefly_in_the_sandbox_and_reports_the_change() {
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "needs Chromium (Debian package chromium)"]
 async fn the_environment_page_shows_the_package_and_its_leaderboard_in_a_browser() {
-    let hub = Hub::start(Backend::Sqlite);
-    let alice = hub.user("alice");
-    let src = tempfile::tempdir().unwrap();
-    package(
-        src.path(),
-        "maze",
-        "1.0.0",
+    let (hub, alice, _) = hub_with_maze(
         "# Maze\n\nFind the **exit** of the grid. [Click](&#106;avascript:alert(1))\n",
     );
-    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
     validation(&hub, "alice/maze", "1.0.0").await;
     let post = serde_json::json!({"model": "smollm2-135m-q4_1", "score": 0.45, "ci95": [0.25, 0.65], "episodes": 20, "harness": "cafe01"});
     let r = reqwest::Client::new()
@@ -1520,11 +1524,7 @@ async fn tokens_expire_and_are_revoked(backend: Backend) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn leaderboards_print_stored_control_characters_escaped() {
-    let hub = Hub::start(Backend::Sqlite);
-    let alice = hub.user("alice");
-    let src = tempfile::tempdir().unwrap();
-    package(src.path(), "maze", "1.0.0", "# Maze\n");
-    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let (hub, alice, _) = hub_with_maze("# Maze\n");
     // A row an older hub accepted: escape sequences that clear the screen and
     // retitle the terminal, and a right-to-left override.
     let db = agentstack_hub::db::Db::connect(&hub.database)
@@ -1571,16 +1571,7 @@ async fn leaderboards_print_stored_control_characters_escaped() {
 /// archive's (packing is deterministic); ports and dates are filtered out.
 #[tokio::test(flavor = "multi_thread")]
 async fn hub_commands_print_tables_and_summaries() {
-    let hub = Hub::start(Backend::Sqlite);
-    let alice = hub.user("alice");
-    let src = tempfile::tempdir().unwrap();
-    package(
-        src.path(),
-        "maze",
-        "1.0.0",
-        "# Maze\n\nFind the exit of a grid.\n",
-    );
-    let pushed = hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let (hub, alice, pushed) = hub_with_maze("# Maze\n\nFind the exit of a grid.\n");
     let v = validation(&hub, "alice/maze", "1.0.0").await;
     assert_eq!(v["status"], "passed", "{v}");
     let post = serde_json::json!({"model": "smollm2-135m", "score": 0.5, "ci95": [0.4, 0.6], "episodes": 20, "harness": "agentstack eval"});
@@ -1612,16 +1603,9 @@ async fn hub_commands_print_tables_and_summaries() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_package_page_runs_no_script_from_a_readme() {
-    let hub = Hub::start(Backend::Sqlite);
-    let alice = hub.user("alice");
-    let src = tempfile::tempdir().unwrap();
-    package(
-        src.path(),
-        "maze",
-        "1.0.0",
+    let (hub, _, _) = hub_with_maze(
         "# Maze\n\n[docs](&#106;avascript:alert(1)) [more][1] <script>alert(2)</script> [ok](https://example.test/)\n\n[1]: JAVASCRIPT:alert(3)\n",
     );
-    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
     let page = reqwest::get(format!("{}/alice/maze", hub.url))
         .await
         .unwrap();
@@ -1648,11 +1632,7 @@ async fn the_package_page_runs_no_script_from_a_readme() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_hubs_files_are_readable_by_its_user_only() {
     use std::os::unix::fs::PermissionsExt;
-    let mut hub = Hub::start(Backend::Sqlite);
-    let alice = hub.user("alice");
-    let src = tempfile::tempdir().unwrap();
-    package(src.path(), "maze", "1.0.0", "# Maze\n");
-    hub.cli_ok(Some(&alice), &["hub", "push", src.path().to_str().unwrap()]);
+    let (mut hub, _, _) = hub_with_maze("# Maze\n");
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     let files = |hub: &Hub| {
         let mut out: Vec<PathBuf> = ["hub.db", "hub.db-wal", "hub.db-shm"]
