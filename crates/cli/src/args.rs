@@ -120,6 +120,17 @@ pub enum InfraArg {
     K8s,
 }
 
+impl From<InfraArg> for agentstack_compute::launch::InfraKind {
+    fn from(arg: InfraArg) -> Self {
+        match arg {
+            InfraArg::Local => Self::Local,
+            InfraArg::Slurm => Self::Slurm,
+            InfraArg::Ray => Self::Ray,
+            InfraArg::K8s => Self::Kubernetes,
+        }
+    }
+}
+
 /// `agentstack launch`.
 #[derive(Debug, Args)]
 pub struct LaunchArgs {

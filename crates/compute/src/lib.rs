@@ -13,6 +13,8 @@
 //!
 //! On top of it, the parts that run things:
 //!
+//! - [`launch`]: a launch's choices: the infra ([`launch::InfraKind`]), the backend
+//!   for it, the supervisor's pace, and the dry-run plan (text, no I/O);
 //! - [`backend`]: one small trait and its engines — local process groups, the Slurm
 //!   CLI, the Ray Jobs API (and Kubernetes' API);
 //! - [`supervisor`]: a launch's life on any backend — gang start, discovery files,
@@ -47,6 +49,7 @@ pub mod backend;
 pub mod discovery;
 pub mod entrypoint;
 pub mod kubernetes;
+pub mod launch;
 pub mod ray;
 pub mod request;
 pub mod slurm;

@@ -4,10 +4,11 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::time::Duration;
 
 use agentstack_compute::backend::{Backend, LogSource};
+use agentstack_compute::launch::InfraKind;
 use agentstack_compute::state::UnitRecord;
 use anyhow::anyhow;
 
-use super::{LaunchOptions, backend, find, internal, open_store, revive};
+use super::{backend_of, find, internal, open_store, revive};
 use crate::Exit;
 use crate::args::JobLogsArgs;
 
@@ -30,8 +31,7 @@ pub async fn run(args: JobLogsArgs) -> Result<(), Exit> {
     let store = open_store().await?;
     let job = find(&store, name).await?;
     revive(&job)?;
-    let options: LaunchOptions = serde_json::from_str(&job.options).unwrap_or_default();
-    let backend = backend(&job.infra, &options)?;
+    let (backend, _) = backend_of(&job)?;
     let all = store.units(&job.id).await.map_err(internal)?;
     let units: Vec<UnitRecord> = all
         .iter()
@@ -66,7 +66,7 @@ pub async fn run(args: JobLogsArgs) -> Result<(), Exit> {
             if printed[i].0.as_deref() != Some(handle) {
                 // A new attempt: a local unit keeps one log file; elsewhere each attempt
                 // has its own.
-                let same_file = matches!(job.infra.as_str(), "local");
+                let same_file = job.infra == InfraKind::Local.as_str();
                 printed[i] = (
                     Some(handle.clone()),
                     if same_file { printed[i].1 } else { 0 },

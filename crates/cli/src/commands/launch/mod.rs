@@ -19,15 +19,11 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use agentstack_compute::backend::AnyBackend;
-use agentstack_compute::backend::kubernetes::{Credentials, KubernetesBackend, KubernetesSettings};
-use agentstack_compute::backend::local::LocalBackend;
-use agentstack_compute::backend::ray::RayBackend;
-use agentstack_compute::backend::slurm::{SlurmBackend, SlurmSettings};
+use agentstack_compute::launch::{self as launch_plan, InfraKind, LaunchOptions};
 use agentstack_compute::state::{JobRecord, JobState, Store, now_ms};
 use agentstack_compute::supervisor::{Supervisor, SupervisorSettings};
 use agentstack_static::env_vars;
 use anyhow::{anyhow, bail};
-use serde::{Deserialize, Serialize};
 
 use crate::Exit;
 use crate::args::JobNameArgs;
@@ -67,96 +63,22 @@ pub(crate) fn internal(e: impl Into<anyhow::Error>) -> Exit {
     Exit::internal(e)
 }
 
-/// What a launch's backend needs besides the spec, kept with the launch so a later
-/// supervisor builds the same backend.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct LaunchOptions {
-    /// Ray's Jobs API (`None`: [`DEFAULT_RAY_ADDRESS`]).
-    pub ray_address: Option<String>,
-    /// Slurm `--time` in minutes.
-    pub slurm_time: Option<u32>,
-    /// The container image for Kubernetes.
-    pub k8s_image: Option<String>,
-    /// The Kubernetes namespace (`None`: the context's, else `default`).
-    pub k8s_namespace: Option<String>,
-    /// The kubeconfig context (`None`: the current one).
-    pub k8s_context: Option<String>,
-    /// A Kueue LocalQueue.
-    pub k8s_queue: Option<String>,
-    /// CPUs local launches may hold at once (`None`: the machine's).
-    pub local_cpus: Option<f64>,
-    /// Seconds every component has to start.
-    pub start_timeout: Option<u64>,
+/// A launch's backend and its pace, for the infra its record names (a name the state
+/// should not hold is an internal error; a backend that cannot be built, the user's).
+pub(crate) fn backend_of(job: &JobRecord) -> Result<(AnyBackend, SupervisorSettings), Exit> {
+    let infra: InfraKind = job.infra.parse().map_err(internal)?;
+    let options: LaunchOptions = serde_json::from_str(&job.options).unwrap_or_default();
+    let backend = launch_plan::backend(infra, &options).map_err(launch_exit)?;
+    Ok((backend, launch_plan::supervisor_settings(infra, &options)))
 }
 
-/// Ray's default Jobs API address (the dashboard port of a local head).
-pub const DEFAULT_RAY_ADDRESS: &str = "http://127.0.0.1:8265";
-
-/// The backend for `infra` (`local`, `slurm`, `ray`, `kubernetes`).
-pub(crate) fn backend(infra: &str, options: &LaunchOptions) -> Result<AnyBackend, Exit> {
-    Ok(match infra {
-        "local" => AnyBackend::Local(LocalBackend::new()),
-        "slurm" => AnyBackend::Slurm(SlurmBackend::new(SlurmSettings {
-            time_limit_minutes: options.slurm_time,
-            extra_options: Vec::new(),
-        })),
-        "ray" => AnyBackend::Ray(RayBackend::new(
-            options
-                .ray_address
-                .as_deref()
-                .unwrap_or(DEFAULT_RAY_ADDRESS),
-        )),
-        "kubernetes" => {
-            let Some(path) = Credentials::default_path().filter(|p| p.exists()) else {
-                return Err(Exit::user(anyhow!(
-                    "no kubeconfig: KUBECONFIG is not set and ~/.kube/config does not exist\nhint: point KUBECONFIG at your cluster's kubeconfig"
-                )));
-            };
-            let credentials = Credentials::from_kubeconfig(&path, options.k8s_context.as_deref())
-                .map_err(|e| Exit::user(anyhow!(e)))?;
-            let Some(image) = options.k8s_image.clone() else {
-                return Err(Exit::user(anyhow!(
-                    "Kubernetes needs a container image to run the components in\nhint: pass --k8s-image IMAGE (or set {}); it must hold bash and what `run` starts",
-                    env_vars::AGENTSTACK_K8S_IMAGE
-                )));
-            };
-            let namespace = options
-                .k8s_namespace
-                .clone()
-                .or_else(|| credentials.namespace.clone())
-                .unwrap_or_else(|| "default".into());
-            AnyBackend::Kubernetes(
-                KubernetesBackend::new(
-                    credentials,
-                    KubernetesSettings {
-                        namespace,
-                        image,
-                        queue: options.k8s_queue.clone(),
-                        termination_grace_seconds: 30,
-                    },
-                )
-                .map_err(|e| Exit::user(anyhow!(e)))?,
-            )
-        }
-        other => return Err(internal(anyhow!("unknown infra `{other}` in the state"))),
-    })
-}
-
-/// The supervisor's pace for `infra`.
-pub(crate) fn supervisor_settings(infra: &str, options: &LaunchOptions) -> SupervisorSettings {
-    let defaults = SupervisorSettings::default();
-    SupervisorSettings {
-        // Engines are asked less often than our own process table.
-        poll_interval: if infra == "local" {
-            Duration::from_millis(100)
-        } else {
-            Duration::from_millis(250)
-        },
-        start_timeout: options
-            .start_timeout
-            .map_or(defaults.start_timeout, Duration::from_secs),
-        local_cpus: options.local_cpus.unwrap_or(defaults.local_cpus),
-        ..defaults
+/// A [`LaunchError`](launch_plan::LaunchError) as an exit: the user's or ours, as it
+/// says.
+pub(crate) fn launch_exit(error: launch_plan::LaunchError) -> Exit {
+    if error.is_users() {
+        Exit::user(anyhow!(error))
+    } else {
+        internal(error)
     }
 }
 
@@ -179,9 +101,7 @@ pub(crate) fn local_cpus() -> Result<Option<f64>, Exit> {
 
 /// Runs the launch's supervisor in this process until the launch ends.
 pub(crate) async fn supervise_here(store: &Store, job: &JobRecord) -> Result<JobState, Exit> {
-    let options: LaunchOptions = serde_json::from_str(&job.options).unwrap_or_default();
-    let backend = backend(&job.infra, &options)?;
-    let settings = supervisor_settings(&job.infra, &options);
+    let (backend, settings) = backend_of(job)?;
     let supervisor = Supervisor::new(store.clone(), backend, settings, &job.id)
         .await
         .map_err(internal)?;

@@ -6,12 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use agentstack_compute::backend::Backend;
-use agentstack_compute::discovery::{self, Addresses, Endpoint};
-use agentstack_compute::entrypoint::{self, EntrypointOptions};
-use agentstack_compute::kubernetes::{KubernetesOptions, manifests};
-use agentstack_compute::ray::{RayOptions, submit_request};
-use agentstack_compute::slurm::{SlurmOptions, batch_script};
-use agentstack_compute::spec::Infra;
+use agentstack_compute::launch::{self as launch_plan, InfraKind, LaunchOptions};
 use agentstack_compute::state::{JobState, Store};
 use agentstack_compute::supervisor::{SuperviseError, create_launch};
 use agentstack_compute::{BuildError, JobGroup};
@@ -19,10 +14,10 @@ use agentstack_static::env_vars;
 use anyhow::anyhow;
 
 use super::{
-    LaunchOptions, backend, env_pair, find, internal, jobs_dir, local_cpus, open_store,
-    spawn_supervisor, supervise_here, supervisor_settings,
+    env_pair, find, internal, jobs_dir, launch_exit, local_cpus, open_store, spawn_supervisor,
+    supervise_here,
 };
-use crate::args::{InfraArg, LaunchArgs};
+use crate::args::LaunchArgs;
 use crate::{Exit, settings};
 
 /// What `agentstack launch` runs with: its flags, environment variables and the job
@@ -33,7 +28,7 @@ pub struct LaunchSettings {
     /// The job group read from it, with `--env` applied and paths resolved.
     pub group: JobGroup,
     /// Where it runs: `--infra`, else the components' `resources.infra`, else local.
-    pub infra: &'static str,
+    pub infra: InfraKind,
     /// Return once submitted.
     pub detach: bool,
     /// Print what would be submitted and stop.
@@ -96,7 +91,8 @@ impl LaunchSettings {
                 })));
             }
         }
-        let infra = infra(&group, args.infra)?;
+        let infra = launch_plan::choose_infra(&group, args.infra.map(InfraKind::from))
+            .map_err(launch_exit)?;
         let text = |flag: &Option<String>, name| settings::flag_or_env_text(flag.as_deref(), name);
         let options = LaunchOptions {
             ray_address: text(&args.ray_address, env_vars::AGENTSTACK_RAY_ADDRESS),
@@ -138,7 +134,7 @@ pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
         return dry_run(&group, infra, &options);
     }
 
-    let backend = backend(infra, &options)?;
+    let backend = launch_plan::backend(infra, &options).map_err(launch_exit)?;
     backend
         .check(&group)
         .map_err(|e| Exit::user(anyhow!(e).context(format!("{} on {infra}", file.display()))))?;
@@ -154,7 +150,7 @@ pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
             group.name
         )));
     }
-    let settings = supervisor_settings(infra, &options);
+    let settings = launch_plan::supervisor_settings(infra, &options);
     let options_json = serde_json::to_value(&options).map_err(internal)?;
     let job = create_launch(
         &store,
@@ -189,162 +185,12 @@ pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
     foreground(&store, &job.id).await
 }
 
-/// The infra: `--infra`, else what the components name (they must agree), else local.
-fn infra(group: &JobGroup, flag: Option<InfraArg>) -> Result<&'static str, Exit> {
-    if let Some(flag) = flag {
-        return Ok(match flag {
-            InfraArg::Local => "local",
-            InfraArg::Slurm => "slurm",
-            InfraArg::Ray => "ray",
-            InfraArg::K8s => "kubernetes",
-        });
-    }
-    let mut chosen: Option<(&str, &str)> = None;
-    for task in &group.components {
-        let Some(infra) = &task.resources.infra else {
-            continue;
-        };
-        let kind = match infra {
-            Infra::Local => "local",
-            Infra::Slurm { .. } => "slurm",
-            Infra::Ray { .. } => "ray",
-            Infra::Kubernetes { .. } => "kubernetes",
-        };
-        match chosen {
-            Some((other, component)) if other != kind => {
-                return Err(Exit::user(anyhow!(
-                    "components ask for different infra: `{component}` for {other}, `{}` for {kind}\nhint: a group runs on one infra: make their `resources.infra` agree, or choose with --infra",
-                    task.name
-                )));
-            }
-            _ => chosen = Some((kind, &task.name)),
-        }
-    }
-    Ok(chosen.map_or("local", |(kind, _)| kind))
-}
-
 /// Prints what each engine would be given.
-fn dry_run(group: &JobGroup, infra: &str, options: &LaunchOptions) -> Result<(), Exit> {
-    use std::fmt::Write as _;
-    let mut out = String::new();
-    // Written at the end in one go: a closed pipe (`| head`) is then one io error,
-    // which the CLI takes for success.
-    macro_rules! say {
-        ($($t:tt)*) => { let _ = write!(out, $($t)*); };
-    }
-    macro_rules! sayln {
-        () => { out.push('\n'); };
-        ($($t:tt)*) => { let _ = writeln!(out, $($t)*); };
-    }
-    let user = |e: BuildError| Exit::user(anyhow!(e));
-    let placeholders: Addresses = group
-        .components
-        .iter()
-        .map(|t| {
-            let endpoints = (0..t.instances())
-                .map(|_| Endpoint::new("unplaced", t.resources.main_port()))
-                .collect();
-            (t.name.clone(), endpoints)
-        })
-        .collect();
-    let discovery_file = "<launch dir>/discovery/<unit>.<attempt>.env";
-    match infra {
-        "local" => {
-            let addresses = agentstack_compute::backend::local::LocalBackend::new()
-                .addresses_up_front(group)
-                .expect("local knows its addresses");
-            for task in &group.components {
-                for r in 0..task.replicas {
-                    let vars = discovery::environment(group, &addresses, &task.name, r as usize)
-                        .map_err(|e| user(e.into()))?;
-                    let env =
-                        agentstack_compute::request::environment(task, &vars).map_err(user)?;
-                    sayln!("# {}/{r}: bash -c with this environment", task.name);
-                    say!("{}", discovery::env_file(&env));
-                    say!(
-                        "{}",
-                        entrypoint::script(
-                            task,
-                            &EntrypointOptions {
-                                workdir: task.workdir.as_deref(),
-                                ..Default::default()
-                            }
-                        )
-                    );
-                    sayln!();
-                }
-            }
-        }
-        "slurm" => {
-            for task in &group.components {
-                for r in 0..task.replicas {
-                    let vars = discovery::environment(
-                        group,
-                        &placeholders,
-                        &task.name,
-                        r as usize * task.num_nodes as usize,
-                    )
-                    .map_err(|e| user(e.into()))?;
-                    sayln!("# {}/{r}: sbatch --parsable", task.name);
-                    say!(
-                        "{}",
-                        batch_script(
-                            group,
-                            &task.name,
-                            r,
-                            &vars,
-                            &SlurmOptions {
-                                time_limit_minutes: options.slurm_time,
-                                log_dir: Some("<launch dir>/logs"),
-                                discovery_file: Some(discovery_file),
-                                discovery_timeout_seconds: 600,
-                                extra_options: &[],
-                            },
-                        )
-                        .map_err(user)?
-                    );
-                    sayln!();
-                }
-            }
-        }
-        "ray" => {
-            for task in &group.components {
-                for r in 0..task.replicas {
-                    let vars = discovery::environment(group, &placeholders, &task.name, r as usize)
-                        .map_err(|e| user(e.into()))?;
-                    let body = submit_request(
-                        group,
-                        &task.name,
-                        r,
-                        &vars,
-                        &RayOptions {
-                            launch_id: "<id>",
-                            attempt: 0,
-                            working_dir_uri: None,
-                            discovery_file: Some(discovery_file),
-                            discovery_timeout_seconds: 600,
-                        },
-                    )
-                    .map_err(user)?;
-                    sayln!("# {}/{r}: POST /api/jobs/", task.name);
-                    sayln!("{}", serde_json::to_string_pretty(&body).map_err(internal)?);
-                }
-            }
-        }
-        _ => {
-            let namespace = options.k8s_namespace.as_deref().unwrap_or("default");
-            let image = options.k8s_image.as_deref().unwrap_or("<--k8s-image>");
-            let k8s = KubernetesOptions {
-                queue: options.k8s_queue.as_deref(),
-                ..KubernetesOptions::new(namespace, image)
-            };
-            for object in manifests(group, &k8s).map_err(user)? {
-                sayln!("---");
-                say!("{}", serde_norway::to_string(&object).map_err(internal)?);
-            }
-        }
-    }
-    std::io::Write::write_all(&mut std::io::stdout(), out.as_bytes()).map_err(internal)?;
+fn dry_run(group: &JobGroup, infra: InfraKind, options: &LaunchOptions) -> Result<(), Exit> {
+    let plan = launch_plan::plan(group, infra, options).map_err(launch_exit)?;
+    // Written in one go: a closed pipe (`| head`) is then one io error, which the CLI
+    // takes for success.
+    std::io::Write::write_all(&mut std::io::stdout(), plan.as_bytes()).map_err(internal)?;
     Ok(())
 }
 
