@@ -16,6 +16,10 @@ use nix::unistd::Pid;
 /// How often a bounded wait looks at the child.
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
 
+/// How long a finished command's output pipes may stay open (held by a process it
+/// started) before what was read is taken as its output.
+const DRAIN: Duration = Duration::from_secs(2);
+
 /// How long a server gets to stop after SIGTERM before it is killed.
 const STOP_GRACE: Duration = Duration::from_secs(10);
 
@@ -59,24 +63,54 @@ fn describe(command: &Command) -> String {
     words.join(" ")
 }
 
-fn read_all(mut from: impl Read + Send + 'static) -> thread::JoinHandle<String> {
-    thread::spawn(move || {
-        let mut bytes = Vec::new();
-        let _ = from.read_to_end(&mut bytes);
-        String::from_utf8_lossy(&bytes).into_owned()
-    })
+/// A pipe read to its end on a thread of its own.
+struct Capture {
+    bytes: Arc<Mutex<Vec<u8>>>,
+    reader: thread::JoinHandle<()>,
 }
 
-/// Runs `command` to completion, killing it after `limit`.
-pub fn run_bounded(mut command: Command, limit: Duration) -> Finished {
-    let shown = describe(&command);
-    let started = Instant::now();
-    let mut child = command
+fn read_all(mut from: impl Read + Send + 'static) -> Capture {
+    let bytes = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&bytes);
+    let reader = thread::spawn(move || {
+        let mut chunk = [0u8; 8192];
+        while let Ok(n @ 1..) = from.read(&mut chunk) {
+            if let Ok(mut bytes) = sink.lock() {
+                bytes.extend_from_slice(&chunk[..n]);
+            }
+        }
+    });
+    Capture { bytes, reader }
+}
+
+impl Capture {
+    /// What was read, once the pipe closed or at `deadline`, whichever is first.
+    fn text(self, deadline: Instant) -> String {
+        while !self.reader.is_finished() && Instant::now() < deadline {
+            thread::sleep(POLL_INTERVAL);
+        }
+        let bytes = self.bytes.lock().map(|b| b.clone()).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// Starts `command` with no stdin and its stdout and stderr piped.
+fn spawn_piped(command: &mut Command, shown: &str) -> Child {
+    command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("could not start `{shown}`: {e}"));
+        .unwrap_or_else(|e| panic!("could not start `{shown}`: {e}"))
+}
+
+/// Runs `command` to completion, killing it after `limit`. Its output is what it
+/// printed by then: a grandchild still holding the pipes open (a server the command
+/// started) is given [`DRAIN`] to close them, not waited for.
+pub fn run_bounded(mut command: Command, limit: Duration) -> Finished {
+    let shown = describe(&command);
+    let started = Instant::now();
+    let mut child = spawn_piped(&mut command, &shown);
     let stdout = read_all(child.stdout.take().expect("stdout is piped"));
     let stderr = read_all(child.stderr.take().expect("stderr is piped"));
     let status = loop {
@@ -91,11 +125,12 @@ pub fn run_bounded(mut command: Command, limit: Duration) -> Finished {
             Err(e) => panic!("waiting for `{shown}`: {e}"),
         }
     };
+    let drained = Instant::now() + DRAIN;
     Finished {
         command: shown,
         status,
-        stdout: stdout.join().unwrap_or_default(),
-        stderr: stderr.join().unwrap_or_default(),
+        stdout: stdout.text(drained),
+        stderr: stderr.text(drained),
         elapsed: started.elapsed(),
     }
 }
@@ -115,12 +150,7 @@ impl Server {
     /// Starts `command` and waits up to `ready_within` for its first stdout line.
     pub fn start(mut command: Command, ready_within: Duration) -> Self {
         let shown = describe(&command);
-        let mut child = command
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("could not start `{shown}`: {e}"));
+        let mut child = spawn_piped(&mut command, &shown);
         let log = Arc::new(Mutex::new(String::new()));
 
         let (first_line, first_line_rx) = mpsc::channel();
@@ -217,5 +247,45 @@ fn append(log: &Mutex<String>, line: &str) {
     if let Ok(mut log) = log.lock() {
         log.push_str(line);
         log.push('\n');
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> Command {
+        let mut command = Command::new("sh");
+        command.args(["-c", script]);
+        command
+    }
+
+    #[test]
+    fn a_command_is_captured_and_one_past_its_limit_is_killed() {
+        let done = run_bounded(
+            sh("echo out; echo err >&2; exit 3"),
+            Duration::from_secs(10),
+        );
+        assert_eq!(done.status.and_then(|s| s.code()), Some(3));
+        assert_eq!(
+            (done.stdout.as_str(), done.stderr.as_str()),
+            ("out\n", "err\n")
+        );
+        let slow = run_bounded(sh("sleep 30"), Duration::from_millis(200));
+        assert!(slow.status.is_none() && !slow.success(), "{slow}");
+        assert!(slow.elapsed < Duration::from_secs(10), "{slow}");
+    }
+
+    #[test]
+    fn a_server_gives_its_url_and_is_stopped_when_dropped() {
+        let server = Server::start(
+            sh("echo 'listening on http://127.0.0.1:1/'; exec sleep 30"),
+            Duration::from_secs(10),
+        );
+        assert_eq!(server.url, "http://127.0.0.1:1");
+        let pid = Pid::from_raw(server.child.id() as i32);
+        drop(server);
+        // Reaped by the drop: no such process any more.
+        assert!(kill(pid, None).is_err());
     }
 }
