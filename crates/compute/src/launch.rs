@@ -17,7 +17,6 @@
 //! ```
 
 use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
 use agentstack_static::env_vars;
@@ -33,70 +32,12 @@ use crate::entrypoint::{self, EntrypointOptions};
 use crate::kubernetes::{KubernetesOptions, manifests};
 use crate::ray::{RayOptions, submit_request};
 use crate::slurm::{SlurmOptions, batch_script};
-use crate::spec::Infra;
+pub use crate::spec::InfraKind;
 use crate::supervisor::SupervisorSettings;
 use crate::{BuildError, JobGroup};
 
 /// Ray's default Jobs API address (the dashboard port of a local head).
 pub const DEFAULT_RAY_ADDRESS: &str = "http://127.0.0.1:8265";
-
-/// Which of the user's engines runs a launch: the kind of an [`Infra`], without its
-/// cluster, partition or context. Written in the state database as [`as_str`](Self::as_str).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum InfraKind {
-    /// Process groups on this machine.
-    Local,
-    /// A Slurm cluster, through its CLI.
-    Slurm,
-    /// A Ray cluster's Jobs API.
-    Ray,
-    /// A Kubernetes cluster.
-    Kubernetes,
-}
-
-impl InfraKind {
-    /// `local`, `slurm`, `ray` or `kubernetes` (what [`Backend::kind`] says).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Local => "local",
-            Self::Slurm => "slurm",
-            Self::Ray => "ray",
-            Self::Kubernetes => "kubernetes",
-        }
-    }
-}
-
-impl fmt::Display for InfraKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for InfraKind {
-    type Err = LaunchError;
-
-    /// Reads [`as_str`](Self::as_str)'s names (what the state database holds).
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        Ok(match text {
-            "local" => Self::Local,
-            "slurm" => Self::Slurm,
-            "ray" => Self::Ray,
-            "kubernetes" => Self::Kubernetes,
-            other => return Err(LaunchError::UnknownInfra(other.to_owned())),
-        })
-    }
-}
-
-impl From<&Infra> for InfraKind {
-    fn from(infra: &Infra) -> Self {
-        match infra {
-            Infra::Local => Self::Local,
-            Infra::Slurm { .. } => Self::Slurm,
-            Infra::Ray { .. } => Self::Ray,
-            Infra::Kubernetes { .. } => Self::Kubernetes,
-        }
-    }
-}
 
 /// What a launch's backend needs besides the spec, kept with the launch (as JSON in the
 /// state database) so that a later supervisor builds the same backend.
@@ -137,9 +78,6 @@ pub enum LaunchError {
         /// Its kind.
         second_kind: InfraKind,
     },
-    /// An infra name the state database should not hold.
-    #[error("unknown infra `{0}` in the state")]
-    UnknownInfra(String),
     /// No kubeconfig to reach Kubernetes with.
     #[error(
         "no kubeconfig: KUBECONFIG is not set and ~/.kube/config does not exist\nhint: point KUBECONFIG at your cluster's kubeconfig"
@@ -167,7 +105,7 @@ impl LaunchError {
     /// Whether the user can fix it (their files, flags or environment), rather than a
     /// failure of agentstack's own state or code.
     pub fn is_users(&self) -> bool {
-        !matches!(self, Self::UnknownInfra(_) | Self::Write(_))
+        !matches!(self, Self::Write(_))
     }
 }
 
@@ -418,8 +356,7 @@ mod tests {
         ] {
             assert_eq!(kind.as_str().parse::<InfraKind>().unwrap(), kind);
         }
-        let error = "mars".parse::<InfraKind>().unwrap_err();
-        assert!(!error.is_users(), "the state is ours");
+        assert!("mars".parse::<InfraKind>().is_err());
     }
 
     #[test]

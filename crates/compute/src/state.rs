@@ -10,6 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{Row, SqliteConnection};
 
+use crate::spec::InfraKind;
+
 /// Why the state database failed.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -127,8 +129,8 @@ pub struct JobRecord {
     pub id: String,
     /// The group's name.
     pub name: String,
-    /// `local`, `slurm`, `ray` or `kubernetes`.
-    pub infra: String,
+    /// Where it runs.
+    pub infra: InfraKind,
     /// The group as YAML (paths resolved).
     pub spec: String,
     /// Its state.
@@ -180,8 +182,8 @@ pub struct UnitRecord {
     pub priority: i32,
     /// CPUs it holds on local.
     pub cpus: f64,
-    /// `local`, ... (for admission across launches).
-    pub infra: String,
+    /// Where it runs (for admission across launches).
+    pub infra: InfraKind,
     /// When the current attempt was submitted, ms.
     pub started_ms: Option<i64>,
     /// When the current attempt was first seen running, ms.
@@ -270,11 +272,17 @@ CREATE TABLE IF NOT EXISTS units (
 );
 ";
 
+/// A row's `infra`: a name this version does not know is [`StateError::Unknown`].
+fn infra(row: &sqlx::sqlite::SqliteRow) -> Result<InfraKind, StateError> {
+    let text: String = row.try_get("infra")?;
+    text.parse().map_err(|_| StateError::Unknown(text))
+}
+
 fn job(row: &sqlx::sqlite::SqliteRow) -> Result<JobRecord, StateError> {
     Ok(JobRecord {
         id: row.try_get("id")?,
         name: row.try_get("name")?,
-        infra: row.try_get("infra")?,
+        infra: infra(row)?,
         spec: row.try_get("spec")?,
         state: row.try_get::<String, _>("state")?.parse()?,
         cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
@@ -305,7 +313,7 @@ fn unit(row: &sqlx::sqlite::SqliteRow) -> Result<UnitRecord, StateError> {
         message: row.try_get("message")?,
         priority: row.try_get::<i64, _>("priority")? as i32,
         cpus: row.try_get("cpus")?,
-        infra: row.try_get("infra")?,
+        infra: infra(row)?,
         started_ms: row.try_get("started_ms")?,
         running_ms: row.try_get("running_ms")?,
         ended_ms: row.try_get("ended_ms")?,
@@ -375,7 +383,7 @@ impl Store {
         sqlx::query("INSERT INTO jobs (id, name, infra, spec, state, dir, created_ms, options) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
             .bind(&job.id)
             .bind(&job.name)
-            .bind(&job.infra)
+            .bind(job.infra.as_str())
             .bind(&job.spec)
             .bind(job.state.as_str())
             .bind(&job.dir)
@@ -390,7 +398,7 @@ impl Store {
                 .bind(i64::from(*replica))
                 .bind(i64::from(*priority))
                 .bind(*cpus)
-                .bind(&job.infra)
+                .bind(job.infra.as_str())
                 .execute(&mut *tx)
                 .await?;
         }

@@ -27,7 +27,7 @@ use std::time::Duration;
 use crate::backend::{Backend, BackendError, UnitLaunch, UnitStatus};
 use crate::discovery::{self, Addresses, Endpoint, SKYPILOT_NODE_IPS, SKYPILOT_NODE_RANK};
 use crate::request;
-use crate::spec::{JobGroup, SpecError, Task};
+use crate::spec::{InfraKind, JobGroup, SpecError, Task};
 use crate::state::{
     Admission, JobRecord, JobState, NewUnit, StateError, Store, UnitRecord, UnitState, UnitUpdate,
     now_ms,
@@ -125,7 +125,7 @@ pub async fn create_launch<B: Backend>(
     settings: &SupervisorSettings,
 ) -> Result<JobRecord, SuperviseError> {
     backend.check(group)?;
-    let local = backend.kind() == "local";
+    let local = backend.kind() == InfraKind::Local;
     let mut units: Vec<NewUnit> = Vec::new();
     for task in &group.components {
         let replicas = if backend.unit_is_component() {
@@ -164,7 +164,7 @@ pub async fn create_launch<B: Backend>(
     let record = JobRecord {
         id,
         name: group.name.clone(),
-        infra: backend.kind().to_owned(),
+        infra: backend.kind(),
         spec: group.to_yaml(),
         state: JobState::Starting,
         cancel_requested: false,
@@ -247,7 +247,7 @@ impl<B: Backend> Supervisor<B> {
 
     /// Supervises until the launch ends; returns how it ended.
     pub async fn run(&self) -> Result<JobState, SuperviseError> {
-        let span = tracing::info_span!("launch", id = %self.job_id, infra = self.backend.kind());
+        let span = tracing::info_span!("launch", id = %self.job_id, infra = %self.backend.kind());
         let _enter = span.enter();
         loop {
             if let Some(end) = self.step().await? {
@@ -771,7 +771,7 @@ impl<B: Backend> Supervisor<B> {
                 .iter()
                 .all(|u| u.state == UnitState::Pending && u.handle.is_none());
         if first {
-            if self.backend.unit_is_component() || self.backend.kind() != "local" {
+            if self.backend.unit_is_component() || self.backend.kind() != InfraKind::Local {
                 self.backend.prepare(&self.group, &self.job_id).await?;
             }
             if self.admit(units).await? {
@@ -828,7 +828,7 @@ impl<B: Backend> Supervisor<B> {
     /// engine queues. Marks the units `starting` when admitted.
     async fn admit(&self, units: &[UnitRecord]) -> Result<bool, SuperviseError> {
         let need: f64 = units.iter().map(|u| u.cpus).sum();
-        if self.backend.kind() != "local" || need <= 0.0 {
+        if self.backend.kind() != InfraKind::Local || need <= 0.0 {
             for u in units {
                 self.update(
                     u,

@@ -32,7 +32,7 @@ use serde_norway::Value as Yaml;
 use super::{Backend, BackendError, LogSource, UnitLaunch, UnitStatus};
 use crate::discovery::Addresses;
 use crate::kubernetes::{KubernetesOptions, addresses, manifests, object_name};
-use crate::spec::JobGroup;
+use crate::spec::{InfraKind, JobGroup};
 
 /// Most bytes of an error body kept.
 const MAX_ERROR_BODY: usize = 2000;
@@ -325,8 +325,8 @@ fn job_status(job: &Value) -> UnitStatus {
 }
 
 impl Backend for KubernetesBackend {
-    fn kind(&self) -> &'static str {
-        "kubernetes"
+    fn kind(&self) -> InfraKind {
+        InfraKind::Kubernetes
     }
 
     fn engine_recovers(&self) -> bool {

@@ -33,7 +33,7 @@ use super::{Backend, BackendError, LogSource, UnitLaunch, UnitStatus, signal_exi
 use crate::discovery::{Addresses, Endpoint};
 use crate::entrypoint::{self, EntrypointOptions};
 use crate::request::{self, BuildError, shell_quote};
-use crate::spec::JobGroup;
+use crate::spec::{InfraKind, JobGroup};
 
 /// The host local components reach each other on.
 pub const LOCAL_HOST: &str = "127.0.0.1";
@@ -116,8 +116,8 @@ fn kill_group(pid: i32, signal: Signal) {
 }
 
 impl Backend for LocalBackend {
-    fn kind(&self) -> &'static str {
-        "local"
+    fn kind(&self) -> InfraKind {
+        InfraKind::Local
     }
 
     fn addresses_up_front(&self, group: &JobGroup) -> Option<Addresses> {

@@ -23,7 +23,7 @@ use std::future::Future;
 use std::path::PathBuf;
 
 use crate::discovery::Addresses;
-use crate::spec::{JobGroup, Task};
+use crate::spec::{InfraKind, JobGroup, Task};
 
 /// What a backend needs to start one unit.
 #[derive(Debug, Clone)]
@@ -168,8 +168,8 @@ impl BackendError {
 /// Calls take handles (the strings [`Backend::start`] returned, kept in the state
 /// database), so a new process can pick up units an earlier one started.
 pub trait Backend: Send + Sync {
-    /// `local`, `slurm`, `ray` or `kubernetes`.
-    fn kind(&self) -> &'static str;
+    /// Which engine it is.
+    fn kind(&self) -> InfraKind;
 
     /// Whether the engine itself restarts a failed unit by the component's
     /// `job_recovery` (Kubernetes' Job controller); else the supervisor does.
@@ -267,7 +267,7 @@ macro_rules! each {
 }
 
 impl Backend for AnyBackend {
-    fn kind(&self) -> &'static str {
+    fn kind(&self) -> InfraKind {
         each!(self, b => b.kind())
     }
 

@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::{Backend, BackendError, LogSource, UnitLaunch, UnitStatus, signal_exit_code};
 use crate::discovery::Addresses;
 use crate::ray::{RayOptions, submit_request};
-use crate::spec::JobGroup;
+use crate::spec::{InfraKind, JobGroup};
 
 /// Most bytes of an engine's error body kept in an error.
 const MAX_ERROR_BODY: usize = 2000;
@@ -119,8 +119,8 @@ fn status(job: &Value) -> UnitStatus {
 }
 
 impl Backend for RayBackend {
-    fn kind(&self) -> &'static str {
-        "ray"
+    fn kind(&self) -> InfraKind {
+        InfraKind::Ray
     }
 
     fn addresses_up_front(&self, _group: &JobGroup) -> Option<Addresses> {

@@ -18,7 +18,7 @@ use super::{Backend, BackendError, LogSource, UnitLaunch, UnitStatus, signal_exi
 use crate::discovery::Addresses;
 use crate::request;
 use crate::slurm::{SlurmOptions, batch_script};
-use crate::spec::JobGroup;
+use crate::spec::{InfraKind, JobGroup};
 
 /// Launch settings for Slurm.
 #[derive(Debug, Clone, Default)]
@@ -192,8 +192,8 @@ fn parse_handle(handle: &str) -> (&str, Option<&str>) {
 }
 
 impl Backend for SlurmBackend {
-    fn kind(&self) -> &'static str {
-        "slurm"
+    fn kind(&self) -> InfraKind {
+        InfraKind::Slurm
     }
 
     fn addresses_up_front(&self, _group: &JobGroup) -> Option<Addresses> {

@@ -314,6 +314,65 @@ pub enum Infra {
     },
 }
 
+/// Which of the user's engines runs a launch: the kind of an [`Infra`], without its
+/// cluster, partition or context. Written in the state database as [`as_str`](Self::as_str).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InfraKind {
+    /// Process groups on this machine.
+    Local,
+    /// A Slurm cluster, through its CLI.
+    Slurm,
+    /// A Ray cluster's Jobs API.
+    Ray,
+    /// A Kubernetes cluster.
+    Kubernetes,
+}
+
+impl InfraKind {
+    /// `local`, `slurm`, `ray` or `kubernetes`: the name stored and shown.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::Slurm => "slurm",
+            Self::Ray => "ray",
+            Self::Kubernetes => "kubernetes",
+        }
+    }
+}
+
+impl fmt::Display for InfraKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // `pad`, so that tables can give it a width.
+        f.pad(self.as_str())
+    }
+}
+
+impl std::str::FromStr for InfraKind {
+    type Err = String;
+
+    /// Reads [`as_str`](Self::as_str)'s names (what the state database holds).
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Ok(match text {
+            "local" => Self::Local,
+            "slurm" => Self::Slurm,
+            "ray" => Self::Ray,
+            "kubernetes" => Self::Kubernetes,
+            other => return Err(format!("unknown infra `{other}`")),
+        })
+    }
+}
+
+impl From<&Infra> for InfraKind {
+    fn from(infra: &Infra) -> Self {
+        match infra {
+            Infra::Local => Self::Local,
+            Infra::Slurm { .. } => Self::Slurm,
+            Infra::Ray { .. } => Self::Ray,
+            Infra::Kubernetes { .. } => Self::Kubernetes,
+        }
+    }
+}
+
 const INFRA_HINT: &str = "one of `local`, `slurm`, `slurm/CLUSTER`, `slurm/CLUSTER/PARTITION`, `ray`, `ray/CLUSTER`, `k8s`, `k8s/CONTEXT`";
 
 impl Infra {

@@ -655,8 +655,8 @@ struct Refusing {
 }
 
 impl Backend for Refusing {
-    fn kind(&self) -> &'static str {
-        "local"
+    fn kind(&self) -> agentstack_compute::spec::InfraKind {
+        agentstack_compute::spec::InfraKind::Local
     }
 
     fn addresses_up_front(

@@ -83,8 +83,8 @@ impl Scripted {
 }
 
 impl Backend for Scripted {
-    fn kind(&self) -> &'static str {
-        "local"
+    fn kind(&self) -> agentstack_compute::spec::InfraKind {
+        agentstack_compute::spec::InfraKind::Local
     }
 
     fn addresses_up_front(&self, group: &JobGroup) -> Option<Addresses> {

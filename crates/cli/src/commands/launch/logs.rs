@@ -66,7 +66,7 @@ pub async fn run(args: JobLogsArgs) -> Result<(), Exit> {
             if printed[i].0.as_deref() != Some(handle) {
                 // A new attempt: a local unit keeps one log file; elsewhere each attempt
                 // has its own.
-                let same_file = job.infra == InfraKind::Local.as_str();
+                let same_file = job.infra == InfraKind::Local;
                 printed[i] = (
                     Some(handle.clone()),
                     if same_file { printed[i].1 } else { 0 },

@@ -19,7 +19,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use agentstack_compute::backend::AnyBackend;
-use agentstack_compute::launch::{self as launch_plan, InfraKind, LaunchOptions};
+use agentstack_compute::launch::{self as launch_plan, LaunchOptions};
 use agentstack_compute::state::{JobRecord, JobState, Store, now_ms};
 use agentstack_compute::supervisor::{Supervisor, SupervisorSettings};
 use agentstack_static::env_vars;
@@ -63,10 +63,10 @@ pub(crate) fn internal(e: impl Into<anyhow::Error>) -> Exit {
     Exit::internal(e)
 }
 
-/// A launch's backend and its pace, for the infra its record names (a name the state
-/// should not hold is an internal error; a backend that cannot be built, the user's).
+/// A launch's backend and its pace, for the infra its record names (a backend that
+/// cannot be built is the user's error).
 pub(crate) fn backend_of(job: &JobRecord) -> Result<(AnyBackend, SupervisorSettings), Exit> {
-    let infra: InfraKind = job.infra.parse().map_err(internal)?;
+    let infra = job.infra;
     let options: LaunchOptions = serde_json::from_str(&job.options).unwrap_or_default();
     let backend = launch_plan::backend(infra, &options).map_err(launch_exit)?;
     Ok((backend, launch_plan::supervisor_settings(infra, &options)))
