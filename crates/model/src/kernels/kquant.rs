@@ -37,7 +37,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::memory::Weights;
-use super::{ActRow, K_SUMS, QK_K, per_group, q4k_step, q6k_step, unpack_q4k_scales, word_at};
+use super::{
+    ActRow, K_SUMS, QK_K, ROW_TILE, per_group, q4k_step, q6k_step, unpack_q4k_scales, word_at,
+};
 
 mod lowk;
 
@@ -379,7 +381,7 @@ impl KPacked {
     /// Group `g`'s sixteen outputs for each of `rows` (at most four): `out[r·16 + lane]`
     /// is the product of weight row `16g + lane` with activation row `r`.
     pub(super) fn group(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        assert!(rows.len() <= 4 && out.len() >= rows.len() * LANES);
+        assert!(rows.len() <= ROW_TILE && out.len() >= rows.len() * LANES);
         for row in rows {
             assert!(
                 row.qs.len() >= self.nb * QK_K
@@ -492,18 +494,51 @@ fn pair(x: i32, y: i32) -> i32 {
 mod avx512 {
     use std::arch::x86_64::*;
 
+    #[cfg(doc)]
+    use super::ROW_TILE;
     use super::lowk::avx512::q23k;
     use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
 
     /// # Safety
     /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
-    /// four) must hold `p.nb` super-blocks each and `out` `16·rows.len()` values.
+    /// [`ROW_TILE`]) must hold `p.nb` super-blocks each and `out` `16·rows.len()`
+    /// values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        if p.ty == KType::Q6K {
+            // SAFETY (all arms): as this function requires.
+            unsafe {
+                match rows.len() {
+                    0 => {}
+                    1 => q6k::<1>(p, g, rows, out),
+                    2 => q6k::<2>(p, g, rows, out),
+                    3 => q6k::<3>(p, g, rows, out),
+                    4 => q6k::<4>(p, g, rows, out),
+                    5 => q6k::<5>(p, g, rows, out),
+                    6 => q6k::<6>(p, g, rows, out),
+                    7 => q6k::<7>(p, g, rows, out),
+                    _ => q6k::<8>(p, g, rows, out),
+                }
+            }
+            return;
+        }
+        // The other types four rows at a time.
+        for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
+            // SAFETY: as this function requires.
+            unsafe { group4(p, g, rows, out) };
+        }
+    }
+
+    /// [`group`] for at most four rows of a type other than Q6_K.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
         // SAFETY (all arms): as this function requires.
         unsafe {
             match (p.ty, rows.len()) {
-                (_, 0) => {}
+                (_, 0) | (KType::Q6K, _) => {}
                 (KType::Q2K, 1) => q23k::<1, false>(p, g, rows, out),
                 (KType::Q2K, 2) => q23k::<2, false>(p, g, rows, out),
                 (KType::Q2K, 3) => q23k::<3, false>(p, g, rows, out),
@@ -520,10 +555,6 @@ mod avx512 {
                 (KType::Q5K, 2) => q4k::<2, true>(p, g, rows, out),
                 (KType::Q5K, 3) => q4k::<3, true>(p, g, rows, out),
                 (KType::Q5K, _) => q4k::<4, true>(p, g, rows, out),
-                (KType::Q6K, 1) => q6k::<1>(p, g, rows, out),
-                (KType::Q6K, 2) => q6k::<2>(p, g, rows, out),
-                (KType::Q6K, 3) => q6k::<3>(p, g, rows, out),
-                (KType::Q6K, _) => q6k::<4>(p, g, rows, out),
             }
         }
     }
@@ -691,7 +722,10 @@ mod avx512 {
     }
 
     /// Q6_K: per 16-value group, `vpdpbusd` of the unsigned 6-bit weights (no overflow),
-    /// the −32 offset taken off with the group's activation sum, times the lane's scale.
+    /// the −32 offset taken off with the group's activation sum (the sum starts there),
+    /// times the lane's scale. Each pair of groups (four steps) is unpacked once into
+    /// eight registers, then every row takes its products from them with activation
+    /// words broadcast from memory, so the unpacking serves up to eight rows.
     ///
     /// # Safety
     /// As [`group`].
@@ -702,48 +736,37 @@ mod avx512 {
         let spread_lo = _mm512_set1_epi32(0);
         let spread_hi = _mm512_set1_epi32(0x0101_0101);
         let (spread_lo, spread_hi) = (lane_bytes(spread_lo), lane_bytes(spread_hi));
+        // Each row's arrays, whose lengths `group` asserted.
+        let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+        let sums: [*const i16; R] = std::array::from_fn(|r| rows[r].sums.as_ptr());
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..p.nb {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
-            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [_mm512_setzero_si512(); R];
             let hp = blk.high.as_ptr();
             for g8 in 0..8 {
-                // Groups g8 (low nibbles) and g8 + 8 (high nibbles) of steps (g8, t).
-                let mut lo = [_mm512_setzero_si512(); R];
-                let mut hi = [_mm512_setzero_si512(); R];
+                // Groups g8 (low nibbles, w[t]) and g8 + 8 (high nibbles, w[4 + t]) of
+                // steps (g8, t).
+                let mut w = [_mm512_setzero_si512(); 8];
                 for t in 0..4 {
                     let step = g8 * 4 + t;
                     // SAFETY: step's 64 of the block's 2048 nibble bytes and 32 of its
-                    // 1024 top-bit bytes; the activation words lie within the row's
-                    // super-block.
+                    // 1024 top-bit bytes.
                     unsafe {
-                        if R == 1 {
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                q.wrapping_add(step * 64 + PREFETCH).cast(),
-                            );
-                        }
-                        let w = _mm512_loadu_si512(q.add(step * 64).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + PREFETCH).cast());
+                        let x = _mm512_loadu_si512(q.add(step * 64).cast());
                         let top =
                             _mm512_cvtepu16_epi32(_mm256_loadu_si256(hp.add(step * 32).cast()));
-                        let wl = six_bits(
-                            _mm512_and_si512(w, low),
+                        w[t] = six_bits(
+                            _mm512_and_si512(x, low),
                             _mm512_shuffle_epi8(top, spread_lo),
                         );
-                        let wh = six_bits(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(w), low),
+                        w[4 + t] = six_bits(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(x), low),
                             _mm512_shuffle_epi8(top, spread_hi),
                         );
-                        for r in 0..R {
-                            let xl = _mm512_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
-                            let xh = _mm512_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
-                            lo[r] = _mm512_dpbusd_epi32(lo[r], wl, xl);
-                            hi[r] = _mm512_dpbusd_epi32(hi[r], wh, xh);
-                        }
                     }
                 }
                 // SAFETY: scales g8 and g8 + 8, 16 bytes each within the 256.
@@ -754,14 +777,25 @@ mod avx512 {
                     )
                 };
                 for r in 0..R {
-                    let sums = &rows[r].sums[b * K_SUMS..];
-                    let ol = _mm512_set1_epi32(32 * i32::from(sums[g8]));
-                    let oh = _mm512_set1_epi32(32 * i32::from(sums[g8 + 8]));
-                    let x = _mm512_add_epi32(
-                        _mm512_mullo_epi32(_mm512_sub_epi32(lo[r], ol), sl),
-                        _mm512_mullo_epi32(_mm512_sub_epi32(hi[r], oh), sh),
-                    );
-                    isum[r] = _mm512_add_epi32(isum[r], x);
+                    // SAFETY: super-block b of the row's quants and sums; the activation
+                    // words lie within it.
+                    unsafe {
+                        let a = qs[r].add(b * QK_K);
+                        let s = sums[r].add(b * K_SUMS);
+                        let mut lo = _mm512_set1_epi32(-32 * i32::from(*s.add(g8)));
+                        let mut hi = _mm512_set1_epi32(-32 * i32::from(*s.add(g8 + 8)));
+                        for t in 0..4 {
+                            let xl = _mm512_set1_epi32(word_at(a.add(16 * g8 + 4 * t)));
+                            let xh = _mm512_set1_epi32(word_at(a.add(16 * (g8 + 8) + 4 * t)));
+                            lo = _mm512_dpbusd_epi32(lo, w[t], xl);
+                            hi = _mm512_dpbusd_epi32(hi, w[4 + t], xh);
+                        }
+                        let x = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo, sl),
+                            _mm512_mullo_epi32(hi, sh),
+                        );
+                        isum[r] = _mm512_add_epi32(isum[r], x);
+                    }
                 }
             }
             // SAFETY: 16 f32 values.
@@ -788,14 +822,28 @@ mod avx512 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    #[cfg(doc)]
+    use super::ROW_TILE;
     use super::lowk::avx2::q23k;
     use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
 
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `rows` (at most four) must hold `p.nb`
-    /// super-blocks each and `out` `16·rows.len()` values.
+    /// The CPU must support AVX2 and FMA; `rows` (at most [`ROW_TILE`]) must hold
+    /// `p.nb` super-blocks each and `out` `16·rows.len()` values.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
+            // SAFETY: as this function requires.
+            unsafe { group4(p, g, rows, out) };
+        }
+    }
+
+    /// [`group`] for at most four rows.
+    ///
+    /// # Safety
+    /// As [`group`].
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
         // Each half of the group (8 lanes) on its own: 16 registers are too few for
         // both halves of four rows' accumulators.
         for h in 0..2 {
@@ -1164,7 +1212,7 @@ mod tests {
                 let out = 20;
                 let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
                 let k = nb * QK_K;
-                let mut x: Vec<f32> = (0..k * 4)
+                let mut x: Vec<f32> = (0..k * ROW_TILE)
                     .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
                     .collect();
                 x[..QK_K].fill(2.5);
@@ -1175,10 +1223,10 @@ mod tests {
                 let rows: Vec<ActRow> = x.chunks_exact(k).map(quantize_row_k).collect();
                 assert_eq!(rows[0].qs[..QK_K], [127; QK_K]);
                 for g in 0..packed.groups {
-                    for n in 1..=4 {
-                        let mut want = [0f32; 4 * LANES];
+                    for n in 1..=ROW_TILE {
+                        let mut want = [0f32; ROW_TILE * LANES];
                         packed.group_scalar(g, &rows[..n], &mut want);
-                        let mut got = [0f32; 4 * LANES];
+                        let mut got = [0f32; ROW_TILE * LANES];
                         #[expect(unsafe_code, reason = "the features were checked above")]
                         // SAFETY: detected_simd() found AVX2 and FMA; sizes as required.
                         unsafe {
@@ -1187,7 +1235,7 @@ mod tests {
                         let at = format!("{ty:?}, {nb} super-blocks, group {g}, {n} rows");
                         assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "AVX2: {at}");
                         if avx512 {
-                            let mut got = [0f32; 4 * LANES];
+                            let mut got = [0f32; ROW_TILE * LANES];
                             #[expect(unsafe_code, reason = "the features were checked above")]
                             // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
                             unsafe {

@@ -49,11 +49,12 @@ use packed32::{Form, Packed32};
 const QK: usize = 32;
 /// Values per K-quant super-block.
 const QK_K: usize = 256;
+/// Activation rows a group kernel takes at once. The AVX-512 kernels of the blocks of
+/// 32 and of Q6_K unpack each block once for all of them (their registers hold eight
+/// rows' sums); the others take them four at a time.
+const ROW_TILE: usize = 8;
 /// Activation sums per super-block: one per 16 values.
 const K_SUMS: usize = QK_K / 16;
-/// Activation rows the K-quant kernels take together, so each unpacked weight block is
-/// used several times (blocks of 32 take [`packed32::ROW_TILE`]).
-const ROW_TILE: usize = 4;
 
 /// `v` cut into `groups` consecutive chunks of equal length (all empty when `v` is): a
 /// packed weight's arrays per group of rows, each group's slots being contiguous, so
@@ -230,14 +231,6 @@ impl Packing {
         match self {
             Self::K(p) => p.groups,
             Self::B32(p) => p.groups,
-        }
-    }
-
-    /// Activation rows [`Self::group`] takes at once.
-    fn row_tile(&self) -> usize {
-        match self {
-            Self::K(_) => ROW_TILE,
-            Self::B32(_) => packed32::ROW_TILE,
         }
     }
 
@@ -505,7 +498,7 @@ impl FastLinear {
     }
 
     /// [`Self::matmul_rows`] for a weight packed in groups of 16 rows: each group's
-    /// outputs for up to four activation rows at once, groups split across threads.
+    /// outputs for up to [`ROW_TILE`] activation rows at once, groups split across threads.
     fn matmul_packed(&self, p: &Packing, rows: &[ActRow], n: usize) -> Vec<f32> {
         let out = self.out_features;
         let groups = p.groups();
@@ -522,8 +515,7 @@ impl FastLinear {
         let mut tiles = vec![0f32; groups * stride];
         let task = |(t, dst): (usize, &mut [f32])| {
             for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
-                let tile = p.row_tile();
-                for (chunk, d) in rows.chunks(tile).zip(dst.chunks_mut(tile * LANES)) {
+                for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
                     p.group(g, chunk, d);
                 }
             }

@@ -34,15 +34,10 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::memory::Weights;
-use super::{ActRow, QK, QuantKind, per_group, word_at};
+use super::{ActRow, QK, QuantKind, ROW_TILE, per_group, word_at};
 
 /// Weight rows per group.
 pub(super) const LANES: usize = 16;
-
-/// Activation rows a group kernel takes at once: each unpacked step of weights serves
-/// eight rows (the AVX-512 kernel's registers hold eight rows' sums; AVX2 takes them
-/// four at a time).
-pub(super) const ROW_TILE: usize = 8;
 
 /// How far ahead of its loads, in bytes of packed quants, a kernel asks for the cache
 /// line it will read (one prefetch per 64 bytes). Decode streams the whole weight from
