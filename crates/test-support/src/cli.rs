@@ -11,6 +11,8 @@ use std::process::{Child, Command};
 
 use agentstack_static::env_vars;
 
+use crate::processes::Finished;
+
 /// How a run of the binary ended, and what it printed.
 #[derive(Debug, Clone)]
 pub struct Output {
@@ -32,6 +34,17 @@ impl Output {
             code: out.status.code().unwrap_or(-1),
             stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
             stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+impl From<Finished> for Output {
+    /// A bounded run's result; one killed for time (or by a signal) has code -1.
+    fn from(done: Finished) -> Self {
+        Self {
+            code: done.status.and_then(|s| s.code()).unwrap_or(-1),
+            stdout: done.stdout,
+            stderr: done.stderr,
         }
     }
 }

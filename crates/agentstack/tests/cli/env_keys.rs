@@ -5,7 +5,9 @@
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use agentstack_test_support::processes::run_bounded;
 
 use super::{Output, snapshot};
 
@@ -37,30 +39,7 @@ fn client(args: &[&str], key: Option<&str>) -> Output {
     if let Some(key) = key {
         command.env("AGENTSTACK_API_KEY", key);
     }
-    let mut child = command
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = read_all(child.stdout.take().unwrap());
-    let stderr = read_all(child.stderr.take().unwrap());
-    let started = Instant::now();
-    let code = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status.code().unwrap_or(-1);
-        }
-        if started.elapsed() > LIMIT {
-            let _ = child.kill();
-            let _ = child.wait();
-            break -1;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    Output {
-        code,
-        stdout: stdout.join().unwrap(),
-        stderr: stderr.join().unwrap(),
-    }
+    run_bounded(command, LIMIT).into()
 }
 
 fn read_all(mut from: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
