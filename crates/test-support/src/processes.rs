@@ -106,7 +106,7 @@ fn spawn_piped(command: &mut Command, shown: &str) -> Child {
 
 /// Runs `command` to completion, killing it after `limit`. Its output is what it
 /// printed by then: a grandchild still holding the pipes open (a server the command
-/// started) is given [`DRAIN`] to close them, not waited for.
+/// started) is given two seconds to close them, not waited for.
 pub fn run_bounded(mut command: Command, limit: Duration) -> Finished {
     let shown = describe(&command);
     let started = Instant::now();
