@@ -365,3 +365,54 @@ async fn auxiliaries_get_sigterm_after_the_delay_and_sigkill_after_the_grace() {
     );
     assert_eq!(launch.unit("helper").await.exit_code, Some(KILLED));
 }
+
+/// A replica that never answers its readiness probe is killed at the first probe past
+/// `initial_delay_seconds` (probes come every `endpoint_probe_interval_seconds`), and
+/// its `job_recovery` starts it again in the next step, saying why.
+#[tokio::test(start_paused = true)]
+async fn a_replica_not_ready_within_its_initial_delay_is_replaced() {
+    let _clock = hold_the_clock();
+    // Nothing listens there: every probe is refused at once.
+    let port = agentstack_test_support::ports::free_port();
+    let launch = Launch::new(
+        &format!(
+            "name: probed\nresources: {{ports: {port}, job_recovery: {{max_restarts_on_errors: 1}}}}\nreadiness_probe: {{path: /ready, initial_delay_seconds: 20, endpoint_probe_interval_seconds: 5}}\nrun: x\n"
+        ),
+        Scripted::new(&[], &[]),
+    )
+    .await;
+    let running = launch
+        .step_until("running", async |l: &Launch| {
+            l.unit("probed").await.state == UnitState::Running
+        })
+        .await;
+    let restarted = launch
+        .step_until("a restart", async |l: &Launch| {
+            l.unit("probed").await.attempt == 1
+        })
+        .await;
+    let kills: Vec<Duration> = launch
+        .engine()
+        .calls()
+        .into_iter()
+        .filter(|(_, c)| *c == stop("probed/0/0", false))
+        .map(|(at, _)| at)
+        .collect();
+    let [killed] = kills[..] else {
+        panic!("killed {kills:?}")
+    };
+    let (delay, interval) = (secs(20), secs(5));
+    assert!(
+        killed > running + delay && killed <= running + delay + interval,
+        "running at {running:?}, killed at {killed:?}"
+    );
+    assert_eq!(restarted, killed + STEP);
+    let unit = launch.unit("probed").await;
+    assert_eq!(unit.restarts_on_errors, 1);
+    assert_eq!(
+        unit.message.as_deref(),
+        Some(
+            "readiness probe: not ready within initial_delay_seconds (20 s); restarting: restart 1 of max_restarts_on_errors 1"
+        )
+    );
+}
