@@ -138,6 +138,19 @@ fn a_group_runs_to_the_end_and_logs_and_status_show_it() {
         "{}",
         out.stdout
     );
+    // The two tables, as they read: the launch's id and age filtered out.
+    let list = agentstack(h, &["status"]);
+    assert_eq!(list.code, 0, "{}", snapshot(&list));
+    insta::with_settings!({filters => vec![
+        (r"demo-[0-9a-f]{8}", "demo-[ID]"),
+        (r" +\d+[smhd]  demo-", " [AGE]  demo-"),
+    ]}, {
+        insta::assert_snapshot!(format!(
+            "$ agentstack status\n{}\n$ agentstack status demo\n{}",
+            snapshot(&list),
+            snapshot(&out)
+        ));
+    });
     let out = agentstack(h, &["down"]);
     assert_eq!(out.code, 0, "{}", snapshot(&out));
     let out = agentstack(h, &["status"]);
