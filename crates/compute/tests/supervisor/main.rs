@@ -416,3 +416,98 @@ async fn a_replica_not_ready_within_its_initial_delay_is_replaced() {
         )
     );
 }
+
+/// A loopback HTTP server that answers every request 200 while `healthy`, else 503.
+struct ProbeTarget {
+    port: u16,
+    healthy: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ProbeTarget {
+    fn start() -> Self {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let healthy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let answers = std::sync::Arc::clone(&healthy);
+        std::thread::spawn(move || {
+            for mut stream in listener.incoming().map_while(Result::ok) {
+                let mut request = [0u8; 4096];
+                let _ = stream.read(&mut request);
+                let status = if answers.load(std::sync::atomic::Ordering::SeqCst) {
+                    "200 OK"
+                } else {
+                    "503 Service Unavailable"
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                );
+            }
+        });
+        Self { port, healthy }
+    }
+
+    fn fail(&self) {
+        self.healthy
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A ready replica that then fails every probe is killed once
+/// `consecutive_failure_threshold_timeout` has passed since its last good answer (at the
+/// first probe past it), and started again.
+#[tokio::test(start_paused = true)]
+async fn a_ready_replica_failing_its_probes_past_the_threshold_is_replaced() {
+    let _clock = hold_the_clock();
+    let target = ProbeTarget::start();
+    let launch = Launch::new(
+        &format!(
+            "name: flapping\nresources: {{ports: {}, job_recovery: {{max_restarts_on_errors: 1}}}}\nreadiness_probe: {{path: /ready, initial_delay_seconds: 5, endpoint_probe_interval_seconds: 5, consecutive_failure_threshold_timeout: 30}}\nrun: x\n",
+            target.port
+        ),
+        Scripted::new(&[], &[]),
+    )
+    .await;
+    let ready = launch
+        .step_until("ready", async |l: &Launch| {
+            l.unit("flapping").await.ready_ms.is_some()
+        })
+        .await;
+    // Probed (and answered) every interval for a while; the last step with good
+    // answers is `healthy_until`.
+    let healthy_until = launch
+        .step_until("20 s of good answers", async move |l: &Launch| {
+            l.now() >= ready + secs(20)
+        })
+        .await;
+    target.fail();
+    tokio::time::advance(STEP).await;
+    let restarted = launch
+        .step_until("a restart", async |l: &Launch| {
+            l.unit("flapping").await.attempt == 1
+        })
+        .await;
+    let killed = restarted - STEP;
+    assert!(
+        launch
+            .engine()
+            .calls()
+            .contains(&(killed, stop("flapping/0/0", false))),
+        "{:?}",
+        launch.engine().calls()
+    );
+    // The last good answer came at most one probe interval before the failures began.
+    let (threshold, interval) = (secs(30), secs(5));
+    assert!(
+        killed > healthy_until - interval + threshold
+            && killed <= healthy_until + threshold + interval,
+        "healthy until {healthy_until:?}, killed at {killed:?}"
+    );
+    assert_eq!(
+        launch.unit("flapping").await.message.as_deref(),
+        Some(
+            "readiness probe: failed every readiness probe for consecutive_failure_threshold_timeout (30 s); restarting: restart 1 of max_restarts_on_errors 1"
+        )
+    );
+}
