@@ -505,40 +505,53 @@ mod avx512 {
     /// values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        if p.ty == KType::Q6K {
-            // SAFETY (all arms): as this function requires.
-            unsafe {
-                match rows.len() {
-                    0 => {}
-                    1 => q6k::<1>(p, g, rows, out),
-                    2 => q6k::<2>(p, g, rows, out),
-                    3 => q6k::<3>(p, g, rows, out),
-                    4 => q6k::<4>(p, g, rows, out),
-                    5 => q6k::<5>(p, g, rows, out),
-                    6 => q6k::<6>(p, g, rows, out),
-                    7 => q6k::<7>(p, g, rows, out),
-                    _ => q6k::<8>(p, g, rows, out),
+        // SAFETY (all arms): as this function requires.
+        unsafe {
+            match (p.ty, rows.len()) {
+                (_, 0) => {}
+                (KType::Q2K | KType::Q3K, _) => {
+                    // Four rows at a time.
+                    for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
+                        low_k(p, g, rows, out);
+                    }
                 }
+                (KType::Q4K, 1) => q4k::<1, false>(p, g, rows, out),
+                (KType::Q4K, 2) => q4k::<2, false>(p, g, rows, out),
+                (KType::Q4K, 3) => q4k::<3, false>(p, g, rows, out),
+                (KType::Q4K, 4) => q4k::<4, false>(p, g, rows, out),
+                (KType::Q4K, 5) => q4k::<5, false>(p, g, rows, out),
+                (KType::Q4K, 6) => q4k::<6, false>(p, g, rows, out),
+                (KType::Q4K, 7) => q4k::<7, false>(p, g, rows, out),
+                (KType::Q4K, _) => q4k::<8, false>(p, g, rows, out),
+                (KType::Q5K, 1) => q4k::<1, true>(p, g, rows, out),
+                (KType::Q5K, 2) => q4k::<2, true>(p, g, rows, out),
+                (KType::Q5K, 3) => q4k::<3, true>(p, g, rows, out),
+                (KType::Q5K, 4) => q4k::<4, true>(p, g, rows, out),
+                (KType::Q5K, 5) => q4k::<5, true>(p, g, rows, out),
+                (KType::Q5K, 6) => q4k::<6, true>(p, g, rows, out),
+                (KType::Q5K, 7) => q4k::<7, true>(p, g, rows, out),
+                (KType::Q5K, _) => q4k::<8, true>(p, g, rows, out),
+                (KType::Q6K, 1) => q6k::<1>(p, g, rows, out),
+                (KType::Q6K, 2) => q6k::<2>(p, g, rows, out),
+                (KType::Q6K, 3) => q6k::<3>(p, g, rows, out),
+                (KType::Q6K, 4) => q6k::<4>(p, g, rows, out),
+                (KType::Q6K, 5) => q6k::<5>(p, g, rows, out),
+                (KType::Q6K, 6) => q6k::<6>(p, g, rows, out),
+                (KType::Q6K, 7) => q6k::<7>(p, g, rows, out),
+                (KType::Q6K, _) => q6k::<8>(p, g, rows, out),
             }
-            return;
-        }
-        // The other types four rows at a time.
-        for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
-            // SAFETY: as this function requires.
-            unsafe { group4(p, g, rows, out) };
         }
     }
 
-    /// [`group`] for at most four rows of a type other than Q6_K.
+    /// [`group`] for Q2_K and Q3_K and at most four rows.
     ///
     /// # Safety
     /// As [`group`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
         // SAFETY (all arms): as this function requires.
         unsafe {
             match (p.ty, rows.len()) {
-                (_, 0) | (KType::Q6K, _) => {}
                 (KType::Q2K, 1) => q23k::<1, false>(p, g, rows, out),
                 (KType::Q2K, 2) => q23k::<2, false>(p, g, rows, out),
                 (KType::Q2K, 3) => q23k::<3, false>(p, g, rows, out),
@@ -547,20 +560,15 @@ mod avx512 {
                 (KType::Q3K, 2) => q23k::<2, true>(p, g, rows, out),
                 (KType::Q3K, 3) => q23k::<3, true>(p, g, rows, out),
                 (KType::Q3K, _) => q23k::<4, true>(p, g, rows, out),
-                (KType::Q4K, 1) => q4k::<1, false>(p, g, rows, out),
-                (KType::Q4K, 2) => q4k::<2, false>(p, g, rows, out),
-                (KType::Q4K, 3) => q4k::<3, false>(p, g, rows, out),
-                (KType::Q4K, _) => q4k::<4, false>(p, g, rows, out),
-                (KType::Q5K, 1) => q4k::<1, true>(p, g, rows, out),
-                (KType::Q5K, 2) => q4k::<2, true>(p, g, rows, out),
-                (KType::Q5K, 3) => q4k::<3, true>(p, g, rows, out),
-                (KType::Q5K, _) => q4k::<4, true>(p, g, rows, out),
+                _ => {}
             }
         }
     }
 
     /// Q4_K: per sub-block, `vpdpbusd` of the sixteen rows' nibbles with four broadcast
-    /// activation bytes (no overflow: 32·15·128 < 2³¹), times the lane's scale.
+    /// activation bytes (no overflow: 32·15·128 < 2³¹), times the lane's scale. Each
+    /// sub-block is unpacked once into eight registers, then every row takes its
+    /// products from them, so the unpacking serves up to eight rows.
     ///
     /// # Safety
     /// As [`group`].
@@ -574,76 +582,78 @@ mod avx512 {
         let low = _mm512_set1_epi8(0x0F);
         // Q5_K: byte k of a lane tests bit k (low nibbles) or 4 + k (high nibbles) of the
         // lane's fifth-bit byte, spread over the lane's four bytes.
-        let bits_lo = _mm512_set1_epi32(0x0804_0201);
-        let bits_hi = _mm512_set1_epi32(0x8040_2010u32 as i32);
+        let bits = [
+            _mm512_set1_epi32(0x0804_0201),
+            _mm512_set1_epi32(0x8040_2010u32 as i32),
+        ];
         let sixteen = _mm512_set1_epi8(16);
+        // With one or two rows, two accumulators per row (even and odd steps), so that a
+        // row's multiply-adds do not wait on each other.
+        let chains = if R <= 2 { 2 } else { 1 };
+        // Each row's quants, whose lengths `group` asserted.
+        let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..p.nb {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
-            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [_mm512_setzero_si512(); R];
             for i in 0..4 {
-                // With one or two rows, two accumulators per row and nibble half (even
-                // and odd steps), so that a row's multiply-adds do not wait on each other.
-                let chains = if R <= 2 { 2 } else { 1 };
-                let mut lo = [[_mm512_setzero_si512(); R]; 2];
-                let mut hi = [[_mm512_setzero_si512(); R]; 2];
-                for t in 0..8 {
-                    // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them; the
-                    // activation words lie within the row's super-block.
-                    unsafe {
-                        if R == 1 {
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
-                            );
-                        }
-                        let w = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
-                        let mut wl = _mm512_and_si512(w, low);
-                        let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), low);
-                        if FIVE {
-                            // 16 bytes of the block's 512 for step (i, t), one per lane,
-                            // times 0x01010101: the byte in all four of the lane's bytes.
-                            let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                blk.high.as_ptr().add((i * 8 + t) * LANES).cast(),
-                            ));
-                            let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
-                            let ml = _mm512_test_epi8_mask(hb, bits_lo);
-                            let mh = _mm512_test_epi8_mask(hb, bits_hi);
-                            wl = _mm512_mask_add_epi8(wl, ml, wl, sixteen);
-                            wh = _mm512_mask_add_epi8(wh, mh, wh, sixteen);
-                        }
-                        for r in 0..R {
-                            let al = _mm512_set1_epi32(word_at(a[r].add(64 * i + 4 * t)));
-                            let ah = _mm512_set1_epi32(word_at(a[r].add(64 * i + 32 + 4 * t)));
-                            let c = t % chains;
-                            lo[c][r] = _mm512_dpbusd_epi32(lo[c][r], wl, al);
-                            hi[c][r] = _mm512_dpbusd_epi32(hi[c][r], wh, ah);
+                // Sub-block 2i + half: the low (half 0) or high nibbles of steps (i, t).
+                for (half, &bits) in bits.iter().enumerate() {
+                    let mut w = [_mm512_setzero_si512(); 8];
+                    for (t, w) in w.iter_mut().enumerate() {
+                        // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them, and
+                        // 16 of its 512 bytes of fifth bits.
+                        unsafe {
+                            if half == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
+                                );
+                            }
+                            let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
+                            let x = if half == 0 {
+                                x
+                            } else {
+                                _mm512_srli_epi16::<4>(x)
+                            };
+                            *w = _mm512_and_si512(x, low);
+                            if FIVE {
+                                // Step (i, t)'s byte per lane times 0x01010101: the byte
+                                // in all four of the lane's bytes.
+                                let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                    blk.high.as_ptr().add((i * 8 + t) * LANES).cast(),
+                                ));
+                                let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
+                                let m = _mm512_test_epi8_mask(hb, bits);
+                                *w = _mm512_mask_add_epi8(*w, m, *w, sixteen);
+                            }
                         }
                     }
-                }
-                let lo: [__m512i; R] =
-                    std::array::from_fn(|r| _mm512_add_epi32(lo[0][r], lo[1][r]));
-                let hi: [__m512i; R] =
-                    std::array::from_fn(|r| _mm512_add_epi32(hi[0][r], hi[1][r]));
-                // SAFETY: scales 2i and 2i + 1, 16 bytes each, within the 256.
-                let (sl, sh) = unsafe {
-                    (
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128(small.add(2 * i * LANES).cast())),
+                    // SAFETY: scale 2i + half, 16 bytes within the 256.
+                    let sc = unsafe {
                         _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            small.add((2 * i + 1) * LANES).cast(),
-                        )),
-                    )
-                };
-                for r in 0..R {
-                    let s = _mm512_add_epi32(
-                        _mm512_mullo_epi32(lo[r], sl),
-                        _mm512_mullo_epi32(hi[r], sh),
-                    );
-                    isum[r] = _mm512_add_epi32(isum[r], s);
+                            small.add((2 * i + half) * LANES).cast(),
+                        ))
+                    };
+                    for r in 0..R {
+                        let mut s = [_mm512_setzero_si512(); 2];
+                        for (t, &w) in w.iter().enumerate() {
+                            // SAFETY: the activation word lies within the row's
+                            // super-block.
+                            let x = unsafe {
+                                word_at(qs[r].add(b * QK_K + 64 * i + 32 * half + 4 * t))
+                            };
+                            let c = t % chains;
+                            s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(x));
+                        }
+                        let sum = if chains == 2 {
+                            _mm512_add_epi32(s[0], s[1])
+                        } else {
+                            s[0]
+                        };
+                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sum, sc));
+                    }
                 }
             }
             let mut msum = [_mm512_setzero_si512(); R];
