@@ -73,12 +73,14 @@ fn config_error(path: &Path, what: impl Into<String>) -> BackendError {
 }
 
 impl Credentials {
-    /// The kubeconfig at `$KUBECONFIG` (its first file) or `~/.kube/config`.
+    /// The kubeconfig at `$KUBECONFIG` (its first file) or `~/.kube/config`. An empty
+    /// variable is unset, as for every variable agentstack reads (and for kubectl).
     pub fn default_path() -> Option<PathBuf> {
-        if let Some(paths) = std::env::var_os(env_vars::KUBECONFIG) {
+        let var = |name| std::env::var_os(name).filter(|v| !v.is_empty());
+        if let Some(paths) = var(env_vars::KUBECONFIG) {
             return std::env::split_paths(&paths).next();
         }
-        std::env::var_os(env_vars::HOME).map(|h| PathBuf::from(h).join(".kube/config"))
+        var(env_vars::HOME).map(|h| PathBuf::from(h).join(".kube/config"))
     }
 
     /// Reads `context` (the current one when `None`) from the kubeconfig at `path`.
