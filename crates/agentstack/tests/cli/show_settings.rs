@@ -101,3 +101,26 @@ fn launch_shows_the_infra_and_the_backend_options() {
         ],
     ));
 }
+
+/// Regression: `launch` took an empty `AGENTSTACK_RAY_ADDRESS`, `AGENTSTACK_K8S_IMAGE` or
+/// `AGENTSTACK_K8S_NAMESPACE` for a value and refused an empty `AGENTSTACK_LOCAL_CPUS`;
+/// an empty variable is unset, as everywhere else.
+#[test]
+fn an_empty_variable_is_unset() {
+    let home = tempfile::tempdir().unwrap();
+    let file = home.path().join("job.yaml");
+    std::fs::write(&file, "name: t\nrun: echo hi\n").unwrap();
+    let empty = [
+        ("AGENTSTACK_RAY_ADDRESS", ""),
+        ("AGENTSTACK_K8S_IMAGE", ""),
+        ("AGENTSTACK_K8S_NAMESPACE", ""),
+        ("AGENTSTACK_LOCAL_CPUS", ""),
+    ];
+    let shown = show_settings(home.path(), &["launch", file.to_str().unwrap()], &empty);
+    for field in ["ray_address", "k8s_image", "k8s_namespace", "local_cpus"] {
+        assert!(
+            shown.contains(&format!("{field}: None,")),
+            "{field}\n{shown}"
+        );
+    }
+}
