@@ -813,14 +813,23 @@ impl Attend<'_> {
         let g = h / (self.heads / self.kv_heads);
         let qrow = &self.q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
         let visible = start + t + 1;
-        let mut scores = Vec::with_capacity(visible);
-        let mut max = f32::NEG_INFINITY;
-        for j in 0..visible {
-            let krow = &self.k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-            let score = dot(qrow, krow) * self.scale;
-            max = max.max(score);
-            scores.push(score);
+        let krow = |j: usize| &self.k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+        let mut scores = vec![0f32; visible];
+        // Four keys at a time: four independent dot products keep the multiply-adds
+        // busy (one alone waits on its own adds); each is `dot`'s arithmetic.
+        let mut quads = scores.chunks_exact_mut(4);
+        for (c, out) in (&mut quads).enumerate() {
+            let j = 4 * c;
+            let dots = dot4(qrow, [krow(j), krow(j + 1), krow(j + 2), krow(j + 3)]);
+            for (o, d) in out.iter_mut().zip(dots) {
+                *o = d * self.scale;
+            }
         }
+        let done = visible - quads.into_remainder().len();
+        for (j, o) in scores.iter_mut().enumerate().skip(done) {
+            *o = dot(qrow, krow(j)) * self.scale;
+        }
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         let mut total = 0f32;
         for score in &mut scores {
             *score = (*score - max).exp();
@@ -836,6 +845,29 @@ impl Attend<'_> {
             }
         }
     }
+}
+
+/// [`dot`] of `a` with each of four vectors, bit for bit.
+#[inline(always)]
+fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+    let n = a.len() / 8 * 8;
+    if b.iter().any(|b| b.len() != a.len()) || n != a.len() {
+        return b.map(|b| dot(a, b));
+    }
+    let mut lanes = [[0f32; 8]; 4];
+    for i in (0..n).step_by(8) {
+        let x = &a[i..i + 8];
+        for (lanes, b) in lanes.iter_mut().zip(&b) {
+            let y = &b[i..i + 8];
+            for l in 0..8 {
+                lanes[l] += x[l] * y[l];
+            }
+        }
+    }
+    lanes.map(|lanes| {
+        ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+            + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
+    })
 }
 
 /// A dot product with eight independent lanes (vectorizable, same order every time).
@@ -887,6 +919,25 @@ mod tests {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() <= MAX_REL_ERROR * scale, "n={n}: {g} vs {w}");
+            }
+        }
+    }
+
+    /// `dot4` is `dot` four times, bit for bit (ragged lengths included).
+    #[test]
+    fn dot4_is_four_dots() {
+        for len in [8, 64, 67] {
+            let v: Vec<Vec<f32>> = (0..5)
+                .map(|k| {
+                    (0..len)
+                        .map(|i| ((i * 37 + k * 11) % 23) as f32 / 7.0 - 1.5)
+                        .collect()
+                })
+                .collect();
+            let b = [&v[1][..], &v[2][..], &v[3][..], &v[4][..]];
+            let got = dot4(&v[0], b);
+            for (g, b) in got.iter().zip(b) {
+                assert_eq!(g.to_bits(), dot(&v[0], b).to_bits(), "length {len}");
             }
         }
     }
