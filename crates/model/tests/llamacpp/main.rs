@@ -36,9 +36,13 @@ const MAX_SPREAD_FACTOR: f32 = 1.5;
 /// between the two tokens (this close in log-probability): a near-tie that the rounding
 /// noise above decides either way. For scale: llama.cpp's default and its `-fa off -ctk
 /// f32 -ctv f32` path part on 6 of 7 of these chat prompts within 32 tokens, once at
-/// token 0.
+/// token 0 (the test measures those partings too: where llama.cpp's default parts from
+/// its own other path on a wider gap, that gap is the limit). Either engine's near-tie
+/// counts: both approximate the same f32 model, and where ours is indifferent (a
+/// rounding decides) llama.cpp's gap may be anything within [`OUR_GAP_LIMIT`], the
+/// spread of the two engines' log-probabilities measured on the prompts.
 const NEAR_TIE_NATS: f32 = 0.3;
-/// And under our model the two tokens must be no farther apart than llama.cpp's two
+/// And under both engines the two tokens must be no farther apart than llama.cpp's two
 /// paths ever disagree on a token (0.72 nats measured, see [`SPREAD_FACTOR`]).
 const OUR_GAP_LIMIT: f32 = 1.0;
 /// Tokens of each greedy continuation compared.
@@ -250,6 +254,23 @@ fn prompts(lm: &LanguageModel) -> Vec<Vec<u32>> {
     out
 }
 
+/// The gap in log-probability between tokens `a` and `b` in one of llama.cpp's
+/// completion steps (its top 5), or infinity when either is not among them.
+fn top_gap(step: &Value, a: u32, b: u32) -> f32 {
+    let alternatives = step["top_logprobs"].as_array().cloned().unwrap_or_default();
+    let lp = |id: u32| {
+        alternatives
+            .iter()
+            .find(|t| t["id"].as_u64() == Some(u64::from(id)))
+            .and_then(|t| t["logprob"].as_f64())
+            .map(|v| v as f32)
+    };
+    match (lp(a), lp(b)) {
+        (Some(a), Some(b)) => (a - b).abs(),
+        _ => f32::INFINITY,
+    }
+}
+
 /// Our log-softmax at the position after `prefix`.
 fn our_logprobs(lm: &LanguageModel, prefix: &[u32]) -> Vec<f32> {
     let mut cache = lm.model().new_cache();
@@ -269,8 +290,26 @@ fn our_logprobs(lm: &LanguageModel, prefix: &[u32]) -> Vec<f32> {
 async fn greedy_continuations_match_llama_cpp() {
     let lm = load();
     let server = LlamaServer::start().await;
+    let other_path = LlamaServer::start_with(&["-fa", "off", "-ctk", "f32", "-ctv", "f32"]).await;
     let prompts = prompts(&lm);
     assert!(prompts.len() >= 10);
+    // How far apart two tokens were, under llama.cpp's default, where its default and
+    // its other path part.
+    let mut self_gaps = Vec::new();
+    for prompt in &prompts {
+        let (theirs, probs) = server.greedy(prompt, GREEDY_TOKENS).await;
+        let (other, _) = other_path.greedy(prompt, GREEDY_TOKENS).await;
+        if let Some(i) = theirs.iter().zip(&other).position(|(a, b)| a != b) {
+            self_gaps.push(top_gap(&probs[i], theirs[i], other[i]));
+        }
+    }
+    let self_max = self_gaps.iter().copied().fold(0f32, f32::max);
+    let near_tie = NEAR_TIE_NATS.max(self_max);
+    eprintln!(
+        "llama.cpp's default and -fa off f32-cache paths part on {} of {} prompts, at gaps {self_gaps:.3?} nats under the default: near-tie limit {near_tie:.3}",
+        self_gaps.len(),
+        prompts.len()
+    );
     let mut identical = 0;
     for prompt in &prompts {
         // Both stop at the model's end token (llama.cpp's ignore_eos bans the token
@@ -298,21 +337,7 @@ async fn greedy_continuations_match_llama_cpp() {
                 let lp = our_logprobs(&lm, &prefix);
                 let gap = (lp[ours[i] as usize] - lp[theirs[i] as usize]).abs();
                 // llama.cpp's own view of the same two tokens (from its top 5).
-                let alternatives = probs[i]["top_logprobs"]
-                    .as_array()
-                    .cloned()
-                    .unwrap_or_default();
-                let their_lp = |id: u32| {
-                    alternatives
-                        .iter()
-                        .find(|t| t["id"].as_u64() == Some(u64::from(id)))
-                        .and_then(|t| t["logprob"].as_f64())
-                        .map(|v| v as f32)
-                };
-                let their_gap = match (their_lp(ours[i]), their_lp(theirs[i])) {
-                    (Some(a), Some(b)) => (a - b).abs(),
-                    _ => f32::INFINITY,
-                };
+                let their_gap = top_gap(&probs[i], ours[i], theirs[i]);
                 eprintln!(
                     "prompt {:?}: parts at token {i} (ours {} vs llama.cpp {}), gap {gap:.4} nats under ours, {their_gap:.4} under llama.cpp",
                     lm.tokenizer().decode(prompt, false),
@@ -320,8 +345,8 @@ async fn greedy_continuations_match_llama_cpp() {
                     theirs[i]
                 );
                 assert!(
-                    their_gap <= NEAR_TIE_NATS && gap <= OUR_GAP_LIMIT,
-                    "greedy tokens part at {i} on a gap of {their_gap} nats under llama.cpp (limit {NEAR_TIE_NATS}) and {gap} under ours (limit {OUR_GAP_LIMIT}): ours {:?}, llama.cpp {:?}",
+                    their_gap.min(gap) <= near_tie && their_gap.max(gap) <= OUR_GAP_LIMIT,
+                    "greedy tokens part at {i} on a gap of {their_gap} nats under llama.cpp and {gap} under ours: neither is a near-tie (at most {near_tie}), or one is over {OUR_GAP_LIMIT}: ours {:?}, llama.cpp {:?}",
                     lm.tokenizer().decode(&ours, false),
                     lm.tokenizer().decode(&theirs, false)
                 );
