@@ -2,7 +2,8 @@
 //!
 //! candle's kernels and our rayon kernels read their thread counts once, when they
 //! first start, so each thread count runs in a child: this binary again, with the
-//! hidden `__measure` subcommand and `RAYON_NUM_THREADS`/`CANDLE_NUM_THREADS` set.
+//! hidden `__measure` subcommand, `RAYON_NUM_THREADS` set and `CANDLE_NUM_THREADS=1`
+//! (as the CLI sets it).
 //! The child prints one JSON line of results on stdout and draws its progress on
 //! stderr. A model our runtime cannot load is an outcome, not a failure: the child
 //! says so in its line (`{"cannot_load": ...}`) and the benchmark goes on.
@@ -226,7 +227,8 @@ pub fn measure_command(
             &repetitions.to_string(),
         ])
         .env(env_vars::RAYON_NUM_THREADS, threads.to_string())
-        .env(env_vars::CANDLE_NUM_THREADS, threads.to_string())
+        // As the CLI does: no spinning workers in candle's element-wise pool.
+        .env(env_vars::CANDLE_NUM_THREADS, "1")
         .env_remove(env_vars::AGENTSTACK_KERNELS);
     if let Some(cap) = kernels.env_value() {
         command.env(env_vars::AGENTSTACK_KERNELS, cap);

@@ -763,7 +763,7 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
             s,
             "- Prefill/decode: llama-bench's protocol on both sides, {} rounds alternating between them, one timed run \
              per side per round (`llama-bench -p {} -n {} -r 1 -t T -o json`; ours: \
-             `Model::forward` in a child process with RAYON_NUM_THREADS=CANDLE_NUM_THREADS=T, a {}-token prompt in one call \
+             `Model::forward` in a child process with RAYON_NUM_THREADS=T and CANDLE_NUM_THREADS=1 (as the CLI), a {}-token prompt in one call \
              on a fresh cache, then {} one-token calls on another, random token ids, one warm-up each); our kernel \
              families {:?} (avx2: AGENTSTACK_KERNELS=avx2 in our child; llama.cpp runs its native build on every row).",
             plan.repetitions,

@@ -143,7 +143,9 @@ env_vars! {
     /// pool (the model kernels) reads it.
     RAYON_NUM_THREADS = "RAYON_NUM_THREADS";
 
-    /// Set by the CLI with `RAYON_NUM_THREADS`: candle's CPU kernels read it.
+    /// Set by the CLI to 1 unless already set: the workers of candle's element-wise
+    /// pool (its barrier pool; candle's matrix products use rayon's) spin while idle
+    /// and would take time from rayon's threads.
     CANDLE_NUM_THREADS = "CANDLE_NUM_THREADS";
 
     /// Set for a foreign environment server's command: the port it should listen on
