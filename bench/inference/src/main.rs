@@ -159,6 +159,11 @@ enum Command {
     Measure(MeasureArgs),
 }
 
+/// The allocator the `agentstack` binary uses (see its `main.rs`), so our side runs as
+/// the CLI does.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let args = match Args::try_parse() {
         Ok(args) => args,
