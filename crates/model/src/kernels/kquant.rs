@@ -505,7 +505,7 @@ mod avx512 {
     /// values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        // SAFETY (all arms): as this function requires.
+        // SAFETY: every arm calls with what this function requires.
         unsafe {
             match (p.ty, rows.len()) {
                 (_, 0) => {}
@@ -549,7 +549,7 @@ mod avx512 {
     /// As [`group`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        // SAFETY (all arms): as this function requires.
+        // SAFETY: every arm calls with what this function requires.
         unsafe {
             match (p.ty, rows.len()) {
                 (KType::Q2K, 1) => q23k::<1, false>(p, g, rows, out),
@@ -857,7 +857,7 @@ mod avx2 {
         // Each half of the group (8 lanes) on its own: 16 registers are too few for
         // both halves of four rows' accumulators.
         for h in 0..2 {
-            // SAFETY (all arms): as this function requires.
+            // SAFETY: every arm calls with what this function requires.
             unsafe {
                 match (p.ty, rows.len()) {
                     (_, 0) => {}

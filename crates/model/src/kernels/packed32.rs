@@ -412,7 +412,7 @@ mod avx512 {
     /// with a minimum) and `out` `16·rows.len()` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        // SAFETY (all arms): as this function requires.
+        // SAFETY: every arm calls with what this function requires.
         unsafe {
             match p.form {
                 Form::Nibbles { five: false, .. } => with_rows::<NIBBLES>(p, g, rows, out),
@@ -435,7 +435,7 @@ mod avx512 {
     /// As [`group`]; `F` must be `p.form`'s constant.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     unsafe fn with_rows<const F: u8>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
-        // SAFETY (all arms): as this function requires.
+        // SAFETY: every arm calls with what this function requires.
         unsafe {
             match rows.len() {
                 0 => {}
@@ -602,7 +602,7 @@ mod avx2 {
         // Four rows at a time: sixteen registers hold no more.
         for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
             for h in 0..2 {
-                // SAFETY (all arms): as this function requires.
+                // SAFETY: every arm calls with what this function requires.
                 unsafe {
                     match rows.len() {
                         0 => {}
