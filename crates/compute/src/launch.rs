@@ -27,7 +27,7 @@ use crate::backend::local::LocalBackend;
 use crate::backend::ray::RayBackend;
 use crate::backend::slurm::{SlurmBackend, SlurmSettings};
 use crate::backend::{AnyBackend, Backend, BackendError};
-use crate::discovery::{self, Addresses, Endpoint};
+use crate::discovery;
 use crate::entrypoint::{self, EntrypointOptions};
 use crate::kubernetes::{KubernetesOptions, manifests};
 use crate::ray::{RayOptions, submit_request};
@@ -206,16 +206,7 @@ pub fn plan(
 ) -> Result<String, LaunchError> {
     use std::fmt::Write as _;
     let mut out = String::new();
-    let placeholders: Addresses = group
-        .components
-        .iter()
-        .map(|t| {
-            let endpoints = (0..t.instances())
-                .map(|_| Endpoint::new("unplaced", t.resources.main_port()))
-                .collect();
-            (t.name.clone(), endpoints)
-        })
-        .collect();
+    let placeholders = crate::supervisor::placeholder_addresses(group);
     let discovery_file = "<launch dir>/discovery/<unit>.<attempt>.env";
     let write_error = |e: fmt::Error| LaunchError::Write(Box::new(e));
     match infra {

@@ -1034,7 +1034,7 @@ impl<B: Backend> Supervisor<B> {
 
 /// Addresses for the variables given at submission when the real ones come later in
 /// the discovery file (which the entrypoint reads before anything runs).
-fn placeholder_addresses(group: &JobGroup) -> Addresses {
+pub(crate) fn placeholder_addresses(group: &JobGroup) -> Addresses {
     group
         .components
         .iter()
