@@ -1,0 +1,302 @@
+//! Q4_K, Q5_K and Q6_K with AVX2, and the dispatch of every K-quant (the layout and
+//! the definition are the parent module's).
+
+use std::arch::x86_64::*;
+
+#[cfg(doc)]
+use super::ROW_TILE;
+use super::lowk::avx2::q23k;
+use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
+
+/// # Safety
+/// The CPU must support AVX2 and FMA; `rows` (at most [`ROW_TILE`]) must hold
+/// `p.nb` super-blocks each and `out` `16·rows.len()` values.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
+        // SAFETY: as this function requires.
+        unsafe { group4(p, g, rows, out) };
+    }
+}
+
+/// [`group`] for at most four rows.
+///
+/// # Safety
+/// As [`group`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    // Each half of the group (8 lanes) on its own: 16 registers are too few for
+    // both halves of four rows' accumulators.
+    for h in 0..2 {
+        // SAFETY: every arm calls with what this function requires.
+        unsafe {
+            match (p.ty, rows.len()) {
+                (_, 0) => {}
+                (KType::Q2K, 1) => q23k::<1, false>(p, g, h, rows, out),
+                (KType::Q2K, 2) => q23k::<2, false>(p, g, h, rows, out),
+                (KType::Q2K, 3) => q23k::<3, false>(p, g, h, rows, out),
+                (KType::Q2K, _) => q23k::<4, false>(p, g, h, rows, out),
+                (KType::Q3K, 1) => q23k::<1, true>(p, g, h, rows, out),
+                (KType::Q3K, 2) => q23k::<2, true>(p, g, h, rows, out),
+                (KType::Q3K, 3) => q23k::<3, true>(p, g, h, rows, out),
+                (KType::Q3K, _) => q23k::<4, true>(p, g, h, rows, out),
+                (KType::Q4K, 1) => q4k::<1, false>(p, g, h, rows, out),
+                (KType::Q4K, 2) => q4k::<2, false>(p, g, h, rows, out),
+                (KType::Q4K, 3) => q4k::<3, false>(p, g, h, rows, out),
+                (KType::Q4K, _) => q4k::<4, false>(p, g, h, rows, out),
+                (KType::Q5K, 1) => q4k::<1, true>(p, g, h, rows, out),
+                (KType::Q5K, 2) => q4k::<2, true>(p, g, h, rows, out),
+                (KType::Q5K, 3) => q4k::<3, true>(p, g, h, rows, out),
+                (KType::Q5K, _) => q4k::<4, true>(p, g, h, rows, out),
+                (KType::Q6K, 1) => q6k::<1>(p, g, h, rows, out),
+                (KType::Q6K, 2) => q6k::<2>(p, g, h, rows, out),
+                (KType::Q6K, 3) => q6k::<3>(p, g, h, rows, out),
+                (KType::Q6K, _) => q6k::<4>(p, g, h, rows, out),
+            }
+        }
+    }
+}
+
+/// The low 16 bits of each 32-bit lane in both halves (for `madd_epi16`).
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(super) fn doubled(x: __m256i) -> __m256i {
+    _mm256_or_si256(
+        _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF)),
+        _mm256_slli_epi32::<16>(x),
+    )
+}
+
+/// Nibbles plus 16 and 32 where byte k's top-bit byte has bit 2k and 2k + 1 set.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn six_bits(nibbles: __m256i, top: __m256i) -> __m256i {
+    let bit = |pattern: i32, add: i8| {
+        let p = _mm256_set1_epi32(pattern);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(top, p), p);
+        _mm256_and_si256(set, _mm256_set1_epi8(add))
+    };
+    let x = _mm256_add_epi8(nibbles, bit(0x4010_0401, 16));
+    _mm256_add_epi8(x, bit(0x8020_0802u32 as i32, 32))
+}
+
+/// The block's fifth bits (Q5_K).
+#[inline(always)]
+fn p_high(blk: &super::Block<'_>) -> *const u8 {
+    blk.high.as_ptr()
+}
+
+/// Q4_K, lanes `8h..8h + 8`: `vpmaddubsw` pair sums of nibbles and broadcast
+/// activation bytes, added in 16 bits over a sub-block's 8 steps (no overflow:
+/// 8·2·15·128 < 2¹⁵), then `vpmaddwd` with the lane's scale in both halves.
+///
+/// # Safety
+/// As [`group`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4k<const R: usize, const FIVE: bool>(
+    p: &KPacked,
+    g: usize,
+    h: usize,
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
+    let low = _mm256_set1_epi8(0x0F);
+    // Q5_K's 5-bit values: pair sums up to 2·31·128, so at most 4 steps fit in 16 bits.
+    let flush = if FIVE { 4 } else { 8 };
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        let small = blk.small.as_ptr();
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a: [*const i8; R] =
+            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+        let mut isum = [_mm256_setzero_si256(); R];
+        for j in 0..8 {
+            // Sub-block j: chunk j / 2, the low nibbles for even j, the high for odd
+            // (one nibble half at a time: 16 registers hold four rows' sums then).
+            let (i, shift) = (j / 2, 4 * (j % 2) as i32);
+            // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
+            let s = doubled(_mm256_cvtepu8_epi32(unsafe {
+                _mm_loadl_epi64(small.add(j * LANES + 8 * h).cast())
+            }));
+            // Q5_K: byte k of a lane tests the fifth bit of value k of this nibble half.
+            let bits = _mm256_set1_epi32(0x0804_0201 << shift);
+            let mut sum16 = [_mm256_setzero_si256(); R];
+            for t in 0..8 {
+                // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
+                // them; the activation words lie within the row's super-block.
+                unsafe {
+                    if R == 1 && j % 2 == 0 {
+                        // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
+                        );
+                    }
+                    let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
+                    let mut w =
+                        _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
+                    if FIVE {
+                        // The lanes' fifth-bit bytes of step (i, t) (8 of the block's
+                        // 512 from lane 8h), each in all four of its lane's bytes.
+                        let hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            p_high(&blk).add((i * 8 + t) * LANES + 8 * h).cast(),
+                        ));
+                        let hb = _mm256_mullo_epi32(hb, _mm256_set1_epi32(0x0101_0101));
+                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bits), bits);
+                        w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                    }
+                    for r in 0..R {
+                        let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
+                        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(w, x));
+                    }
+                }
+                if (t + 1) % flush == 0 {
+                    for r in 0..R {
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
+                        sum16[r] = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+        let mut msum = [_mm256_setzero_si256(); R];
+        for pr in 0..4 {
+            // SAFETY: minimum pair pr of lanes 8h..8h + 8: 16 bytes within the 256.
+            let m = unsafe {
+                _mm256_cvtepu8_epi16(_mm_loadu_si128(small.add(128 + pr * 32 + 16 * h).cast()))
+            };
+            for r in 0..R {
+                let s = &rows[r].sums[b * K_SUMS..];
+                let two = pair(
+                    i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                    i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                );
+                msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, _mm256_set1_epi32(two)));
+            }
+        }
+        // SAFETY: 8 f32 values each from lane 8h.
+        let (d, dmin) = unsafe {
+            (
+                _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)),
+                _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)),
+            )
+        };
+        for r in 0..R {
+            // q4k_step, lane by lane.
+            let da = _mm256_set1_ps(rows[r].d[b]);
+            let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]));
+            let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
+            acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(i, m));
+        }
+    }
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16·R values.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+    }
+}
+
+/// Q6_K, lanes `8h..8h + 8`: `vpmaddubsw` pair sums of the unsigned 6-bit weights,
+/// two steps added in 16 bits (no overflow: 2·2·63·128 < 2¹⁵), `vpmaddwd` with the
+/// lane's scale in both halves; the −32 offset from the group's activation sum.
+///
+/// # Safety
+/// As [`group`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, h: usize, rows: &[ActRow], out: &mut [f32]) {
+    let low = _mm256_set1_epi8(0x0F);
+    let spread_lo = _mm256_setr_epi8(
+        0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12,
+        12, 12, 12,
+    );
+    let spread_hi = _mm256_add_epi8(spread_lo, _mm256_set1_epi8(1));
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        let small = blk.small.as_ptr();
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a: [*const i8; R] =
+            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+        let mut isum = [_mm256_setzero_si256(); R];
+        let mut offset = [_mm256_setzero_si256(); R];
+        let hp = blk.high.as_ptr();
+        for g8 in 0..8 {
+            // SAFETY: scales g8 and g8 + 8 of lanes 8h..8h + 8, within the 256.
+            let (sl, sh) = unsafe {
+                (
+                    doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        small.add(g8 * LANES + 8 * h).cast(),
+                    ))),
+                    doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        small.add((g8 + 8) * LANES + 8 * h).cast(),
+                    ))),
+                )
+            };
+            for half in 0..2 {
+                // Two steps summed in 16 bits (no overflow: 2·2·63·128 < 2¹⁵).
+                let mut lo = [_mm256_setzero_si256(); R];
+                let mut hi = [_mm256_setzero_si256(); R];
+                for t in 2 * half..2 * half + 2 {
+                    let step = g8 * 4 + t;
+                    // SAFETY: step's 64 nibble bytes (half h: 32) and 32 top-bit bytes
+                    // (half h: 16); the activation words lie within the row's block.
+                    unsafe {
+                        if R == 1 {
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                q.wrapping_add(step * 64 + PREFETCH).cast(),
+                            );
+                        }
+                        let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
+                        let top = _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                            hp.add(step * 32 + 16 * h).cast(),
+                        ));
+                        let wl = six_bits(
+                            _mm256_and_si256(w, low),
+                            _mm256_shuffle_epi8(top, spread_lo),
+                        );
+                        let wh = six_bits(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                            _mm256_shuffle_epi8(top, spread_hi),
+                        );
+                        for r in 0..R {
+                            let xl = _mm256_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
+                            let xh = _mm256_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
+                            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
+                            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xh));
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let x = _mm256_add_epi32(
+                        _mm256_madd_epi16(lo[r], sl),
+                        _mm256_madd_epi16(hi[r], sh),
+                    );
+                    isum[r] = _mm256_add_epi32(isum[r], x);
+                }
+            }
+            for r in 0..R {
+                // scale·Σ q_a in 32 bits: the sum in the low half, 0 in the high.
+                let sums = &rows[r].sums[b * K_SUMS..];
+                let (ol, oh) = (
+                    _mm256_set1_epi32(pair(i32::from(sums[g8]), 0)),
+                    _mm256_set1_epi32(pair(i32::from(sums[g8 + 8]), 0)),
+                );
+                let x = _mm256_add_epi32(_mm256_madd_epi16(sl, ol), _mm256_madd_epi16(sh, oh));
+                offset[r] = _mm256_add_epi32(offset[r], x);
+            }
+        }
+        // SAFETY: 8 f32 values from lane 8h.
+        let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
+        for r in 0..R {
+            // q6k_step, lane by lane, on Σ scale·(Σ q·a − 32·Σ a).
+            let total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(offset[r]));
+            let da = _mm256_set1_ps(rows[r].d[b]);
+            let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
+            acc[r] = _mm256_add_ps(acc[r], i);
+        }
+    }
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16·R values.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+    }
+}

@@ -1,0 +1,326 @@
+//! Q4_K, Q5_K and Q6_K with AVX-512 VNNI, and the dispatch of every K-quant (the
+//! layout and the definition are the parent module's).
+
+use std::arch::x86_64::*;
+
+#[cfg(doc)]
+use super::ROW_TILE;
+use super::lowk::avx512::q23k;
+use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
+
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
+/// [`ROW_TILE`]) must hold `p.nb` super-blocks each and `out` `16·rows.len()`
+/// values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    // SAFETY: every arm calls with what this function requires.
+    unsafe {
+        match (p.ty, rows.len()) {
+            (_, 0) => {}
+            (KType::Q2K | KType::Q3K, _) => {
+                // Four rows at a time.
+                for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
+                    low_k(p, g, rows, out);
+                }
+            }
+            (KType::Q4K, 1) => q4k::<1, false>(p, g, rows, out),
+            (KType::Q4K, 2) => q4k::<2, false>(p, g, rows, out),
+            (KType::Q4K, 3) => q4k::<3, false>(p, g, rows, out),
+            (KType::Q4K, 4) => q4k::<4, false>(p, g, rows, out),
+            (KType::Q4K, 5) => q4k::<5, false>(p, g, rows, out),
+            (KType::Q4K, 6) => q4k::<6, false>(p, g, rows, out),
+            (KType::Q4K, 7) => q4k::<7, false>(p, g, rows, out),
+            (KType::Q4K, _) => q4k::<8, false>(p, g, rows, out),
+            (KType::Q5K, 1) => q4k::<1, true>(p, g, rows, out),
+            (KType::Q5K, 2) => q4k::<2, true>(p, g, rows, out),
+            (KType::Q5K, 3) => q4k::<3, true>(p, g, rows, out),
+            (KType::Q5K, 4) => q4k::<4, true>(p, g, rows, out),
+            (KType::Q5K, 5) => q4k::<5, true>(p, g, rows, out),
+            (KType::Q5K, 6) => q4k::<6, true>(p, g, rows, out),
+            (KType::Q5K, 7) => q4k::<7, true>(p, g, rows, out),
+            (KType::Q5K, _) => q4k::<8, true>(p, g, rows, out),
+            (KType::Q6K, 1) => q6k::<1>(p, g, rows, out),
+            (KType::Q6K, 2) => q6k::<2>(p, g, rows, out),
+            (KType::Q6K, 3) => q6k::<3>(p, g, rows, out),
+            (KType::Q6K, 4) => q6k::<4>(p, g, rows, out),
+            (KType::Q6K, 5) => q6k::<5>(p, g, rows, out),
+            (KType::Q6K, 6) => q6k::<6>(p, g, rows, out),
+            (KType::Q6K, 7) => q6k::<7>(p, g, rows, out),
+            (KType::Q6K, _) => q6k::<8>(p, g, rows, out),
+        }
+    }
+}
+
+/// [`group`] for Q2_K and Q3_K and at most four rows.
+///
+/// # Safety
+/// As [`group`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    // SAFETY: every arm calls with what this function requires.
+    unsafe {
+        match (p.ty, rows.len()) {
+            (KType::Q2K, 1) => q23k::<1, false>(p, g, rows, out),
+            (KType::Q2K, 2) => q23k::<2, false>(p, g, rows, out),
+            (KType::Q2K, 3) => q23k::<3, false>(p, g, rows, out),
+            (KType::Q2K, _) => q23k::<4, false>(p, g, rows, out),
+            (KType::Q3K, 1) => q23k::<1, true>(p, g, rows, out),
+            (KType::Q3K, 2) => q23k::<2, true>(p, g, rows, out),
+            (KType::Q3K, 3) => q23k::<3, true>(p, g, rows, out),
+            (KType::Q3K, _) => q23k::<4, true>(p, g, rows, out),
+            _ => {}
+        }
+    }
+}
+
+/// Q4_K: per sub-block, `vpdpbusd` of the sixteen rows' nibbles with four broadcast
+/// activation bytes (no overflow: 32·15·128 < 2³¹), times the lane's scale. Each
+/// sub-block is unpacked once into eight registers, then every row takes its
+/// products from them, so the unpacking serves up to eight rows.
+///
+/// # Safety
+/// As [`group`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn q4k<const R: usize, const FIVE: bool>(
+    p: &KPacked,
+    g: usize,
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
+    let low = _mm512_set1_epi8(0x0F);
+    // Q5_K: byte k of a lane tests bit k (low nibbles) or 4 + k (high nibbles) of the
+    // lane's fifth-bit byte, spread over the lane's four bytes.
+    let bits = [
+        _mm512_set1_epi32(0x0804_0201),
+        _mm512_set1_epi32(0x8040_2010u32 as i32),
+    ];
+    let sixteen = _mm512_set1_epi8(16);
+    // With one or two rows, two accumulators per row (even and odd steps), so that a
+    // row's multiply-adds do not wait on each other.
+    let chains = if R <= 2 { 2 } else { 1 };
+    // Each row's quants, whose lengths `group` asserted.
+    let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        let small = blk.small.as_ptr();
+        let mut isum = [_mm512_setzero_si512(); R];
+        for i in 0..4 {
+            // Sub-block 2i + half: the low (half 0) or high nibbles of steps (i, t).
+            for (half, &bits) in bits.iter().enumerate() {
+                let mut w = [_mm512_setzero_si512(); 8];
+                for (t, w) in w.iter_mut().enumerate() {
+                    // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them, and
+                    // 16 of its 512 bytes of fifth bits.
+                    unsafe {
+                        if half == 0 {
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
+                            );
+                        }
+                        let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
+                        let x = if half == 0 {
+                            x
+                        } else {
+                            _mm512_srli_epi16::<4>(x)
+                        };
+                        *w = _mm512_and_si512(x, low);
+                        if FIVE {
+                            // Step (i, t)'s byte per lane times 0x01010101: the byte
+                            // in all four of the lane's bytes.
+                            let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                blk.high.as_ptr().add((i * 8 + t) * LANES).cast(),
+                            ));
+                            let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
+                            let m = _mm512_test_epi8_mask(hb, bits);
+                            *w = _mm512_mask_add_epi8(*w, m, *w, sixteen);
+                        }
+                    }
+                }
+                // SAFETY: scale 2i + half, 16 bytes within the 256.
+                let sc = unsafe {
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128(small.add((2 * i + half) * LANES).cast()))
+                };
+                for r in 0..R {
+                    let mut s = [_mm512_setzero_si512(); 2];
+                    for (t, &w) in w.iter().enumerate() {
+                        // SAFETY: the activation word lies within the row's
+                        // super-block.
+                        let x =
+                            unsafe { word_at(qs[r].add(b * QK_K + 64 * i + 32 * half + 4 * t)) };
+                        let c = t % chains;
+                        s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(x));
+                    }
+                    let sum = if chains == 2 {
+                        _mm512_add_epi32(s[0], s[1])
+                    } else {
+                        s[0]
+                    };
+                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sum, sc));
+                }
+            }
+        }
+        let mut msum = [_mm512_setzero_si512(); R];
+        for pr in 0..4 {
+            // SAFETY: minimum pair pr, 32 bytes at 128 + 32·pr, within the 256.
+            let m = unsafe {
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
+            };
+            for r in 0..R {
+                let s = &rows[r].sums[b * K_SUMS..];
+                let two = pair(
+                    i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                    i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                );
+                msum[r] = _mm512_add_epi32(msum[r], _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
+            }
+        }
+        // SAFETY: 16 f32 values each.
+        let (d, dmin) = unsafe {
+            (
+                _mm512_loadu_ps(blk.d.as_ptr()),
+                _mm512_loadu_ps(blk.dmin.as_ptr()),
+            )
+        };
+        for r in 0..R {
+            // q4k_step, lane by lane.
+            let da = _mm512_set1_ps(rows[r].d[b]);
+            let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+            let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum[r]));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
+        }
+    }
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16·R values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}
+
+/// `_mm512_shuffle_epi8` indices: `base`'s bytes offset by each lane's first byte
+/// within its 128-bit half (0, 4, 8, 12).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+fn lane_bytes(base: __m512i) -> __m512i {
+    _mm512_add_epi8(
+        base,
+        _mm512_set_epi32(
+            12 * 0x0101_0101,
+            8 * 0x0101_0101,
+            4 * 0x0101_0101,
+            0,
+            12 * 0x0101_0101,
+            8 * 0x0101_0101,
+            4 * 0x0101_0101,
+            0,
+            12 * 0x0101_0101,
+            8 * 0x0101_0101,
+            4 * 0x0101_0101,
+            0,
+            12 * 0x0101_0101,
+            8 * 0x0101_0101,
+            4 * 0x0101_0101,
+            0,
+        ),
+    )
+}
+
+/// Nibbles plus 16 and 32 where byte k's top-bit byte has bit 2k and 2k + 1 set.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+#[inline]
+fn six_bits(nibbles: __m512i, top: __m512i) -> __m512i {
+    let b0 = _mm512_test_epi8_mask(top, _mm512_set1_epi32(0x4010_0401));
+    let b1 = _mm512_test_epi8_mask(top, _mm512_set1_epi32(0x8020_0802u32 as i32));
+    let x = _mm512_mask_add_epi8(nibbles, b0, nibbles, _mm512_set1_epi8(16));
+    _mm512_mask_add_epi8(x, b1, x, _mm512_set1_epi8(32))
+}
+
+/// Q6_K: per 16-value group, `vpdpbusd` of the unsigned 6-bit weights (no overflow),
+/// the −32 offset taken off with the group's activation sum (the sum starts there),
+/// times the lane's scale. Each pair of groups (four steps) is unpacked once into
+/// eight registers, then every row takes its products from them with activation
+/// words broadcast from memory, so the unpacking serves up to eight rows.
+///
+/// # Safety
+/// As [`group`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    let low = _mm512_set1_epi8(0x0F);
+    // The lane's top-bit byte for the low (high) nibbles in all four of its bytes.
+    let spread_lo = _mm512_set1_epi32(0);
+    let spread_hi = _mm512_set1_epi32(0x0101_0101);
+    let (spread_lo, spread_hi) = (lane_bytes(spread_lo), lane_bytes(spread_hi));
+    // Each row's arrays, whose lengths `group` asserted.
+    let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+    let sums: [*const i16; R] = std::array::from_fn(|r| rows[r].sums.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        let small = blk.small.as_ptr();
+        let mut isum = [_mm512_setzero_si512(); R];
+        let hp = blk.high.as_ptr();
+        for g8 in 0..8 {
+            // Groups g8 (low nibbles, w[t]) and g8 + 8 (high nibbles, w[4 + t]) of
+            // steps (g8, t).
+            let mut w = [_mm512_setzero_si512(); 8];
+            for t in 0..4 {
+                let step = g8 * 4 + t;
+                // SAFETY: step's 64 of the block's 2048 nibble bytes and 32 of its
+                // 1024 top-bit bytes.
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + PREFETCH).cast());
+                    let x = _mm512_loadu_si512(q.add(step * 64).cast());
+                    let top = _mm512_cvtepu16_epi32(_mm256_loadu_si256(hp.add(step * 32).cast()));
+                    w[t] = six_bits(
+                        _mm512_and_si512(x, low),
+                        _mm512_shuffle_epi8(top, spread_lo),
+                    );
+                    w[4 + t] = six_bits(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(x), low),
+                        _mm512_shuffle_epi8(top, spread_hi),
+                    );
+                }
+            }
+            // SAFETY: scales g8 and g8 + 8, 16 bytes each within the 256.
+            let (sl, sh) = unsafe {
+                (
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(g8 * LANES).cast())),
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add((g8 + 8) * LANES).cast())),
+                )
+            };
+            for r in 0..R {
+                // SAFETY: super-block b of the row's quants and sums; the activation
+                // words lie within it.
+                unsafe {
+                    let a = qs[r].add(b * QK_K);
+                    let s = sums[r].add(b * K_SUMS);
+                    let mut lo = _mm512_set1_epi32(-32 * i32::from(*s.add(g8)));
+                    let mut hi = _mm512_set1_epi32(-32 * i32::from(*s.add(g8 + 8)));
+                    for t in 0..4 {
+                        let xl = _mm512_set1_epi32(word_at(a.add(16 * g8 + 4 * t)));
+                        let xh = _mm512_set1_epi32(word_at(a.add(16 * (g8 + 8) + 4 * t)));
+                        lo = _mm512_dpbusd_epi32(lo, w[t], xl);
+                        hi = _mm512_dpbusd_epi32(hi, w[4 + t], xh);
+                    }
+                    let x =
+                        _mm512_add_epi32(_mm512_mullo_epi32(lo, sl), _mm512_mullo_epi32(hi, sh));
+                    isum[r] = _mm512_add_epi32(isum[r], x);
+                }
+            }
+        }
+        // SAFETY: 16 f32 values.
+        let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
+        for r in 0..R {
+            // q6k_step, lane by lane.
+            let da = _mm512_set1_ps(rows[r].d[b]);
+            let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+            acc[r] = _mm512_add_ps(acc[r], i);
+        }
+    }
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16·R values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}

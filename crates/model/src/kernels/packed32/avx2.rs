@@ -1,0 +1,187 @@
+//! The blocks-of-32 kernels with AVX2 (the layout and the definition they compute are
+//! the parent module's).
+
+use std::arch::x86_64::*;
+
+use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
+
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; otherwise as `avx512::group`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    // Four rows at a time: sixteen registers hold no more.
+    for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
+        for h in 0..2 {
+            // SAFETY: every arm calls with what this function requires.
+            unsafe {
+                match rows.len() {
+                    0 => {}
+                    1 => rows_n::<1>(p, g, h, rows, out),
+                    2 => rows_n::<2>(p, g, h, rows, out),
+                    3 => rows_n::<3>(p, g, h, rows, out),
+                    _ => rows_n::<4>(p, g, h, rows, out),
+                }
+            }
+        }
+    }
+}
+
+/// Lanes `8h..8h + 8`. Nibbles: `vpmaddubsw` pair sums added in 16 bits over the
+/// block (no overflow: 8·2·15·127 < 2¹⁵). Bytes: `|w|` times the activations with
+/// `w`'s sign (no pair overflows: 2·128·127 < 2¹⁵), widened every step.
+///
+/// # Safety
+/// As [`group`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_n<const R: usize>(
+    p: &Packed32,
+    g: usize,
+    h: usize,
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
+    let low = _mm256_set1_epi8(0x0F);
+    let flip = _mm256_set1_epi8(i8::MIN);
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: 16 readable bytes.
+    let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
+    let mut acc = [_mm256_setzero_ps(); R];
+    let has_min = p.has_min();
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        // SAFETY: `group`'s caller guarantees nb blocks of every row.
+        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
+        let mut isum = [_mm256_setzero_si256(); R];
+        match p.form {
+            Form::Nibbles { offset, five } => {
+                let mut sum16 = [_mm256_setzero_si256(); R];
+                for t in 0..4 {
+                    // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                    // them (and 8 of its 64 bytes of fifth bits); the activation words
+                    // lie within the row's block.
+                    unsafe {
+                        if h == 0 {
+                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+                        }
+                        let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                        let mut wl = _mm256_and_si256(w, low);
+                        let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                        if five {
+                            let hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                blk.high.as_ptr().add(t * LANES + 8 * h).cast(),
+                            ));
+                            let hb = _mm256_mullo_epi32(hb, _mm256_set1_epi32(0x0101_0101));
+                            let bit = |pattern: i32| {
+                                let p = _mm256_set1_epi32(pattern);
+                                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, p), p);
+                                _mm256_and_si256(set, _mm256_set1_epi8(16))
+                            };
+                            wl = _mm256_or_si256(wl, bit(0x0804_0201));
+                            wh = _mm256_or_si256(wh, bit(0x8040_2010u32 as i32));
+                        }
+                        for r in 0..R {
+                            let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                            let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                            let x = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(wl, al),
+                                _mm256_maddubs_epi16(wh, ah),
+                            );
+                            sum16[r] = _mm256_add_epi16(sum16[r], x);
+                        }
+                    }
+                    // Five bits: pair sums up to 2·2·31·127 per step, so two steps
+                    // fit 16 bits (nibbles: all four).
+                    if five && t % 2 == 1 {
+                        for r in 0..R {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
+                            sum16[r] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
+                    let rest = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
+                    isum[r] = _mm256_sub_epi32(rest, off);
+                }
+            }
+            Form::Codebook => {
+                for t in 0..4 {
+                    // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                    // them; the activation words lie within the row's block.
+                    unsafe {
+                        if h == 0 {
+                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+                        }
+                        let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                        let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low));
+                        let wh = _mm256_shuffle_epi8(
+                            table,
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                        );
+                        let (absl, absh) = (_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(wh, wh));
+                        for r in 0..R {
+                            let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                            let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                            // No pair overflows: 2·127·127 < 2¹⁵.
+                            let x = _mm256_add_epi32(
+                                _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
+                                    ones,
+                                ),
+                                _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
+                                    ones,
+                                ),
+                            );
+                            isum[r] = _mm256_add_epi32(isum[r], x);
+                        }
+                    }
+                }
+            }
+            Form::Bytes => {
+                for t in 0..8 {
+                    // SAFETY: step t is 64 of the block's 512 bytes, half h 32 of
+                    // them; the activation word lies within the row's block.
+                    unsafe {
+                        if h == 0 {
+                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+                        }
+                        // Held as `q + 128`: back to the signed `q`.
+                        let w = _mm256_xor_si256(
+                            _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast()),
+                            flip,
+                        );
+                        let abs = _mm256_sign_epi8(w, w);
+                        for r in 0..R {
+                            let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                            let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(prod, ones));
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: 8 scales from lane 8h (`m` only with minimums).
+        let d = unsafe {
+            if blk.d16.is_empty() {
+                _mm256_loadu_ps(blk.d.as_ptr().add(8 * h))
+            } else {
+                _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
+            }
+        };
+        for r in 0..R {
+            let da = _mm256_set1_ps(rows[r].d[b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+            if has_min {
+                // SAFETY: as above.
+                let m = unsafe { _mm256_loadu_ps(blk.m.as_ptr().add(8 * h)) };
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r]);
+            }
+        }
+    }
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16·R values.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+    }
+}

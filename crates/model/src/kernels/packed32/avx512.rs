@@ -1,0 +1,186 @@
+//! The blocks-of-32 kernels with AVX-512 VNNI (the layout and the definition they
+//! compute are the parent module's).
+
+use std::arch::x86_64::*;
+
+#[cfg(doc)]
+use super::ROW_TILE;
+use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
+
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
+/// [`ROW_TILE`]) must hold `p.nb` blocks (quants, scales, integer sums, and sums `s`
+/// with a minimum) and `out` `16·rows.len()` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    // SAFETY: every arm calls with what this function requires.
+    unsafe {
+        match p.form {
+            Form::Nibbles { five: false, .. } => with_rows::<NIBBLES>(p, g, rows, out),
+            Form::Nibbles { five: true, .. } => with_rows::<FIVE>(p, g, rows, out),
+            Form::Codebook => with_rows::<CODEBOOK_FORM>(p, g, rows, out),
+            Form::Bytes => with_rows::<BYTES>(p, g, rows, out),
+        }
+    }
+}
+
+/// The forms as constants, so each gets its own kernel without a branch inside:
+/// with one shared body, the compiler hoisted the activation broadcasts common to
+/// the forms' branches and spilled them to the stack.
+const NIBBLES: u8 = 0;
+const FIVE: u8 = 1;
+const CODEBOOK_FORM: u8 = 2;
+const BYTES: u8 = 3;
+
+/// # Safety
+/// As [`group`]; `F` must be `p.form`'s constant.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn with_rows<const F: u8>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    // SAFETY: every arm calls with what this function requires.
+    unsafe {
+        match rows.len() {
+            0 => {}
+            1 => rows_n::<1, F>(p, g, rows, out),
+            2 => rows_n::<2, F>(p, g, rows, out),
+            3 => rows_n::<3, F>(p, g, rows, out),
+            4 => rows_n::<4, F>(p, g, rows, out),
+            5 => rows_n::<5, F>(p, g, rows, out),
+            6 => rows_n::<6, F>(p, g, rows, out),
+            7 => rows_n::<7, F>(p, g, rows, out),
+            _ => rows_n::<8, F>(p, g, rows, out),
+        }
+    }
+}
+
+/// `vpdpbusd` of the unsigned quants as held (nibbles, codebook values plus 128,
+/// bytes plus 128) with the signed activations; each row's integer sum starts at
+/// minus the offset times the block's activation sum, so it ends as the block's
+/// exact `Σ (q_w − offset)·q_a`.
+///
+/// Each block is unpacked once into eight registers of unsigned bytes, then every
+/// row takes its products from them, its activation words broadcast straight from
+/// memory. (Interleaving the rows within each step instead made the compiler hoist
+/// all of a block's broadcasts and spill them to the stack.)
+///
+/// # Safety
+/// As [`with_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+unsafe fn rows_n<const R: usize, const F: u8>(
+    p: &Packed32,
+    g: usize,
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
+    let low = _mm512_set1_epi8(0x0F);
+    // The codebook plus 128 (unsigned bytes), in every 128-bit half.
+    const SHIFTED: [i8; 16] = {
+        let mut t = [0i8; 16];
+        let mut i = 0;
+        while i < 16 {
+            t[i] = (CODEBOOK[i] as i16 + 128) as u8 as i8;
+            i += 1;
+        }
+        t
+    };
+    let shifted = SHIFTED;
+    // SAFETY: 16 readable bytes.
+    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(shifted.as_ptr().cast()) });
+    let offset = match p.form {
+        Form::Nibbles { offset, .. } => offset,
+        Form::Codebook | Form::Bytes => 128,
+    };
+    // Each row's arrays, whose lengths `group` asserted.
+    let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+    let da: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
+    let sa: [*const f32; R] = std::array::from_fn(|r| rows[r].s.as_ptr());
+    let isums: [*const i32; R] = std::array::from_fn(|r| rows[r].isums.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); R];
+    let has_min = p.has_min();
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        // The block's weights as unsigned bytes: value `4t + k` of each lane in
+        // byte k of its lane of `w[t]`.
+        let mut w = [_mm512_setzero_si512(); 8];
+        // SAFETY: the block's 256 (nibbles, codebook) or 512 (bytes) bytes of quants
+        // and 64 of fifth bits.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(PREFETCH).cast());
+            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(64 + PREFETCH).cast());
+            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(128 + PREFETCH).cast());
+            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(192 + PREFETCH).cast());
+            if F == BYTES {
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(256 + PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(320 + PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(384 + PREFETCH).cast());
+                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(448 + PREFETCH).cast());
+                for (t, w) in w.iter_mut().enumerate() {
+                    *w = _mm512_loadu_si512(q.add(t * 64).cast());
+                }
+            } else {
+                for t in 0..4 {
+                    let x = _mm512_loadu_si512(q.add(t * 64).cast());
+                    let mut wl = _mm512_and_si512(x, low);
+                    let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
+                    if F == CODEBOOK_FORM {
+                        wl = _mm512_shuffle_epi8(table, wl);
+                        wh = _mm512_shuffle_epi8(table, wh);
+                    } else if F == FIVE {
+                        // The lane's fifth-bit byte in all four of its bytes; byte k
+                        // tests bit k (low nibbles) or 4 + k (high nibbles).
+                        let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            blk.high.as_ptr().add(t * LANES).cast(),
+                        ));
+                        let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
+                        let ml = _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x0804_0201));
+                        let mh =
+                            _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x8040_2010u32 as i32));
+                        wl = _mm512_mask_add_epi8(wl, ml, wl, _mm512_set1_epi8(16));
+                        wh = _mm512_mask_add_epi8(wh, mh, wh, _mm512_set1_epi8(16));
+                    }
+                    w[t] = wl;
+                    w[4 + t] = wh;
+                }
+            }
+        }
+        // SAFETY: 16 scales each (`m` only with minimums).
+        let d = unsafe {
+            if F == BYTES {
+                _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
+            } else {
+                _mm512_loadu_ps(blk.d.as_ptr())
+            }
+        };
+        for r in 0..R {
+            // SAFETY: block b of each of the row's arrays (its value words lie in the
+            // block's 32 bytes).
+            unsafe {
+                let a = qs[r].add(b * QK);
+                let mut s0 = if offset == 0 {
+                    _mm512_setzero_si512()
+                } else {
+                    _mm512_set1_epi32(-offset * *isums[r].add(b))
+                };
+                let mut s1 = _mm512_setzero_si512();
+                // Values 0..16 in the first chain, 16..32 in the second.
+                for t in 0..4 {
+                    let lo = _mm512_set1_epi32(word_at(a.add(4 * t)));
+                    let hi = _mm512_set1_epi32(word_at(a.add(16 + 4 * t)));
+                    s0 = _mm512_dpbusd_epi32(s0, w[t], lo);
+                    s1 = _mm512_dpbusd_epi32(s1, w[4 + t], hi);
+                }
+                let total = _mm512_add_epi32(s0, s1);
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(*da[r].add(b)));
+                acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[r]);
+                if has_min {
+                    let m = _mm512_loadu_ps(blk.m.as_ptr());
+                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sa[r].add(b)), acc[r]);
+                }
+            }
+        }
+    }
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16·R values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}
