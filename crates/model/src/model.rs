@@ -827,10 +827,15 @@ impl Model {
         // kernel call would hand its work to the pool and sleep until it is done
         // (hundreds of context switches per token); running the whole pass on a pool
         // thread lets the kernels run inline there and fan out only when they can.
+        // Inside, a team of spinning threads runs the kernels' parallel regions
+        // (`kernels::team`): the pass's hundreds of short regions would otherwise each
+        // wake a sleeping rayon worker.
+        let pass =
+            || kernels::team::with_team(|| self.forward_in_pool(batch, observer, shared_prefix));
         if rayon::current_thread_index().is_some() {
-            self.forward_in_pool(batch, observer, shared_prefix)
+            pass()
         } else {
-            rayon::scope(|_| self.forward_in_pool(batch, observer, shared_prefix))
+            rayon::scope(|_| pass())
         }
     }
 

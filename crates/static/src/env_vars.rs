@@ -80,6 +80,12 @@ env_vars! {
     /// Read once per process.
     AGENTSTACK_HUGE_PAGES = "AGENTSTACK_HUGE_PAGES";
 
+    /// Whether a forward pass's threads spin between its parallel regions (as
+    /// llama.cpp's do): `off`/`0`/`false` lets them sleep (rayon's pool), for a machine
+    /// shared with other work; unset, empty, `on`/`1`/`true` spin (anything else warns
+    /// and spins). Read once per process.
+    AGENTSTACK_SPIN = "AGENTSTACK_SPIN";
+
     /// The program started as the sandbox's init process, when it is not the current
     /// executable (tests, or a library embedding the sandbox in another binary). The
     /// program must call `agentstack_sandbox::run_if_init` first thing in `main`.

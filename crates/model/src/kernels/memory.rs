@@ -91,7 +91,7 @@ fn huge_pages_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         let value = std::env::var(agentstack_static::env_vars::AGENTSTACK_HUGE_PAGES).ok();
-        huge_pages_setting(value.as_deref()).unwrap_or_else(|| {
+        on_off_setting(value.as_deref()).unwrap_or_else(|| {
             tracing::warn!(
                 value = value.as_deref().unwrap_or_default(),
                 "AGENTSTACK_HUGE_PAGES is not on/off (or 1/0, true/false): keeping huge pages on"
@@ -103,7 +103,7 @@ fn huge_pages_on() -> bool {
 
 /// `AGENTSTACK_HUGE_PAGES`'s meaning: on when unset or empty, None for a value that is
 /// neither on nor off.
-fn huge_pages_setting(value: Option<&str>) -> Option<bool> {
+pub(super) fn on_off_setting(value: Option<&str>) -> Option<bool> {
     match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
         None | Some("" | "on" | "1" | "true" | "yes") => Some(true),
         Some("off" | "0" | "false" | "no") => Some(false),
@@ -215,12 +215,12 @@ mod tests {
             Some("TRUE"),
             Some(" yes "),
         ] {
-            assert_eq!(huge_pages_setting(v), Some(true), "{v:?}");
+            assert_eq!(on_off_setting(v), Some(true), "{v:?}");
         }
         for v in ["off", "0", "False", "no"] {
-            assert_eq!(huge_pages_setting(Some(v)), Some(false), "{v}");
+            assert_eq!(on_off_setting(Some(v)), Some(false), "{v}");
         }
-        assert_eq!(huge_pages_setting(Some("sometimes")), None);
+        assert_eq!(on_off_setting(Some("sometimes")), None);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! Q8_K). Blocks of 32 (`packed32.rs`): Q4_1 (`x = d·q + m`, 4-bit `q`) and Q8_0 (`x =
 //! d·q`, 8-bit `q`), per block `d_w·d_a·Σ q_w·q_a (+ m_w·s_a)`. AVX-512 VNNI or AVX2 when
 //! the CPU has them, scalar otherwise, all with the same bits. Groups of rows are split
-//! across rayon's threads.
+//! across threads: a forward pass's team (`team.rs`), or rayon's outside one.
 //!
 //! Q4_0, Q5_0 and Q5_1 run on the nibble form: Q4_0 with the offset 8 taken off through
 //! the activations' block sums (ggml's exact integers), Q5_0 and Q5_1 with their fifth
@@ -32,7 +32,6 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use half::f16;
-use rayon::prelude::*;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::{MappedTensor, TensorType};
@@ -42,6 +41,7 @@ mod iq4;
 mod kquant;
 mod memory;
 mod packed32;
+pub(crate) mod team;
 
 use kquant::{KPacked, KType, LANES};
 use packed32::{Form, Packed32};
@@ -502,7 +502,7 @@ impl FastLinear {
     fn matmul_packed(&self, p: &Packing, rows: &[ActRow], n: usize) -> Vec<f32> {
         let out = self.out_features;
         let groups = p.groups();
-        let threads = rayon::current_num_threads();
+        let threads = team::threads();
         // Groups per task: a few tasks per thread, or one task with one thread.
         let per_task = if threads <= 1 || n * out * self.in_features < 1 << 16 {
             groups
@@ -513,7 +513,7 @@ impl FastLinear {
         // in place: with one activation row (decode) it is the result itself.
         let stride = n * LANES;
         let mut tiles = vec![0f32; groups * stride];
-        let task = |(t, dst): (usize, &mut [f32])| {
+        let task = |t: usize, dst: &mut [f32]| {
             for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
                 for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
                     p.group(g, chunk, d);
@@ -521,12 +521,9 @@ impl FastLinear {
             }
         };
         if per_task >= groups {
-            task((0, &mut tiles));
+            task(0, &mut tiles);
         } else {
-            tiles
-                .par_chunks_mut(per_task * stride)
-                .enumerate()
-                .for_each(task);
+            team::for_each_chunk_mut(&mut tiles, per_task * stride, task);
         }
         if n == 1 {
             tiles.truncate(out);
@@ -782,9 +779,7 @@ impl Attend<'_> {
             self.one(t, h, dst);
         };
         if self.n * self.heads * s >= 1 << 14 {
-            out.par_chunks_mut(self.hd)
-                .enumerate()
-                .for_each(|(i, dst)| task(i, dst));
+            team::for_each_chunk_mut(&mut out, self.hd, task);
         } else {
             for (i, dst) in out.chunks_mut(self.hd).enumerate() {
                 task(i, dst);
