@@ -25,7 +25,7 @@
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock, TryLockError};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
@@ -110,8 +110,11 @@ pub(crate) fn with_team<R>(f: impl FnOnce() -> R) -> R {
     if size <= 1 || OPEN.get() != 0 || !spin_on() {
         return f();
     }
-    let Ok(mut helpers) = helpers().try_lock() else {
-        return f();
+    // A pass that panicked poisons the lock; the helpers it holds are still sound.
+    let mut helpers = match helpers().try_lock() {
+        Ok(helpers) => helpers,
+        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(TryLockError::WouldBlock) => return f(),
     };
     while helpers.threads.len() + 1 < size {
         let index = helpers.threads.len();
@@ -374,6 +377,8 @@ mod tests {
             }));
             assert!(caught.is_err());
             with_team(|| {
+                // Each test runs in its own process (nextest): no other team is open.
+                assert_eq!(OPEN.get(), 2, "the team is not used after a panic");
                 let mut data = vec![0u8; 64];
                 for_each_chunk_mut(&mut data, 1, |i, c| c[0] = i as u8);
                 assert!(data.iter().enumerate().all(|(i, &v)| v == i as u8));
