@@ -90,20 +90,29 @@ impl<T: Pod> Weights<T> {
 fn huge_pages_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        let value = std::env::var(agentstack_static::env_vars::AGENTSTACK_HUGE_PAGES).ok();
-        on_off_setting(value.as_deref()).unwrap_or_else(|| {
-            tracing::warn!(
-                value = value.as_deref().unwrap_or_default(),
-                "AGENTSTACK_HUGE_PAGES is not on/off (or 1/0, true/false): keeping huge pages on"
-            );
-            true
-        })
+        env_switch(
+            agentstack_static::env_vars::AGENTSTACK_HUGE_PAGES,
+            "keeping huge pages on",
+        )
     })
 }
 
-/// `AGENTSTACK_HUGE_PAGES`'s meaning: on when unset or empty, None for a value that is
+/// The on/off variable `name` (see [`on_off_setting`]); a value that is neither is
+/// warned about, saying `unclear` (what happens instead), and taken as on.
+pub(super) fn env_switch(name: &str, unclear: &str) -> bool {
+    let value = std::env::var(name).ok();
+    on_off_setting(value.as_deref()).unwrap_or_else(|| {
+        tracing::warn!(
+            value = value.as_deref().unwrap_or_default(),
+            "{name} is not on/off (or 1/0, true/false): {unclear}"
+        );
+        true
+    })
+}
+
+/// An on/off variable's meaning: on when unset or empty, None for a value that is
 /// neither on nor off.
-pub(super) fn on_off_setting(value: Option<&str>) -> Option<bool> {
+fn on_off_setting(value: Option<&str>) -> Option<bool> {
     match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
         None | Some("" | "on" | "1" | "true" | "yes") => Some(true),
         Some("off" | "0" | "false" | "no") => Some(false),

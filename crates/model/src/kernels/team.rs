@@ -149,14 +149,7 @@ pub(crate) fn with_team<R>(f: impl FnOnce() -> R) -> R {
 fn spin_on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
-        let value = std::env::var(agentstack_static::env_vars::AGENTSTACK_SPIN).ok();
-        super::memory::on_off_setting(value.as_deref()).unwrap_or_else(|| {
-            tracing::warn!(
-                value = value.as_deref().unwrap_or_default(),
-                "AGENTSTACK_SPIN is not on/off (or 1/0, true/false): spinning"
-            );
-            true
-        })
+        super::memory::env_switch(agentstack_static::env_vars::AGENTSTACK_SPIN, "spinning")
     })
 }
 
