@@ -424,17 +424,26 @@ impl GgufFile {
             source,
         };
         match info.ty {
-            TensorType::Ggml(ggml_dtype) => elements(&info.dims)
-                .and_then(|_| {
-                    gguf_file::TensorInfo {
-                        ggml_dtype,
-                        shape: info.dims.clone().into(),
-                        offset: info.offset,
-                    }
-                    .read(&mut self.reader, self.data_offset, &Device::Cpu)
-                })
-                .map(Weight::Ggml)
-                .map_err(gguf),
+            // Candle's reader multiplies the element count by the type size without a
+            // check (a damaged shape then reads a few bytes as a huge tensor, whose
+            // dequantization aborts on its allocation): the range is checked first.
+            TensorType::Ggml(ggml_dtype) => {
+                tensor_range(self.size, self.data_offset, info, info.ty)
+                    .and_then(|_| {
+                        gguf_file::TensorInfo {
+                            ggml_dtype,
+                            shape: info.dims.clone().into(),
+                            offset: info.offset,
+                        }
+                        .read(
+                            &mut self.reader,
+                            self.data_offset,
+                            &Device::Cpu,
+                        )
+                    })
+                    .map(Weight::Ggml)
+                    .map_err(gguf)
+            }
             TensorType::Raw(ty) => {
                 read_raw(&mut self.reader, self.size, self.data_offset, info, ty)
                     .map(|data| {
@@ -482,7 +491,9 @@ fn tensor_range(
             "the number of elements {elems} is not divisible by the block size {block_size}"
         )
     }
-    let size_in_bytes = elems / block_size * ty.type_size();
+    let Some(size_in_bytes) = (elems / block_size).checked_mul(ty.type_size()) else {
+        candle_core::bail!("tensor shape {:?} has too many bytes", info.dims)
+    };
     let start = data_offset.saturating_add(info.offset);
     let remaining = file_size.saturating_sub(start);
     if size_in_bytes as u64 > remaining {
