@@ -23,8 +23,10 @@
 //!   `64i + 4t..` (sub-block `2i`), high nibbles values `64i + 32 + 4t..` (sub-block
 //!   `2i + 1`). `small[gs·256..]`: the 8 scales as `[j][lane]`, then the 8 minimums as
 //!   `[pair p: 4][lane][2]` (minimums `2p`, `2p + 1`). `d`, `dmin`: `[gs·16 + lane]`.
-//! - Q5_K: Q4_K's, plus `high[gs·512..]` as `[chunk i][step t][lane]`, one byte of fifth
-//!   bits each (bit `k` for the low nibble's value `k`, bit `4 + k` for the high one's).
+//! - Q5_K: Q4_K's, plus `high[gs·512..]` as `[chunk i][step t][nibble half h: 2]`, a
+//!   little-endian 64-bit mask each whose bit `4·lane + k` is the fifth bit of the value
+//!   in byte `4·lane + k` of the step's quants (its low nibble for `h = 0`, its high one
+//!   for `h = 1`): an AVX-512 kernel loads it as the byte mask of a masked add.
 //! - Q6_K (212 bytes per row and super-block, the file's 210 plus f32 `d`):
 //!   `quants[gs·2048..]` as `[step s = 4·g8 + t: 32][lane][4 bytes]`, low nibbles the
 //!   low 4 bits of values `16·g8 + 4t..` (group `g8`), high nibbles those of group
@@ -111,8 +113,8 @@ pub(super) struct KPacked {
     d: Weights<f32>,
     /// Q4_K and Q5_K.
     dmin: Weights<f32>,
-    /// Q5_K only: the fifth bits, `[chunk i: 4][step t: 8][lane: 16]` one byte each:
-    /// bit `k` for value `64i + 4t + k`, bit `4 + k` for value `64i + 32 + 4t + k`.
+    /// Q5_K only: the fifth bits, `[chunk i: 4][step t: 8][half h: 2]` a 64-bit mask
+    /// each: bit `4·lane + k` for value `64i + 32h + 4t + k` of the lane's row.
     high: Weights,
 }
 
@@ -225,9 +227,9 @@ impl KPacked {
                                             &qs[32 * i + 4 * t..32 * i + 4 * t + 4],
                                         );
                                         if ty == KType::Q5K {
-                                            // Bit 2i (low nibbles) and 2i + 1 (high) of four
-                                            // bytes, gathered into bits k and 4 + k: one
-                                            // multiply moves bit 8k to bit 24 + k.
+                                            // Bit 2i (low nibbles) or 2i + 1 (high) of four
+                                            // bytes, gathered into bits 0..4: one multiply
+                                            // moves bit 8k to bit 24 + k.
                                             let h = u32::from_le_bytes(
                                                 qh[4 * t..4 * t + 4].try_into().expect("4"),
                                             );
@@ -236,9 +238,11 @@ impl KPacked {
                                                     >> 24)
                                                     as u8
                                             };
-                                            grp.high[gs * HIGH + (i * 8 + t) * LANES + lane] =
-                                                gather(h >> (2 * i))
-                                                    | (gather(h >> (2 * i + 1)) << 4);
+                                            // Bits 4·lane.. of the step's two masks.
+                                            let at = gs * HIGH + (i * 8 + t) * 16 + lane / 2;
+                                            let shift = 4 * (lane % 2);
+                                            grp.high[at] |= gather(h >> (2 * i)) << shift;
+                                            grp.high[at + 8] |= gather(h >> (2 * i + 1)) << shift;
                                         }
                                     }
                                 }
@@ -323,7 +327,8 @@ impl KPacked {
         if blk.high.is_empty() {
             return nibble;
         }
-        let bit = (blk.high[(i * 8 + t) * LANES + lane] >> (k + 4 * usize::from(hi))) & 1;
+        let at = 4 * lane + k;
+        let bit = (blk.high[(i * 8 + t) * 16 + 8 * usize::from(hi) + at / 8] >> (at % 8)) & 1;
         nibble | (bit << 4)
     }
 
@@ -498,7 +503,7 @@ mod avx512;
     unsafe_code,
     reason = "SIMD intrinsics over buffers whose lengths are asserted first"
 )]
-mod avx2;
+pub(super) mod avx2;
 
 #[cfg(test)]
 mod tests {

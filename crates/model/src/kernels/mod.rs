@@ -250,6 +250,7 @@ impl Packing {
 }
 
 /// Activations of one row quantized to 8 bits per value (Q8_1, Q8_0 or Q8_K).
+#[derive(Default)]
 struct ActRow {
     qs: Vec<i8>,
     /// Scale per block (super-block for Q8_K).
@@ -477,15 +478,29 @@ impl FastLinear {
 
     fn quantize(&self, x: &[f32]) -> Vec<ActRow> {
         let format = self.kind.act_format();
-        x.chunks_exact(self.in_features)
-            .map(|r| match format {
-                ActFormat::Q8_1 => quantize_row(r, Sums::F16),
-                ActFormat::Q8_1Exact => quantize_row(r, Sums::Exact),
-                ActFormat::Q8_0 => quantize_row(r, Sums::None),
-                ActFormat::Q8K => quantize_row_k(r),
-                ActFormat::Q8KIn32 => iq4::quantize_row_k_in_32(r),
-            })
-            .collect()
+        let one = |r: &[f32]| match format {
+            ActFormat::Q8_1 => quantize_row(r, Sums::F16),
+            ActFormat::Q8_1Exact => quantize_row(r, Sums::Exact),
+            ActFormat::Q8_0 => quantize_row(r, Sums::None),
+            ActFormat::Q8K => quantize_row_k(r),
+            ActFormat::Q8KIn32 => iq4::quantize_row_k_in_32(r),
+        };
+        let n = x.len() / self.in_features;
+        let threads = team::threads();
+        if n < 2 * threads || threads <= 1 {
+            return x.chunks_exact(self.in_features).map(one).collect();
+        }
+        // A prefill's rows, split across the team (each row's bytes do not depend on
+        // which thread quantized it).
+        let mut rows: Vec<ActRow> = std::iter::repeat_with(ActRow::default).take(n).collect();
+        let per_task = n.div_ceil(threads);
+        team::for_each_chunk_mut(&mut rows, per_task, |t, chunk| {
+            for (i, row) in chunk.iter_mut().enumerate() {
+                let at = (t * per_task + i) * self.in_features;
+                *row = one(&x[at..at + self.in_features]);
+            }
+        });
+        rows
     }
 
     fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
@@ -529,13 +544,27 @@ impl FastLinear {
             tiles.truncate(out);
             return tiles;
         }
+        // The tiles as rows `[row][out]`, a few rows per task.
         let mut y = vec![0f32; n * out];
-        for (g, group) in tiles.chunks_exact(stride).enumerate() {
-            let o0 = g * LANES;
-            let width = LANES.min(out - o0);
-            for (r, lanes) in group.chunks_exact(LANES).enumerate() {
-                y[r * out + o0..r * out + o0 + width].copy_from_slice(&lanes[..width]);
+        let rows_per_task = if threads <= 1 || n * out < 1 << 16 {
+            n
+        } else {
+            n.div_ceil(threads)
+        };
+        let copy = |t: usize, dst: &mut [f32]| {
+            for (i, y_row) in dst.chunks_exact_mut(out).enumerate() {
+                let r = t * rows_per_task + i;
+                for (g, lanes) in tiles.chunks_exact(stride).enumerate() {
+                    let o0 = g * LANES;
+                    let width = LANES.min(out - o0);
+                    y_row[o0..o0 + width].copy_from_slice(&lanes[r * LANES..r * LANES + width]);
+                }
             }
+        };
+        if rows_per_task >= n {
+            copy(0, &mut y);
+        } else {
+            team::for_each_chunk_mut(&mut y, rows_per_task * out, copy);
         }
         y
     }

@@ -21,8 +21,10 @@
 //! Layout per group and block (`gb = group·nb + b`; padding rows are zeros):
 //! - nibbles and codebook: `quants[gb·256..]` as `[step t: 4][lane: 16][4 bytes]`, the
 //!   row's file bytes `4t..4t + 4`: low nibbles are values `4t..`, high nibbles values
-//!   `16 + 4t..`; 5-bit: `high[gb·64..]` as `[step t][lane]`, bit `k` the fifth bit of
-//!   value `4t + k`, bit `4 + k` that of value `16 + 4t + k`;
+//!   `16 + 4t..`; 5-bit: `high[gb·64..]` as `[step t][nibble half h: 2]`, a
+//!   little-endian 64-bit mask each whose bit `4·lane + k` is the fifth bit of value
+//!   `16h + 4t + k` of the lane's row (the value in byte `4·lane + k` of the step's
+//!   quants): an AVX-512 kernel loads it as the byte mask of a masked add;
 //! - bytes: `quants[gb·512..]` as `[step t: 8][lane][4 bytes]`, values `4t..4t + 4`,
 //!   each `q + 128`;
 //! - `d` (f16 for bytes), `m`: `[gb·16 + lane]` (`m` empty without minimums).
@@ -247,10 +249,12 @@ impl Packed32 {
                         // Step t: values 4t..4t + 4 (low nibbles) and 16 + 4t.. (high), so
                         // the fifth bits 4t..4t + 4 and 16 + 4t.. of the block's word.
                         let qh = u32::from_le_bytes(src[16..20].try_into().expect("4 bytes"));
+                        let shift = 4 * (lane % 2);
                         for t in 0..4 {
-                            high[gb * 4 * LANES + t * LANES + lane] = (((qh >> (4 * t)) & 0xF)
-                                | (((qh >> (16 + 4 * t)) & 0xF) << 4))
-                                as u8;
+                            // Bits 4·lane.. of step t's two masks.
+                            let at = gb * 4 * LANES + t * 16 + lane / 2;
+                            high[at] |= (((qh >> (4 * t)) & 0xF) as u8) << shift;
+                            high[at + 8] |= (((qh >> (16 + 4 * t)) & 0xF) as u8) << shift;
                         }
                     }
                     if bytes {
@@ -303,7 +307,9 @@ impl Packed32 {
                 let byte = blk.quants[(t * LANES + lane) * 4 + k];
                 let mut q = if j < 16 { byte & 0x0F } else { byte >> 4 };
                 if five {
-                    let bit = (blk.high[t * LANES + lane] >> (k + 4 * usize::from(j >= 16))) & 1;
+                    let at = 4 * lane + k;
+                    let mask = &blk.high[t * 16 + 8 * usize::from(j >= 16)..];
+                    let bit = (mask[at / 8] >> (at % 8)) & 1;
                     q |= bit << 4;
                 }
                 i32::from(q) - offset

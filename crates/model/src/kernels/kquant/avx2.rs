@@ -80,6 +80,24 @@ fn six_bits(nibbles: __m256i, top: __m256i) -> __m256i {
     _mm256_add_epi8(x, bit(0x8020_0802u32 as i32, 32))
 }
 
+/// 16 in byte `j` of the result where bit `j` of `mask` is set, else 0: a fifth-bit
+/// mask (Q5_K, Q5_0, Q5_1) for 32 bytes of nibbles. Each 128-bit half takes the
+/// broadcast mask's bytes 0–1 (2–3) into bytes 8j..8j + 8, each tested for its own bit.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(in crate::kernels) fn sixteen_where(mask: i32) -> __m256i {
+    let byte_of_bit = _mm256_setr_epi64x(
+        0,
+        0x0101_0101_0101_0101,
+        0x0202_0202_0202_0202,
+        0x0303_0303_0303_0303,
+    );
+    let bit_of_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(mask), byte_of_bit);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_byte), bit_of_byte);
+    _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
 /// The block's fifth bits (Q5_K).
 #[inline(always)]
 fn p_high(blk: &super::Block<'_>) -> *const u8 {
@@ -120,8 +138,6 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
             let s = doubled(_mm256_cvtepu8_epi32(unsafe {
                 _mm_loadl_epi64(small.add(j * LANES + 8 * h).cast())
             }));
-            // Q5_K: byte k of a lane tests the fifth bit of value k of this nibble half.
-            let bits = _mm256_set1_epi32(0x0804_0201 << shift);
             let mut sum16 = [_mm256_setzero_si256(); R];
             for t in 0..8 {
                 // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
@@ -137,14 +153,13 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
                     let mut w =
                         _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
                     if FIVE {
-                        // The lanes' fifth-bit bytes of step (i, t) (8 of the block's
-                        // 512 from lane 8h), each in all four of its lane's bytes.
-                        let hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                            p_high(&blk).add((i * 8 + t) * LANES + 8 * h).cast(),
-                        ));
-                        let hb = _mm256_mullo_epi32(hb, _mm256_set1_epi32(0x0101_0101));
-                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bits), bits);
-                        w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                        // Bits 32h.. of the step's fifth-bit mask for this nibble half,
+                        // one per byte of `w`.
+                        let m = p_high(&blk)
+                            .add(((i * 8 + t) * 2 + j % 2) * 8 + 4 * h)
+                            .cast::<i32>()
+                            .read_unaligned();
+                        w = _mm256_or_si256(w, sixteen_where(m));
                     }
                     for r in 0..R {
                         let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));

@@ -89,12 +89,6 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
     out: &mut [f32],
 ) {
     let low = _mm512_set1_epi8(0x0F);
-    // Q5_K: byte k of a lane tests bit k (low nibbles) or 4 + k (high nibbles) of the
-    // lane's fifth-bit byte, spread over the lane's four bytes.
-    let bits = [
-        _mm512_set1_epi32(0x0804_0201),
-        _mm512_set1_epi32(0x8040_2010u32 as i32),
-    ];
     let sixteen = _mm512_set1_epi8(16);
     // With one or two rows, two accumulators per row (even and odd steps), so that a
     // row's multiply-adds do not wait on each other.
@@ -109,11 +103,11 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
         let mut isum = [_mm512_setzero_si512(); R];
         for i in 0..4 {
             // Sub-block 2i + half: the low (half 0) or high nibbles of steps (i, t).
-            for (half, &bits) in bits.iter().enumerate() {
+            for half in 0..2 {
                 let mut w = [_mm512_setzero_si512(); 8];
                 for (t, w) in w.iter_mut().enumerate() {
                     // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them, and
-                    // 16 of its 512 bytes of fifth bits.
+                    // its half's mask 8 of the 512 bytes of fifth bits.
                     unsafe {
                         if half == 0 {
                             _mm_prefetch::<_MM_HINT_T0>(
@@ -128,13 +122,14 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
                         };
                         *w = _mm512_and_si512(x, low);
                         if FIVE {
-                            // Step (i, t)'s byte per lane times 0x01010101: the byte
-                            // in all four of the lane's bytes.
-                            let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                                blk.high.as_ptr().add((i * 8 + t) * LANES).cast(),
-                            ));
-                            let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
-                            let m = _mm512_test_epi8_mask(hb, bits);
+                            // Step (i, t)'s fifth bits of this nibble half: bit j for
+                            // byte j, a byte mask as it is.
+                            let m = blk
+                                .high
+                                .as_ptr()
+                                .add(((i * 8 + t) * 2 + half) * 8)
+                                .cast::<u64>()
+                                .read_unaligned();
                             *w = _mm512_mask_add_epi8(*w, m, *w, sixteen);
                         }
                     }

@@ -3,6 +3,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::kquant::avx2::sixteen_where;
 use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
 
 /// # Safety
@@ -68,17 +69,18 @@ unsafe fn rows_n<const R: usize>(
                         let mut wl = _mm256_and_si256(w, low);
                         let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
                         if five {
-                            let hb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                blk.high.as_ptr().add(t * LANES + 8 * h).cast(),
-                            ));
-                            let hb = _mm256_mullo_epi32(hb, _mm256_set1_epi32(0x0101_0101));
-                            let bit = |pattern: i32| {
-                                let p = _mm256_set1_epi32(pattern);
-                                let set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, p), p);
-                                _mm256_and_si256(set, _mm256_set1_epi8(16))
+                            // Bits 32h.. of step t's mask of each nibble half.
+                            let mask = |half: usize| {
+                                let m = blk
+                                    .high
+                                    .as_ptr()
+                                    .add((t * 2 + half) * 8 + 4 * h)
+                                    .cast::<i32>()
+                                    .read_unaligned();
+                                sixteen_where(m)
                             };
-                            wl = _mm256_or_si256(wl, bit(0x0804_0201));
-                            wh = _mm256_or_si256(wh, bit(0x8040_2010u32 as i32));
+                            wl = _mm256_or_si256(wl, mask(0));
+                            wh = _mm256_or_si256(wh, mask(1));
                         }
                         for r in 0..R {
                             let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));

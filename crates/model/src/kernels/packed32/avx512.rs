@@ -126,15 +126,15 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                         wl = _mm512_shuffle_epi8(table, wl);
                         wh = _mm512_shuffle_epi8(table, wh);
                     } else if F == FIVE {
-                        // The lane's fifth-bit byte in all four of its bytes; byte k
-                        // tests bit k (low nibbles) or 4 + k (high nibbles).
-                        let hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                            blk.high.as_ptr().add(t * LANES).cast(),
-                        ));
-                        let hb = _mm512_mullo_epi32(hb, _mm512_set1_epi32(0x0101_0101));
-                        let ml = _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x0804_0201));
-                        let mh =
-                            _mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x8040_2010u32 as i32));
+                        // Step t's fifth bits of each nibble half: bit j for byte j.
+                        let mask = |half: usize| {
+                            blk.high
+                                .as_ptr()
+                                .add((t * 2 + half) * 8)
+                                .cast::<u64>()
+                                .read_unaligned()
+                        };
+                        let (ml, mh) = (mask(0), mask(1));
                         wl = _mm512_mask_add_epi8(wl, ml, wl, _mm512_set1_epi8(16));
                         wh = _mm512_mask_add_epi8(wh, mh, wh, _mm512_set1_epi8(16));
                     }
