@@ -126,8 +126,8 @@ pub(super) struct Packed32 {
     /// Bytes' scales, as the file holds them (exactly: Q8_0's are f16).
     d16: Weights<f16>,
     m: Weights<f32>,
-    /// Fifth bits: `[step t: 4][lane]` one byte each per group and block, bit `k` for
-    /// value `4t + k`, bit `4 + k` for value `16 + 4t + k`.
+    /// Fifth bits: `[step t: 4][nibble half h: 2]` a 64-bit mask each per group and
+    /// block, bit `4·lane + k` for value `16h + 4t + k` of the lane's row.
     high: Weights,
 }
 
