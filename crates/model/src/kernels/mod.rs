@@ -370,7 +370,8 @@ impl FastLinear {
             in_features,
             packed: Packing::B32(Packed32::pack_with(
                 Form::of(kind),
-                has_min,
+                // Every blocks-of-32 type's scale is an f16 in the file.
+                (has_min, true),
                 (out_features, nb),
                 read,
             )),

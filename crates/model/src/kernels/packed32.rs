@@ -27,7 +27,10 @@
 //!   quants): an AVX-512 kernel loads it as the byte mask of a masked add;
 //! - bytes: `quants[gb·512..]` as `[step t: 8][lane][4 bytes]`, values `4t..4t + 4`,
 //!   each `q + 128`;
-//! - `d` (f16 for bytes), `m`: `[gb·16 + lane]` (`m` empty without minimums).
+//! - `d` or `d16`, `m`: `[gb·16 + lane]` (`m` empty without minimums). Scales are held
+//!   as f16 (`d16`) when every one is an f16, as the file stores them for every type but
+//!   IQ4_XS (whose per-32 scale `d·(ls − 32)` is not): Q4_0 then streams 4.5 bits per
+//!   weight, as in the file, instead of 5.
 //!
 //! The quants start on a 64-byte boundary, so no 512-bit load of a step straddles two
 //! cache lines, and lie on huge pages where the OS gives them (`memory.rs`).
@@ -121,9 +124,9 @@ pub(super) struct Packed32 {
     pub(super) groups: usize,
     /// The packed quants, from a 64-byte boundary (see [`Weights`]).
     quants: Weights,
-    /// Scales (not for bytes).
+    /// Scales, when some are not f16s (empty otherwise).
     d: Weights<f32>,
-    /// Bytes' scales, as the file holds them (exactly: Q8_0's are f16).
+    /// Scales, when all are f16s, as the file holds them (always for bytes).
     d16: Weights<f16>,
     m: Weights<f32>,
     /// Fifth bits: `[step t: 4][nibble half h: 2]` a 64-bit mask each per group and
@@ -172,7 +175,8 @@ fn slot<T>(v: &[T], gb: usize, n: usize) -> &[T] {
 
 impl Packed32 {
     /// Repacks per-row arrays: `quants` (`form.row_bytes()` per block, row after row),
-    /// `d` per block, `m` per block or empty.
+    /// `d` per block, `m` per block or empty. The scales are held as f16 when every one
+    /// is exactly an f16.
     pub(super) fn pack(
         form: Form,
         quants: &[u8],
@@ -182,7 +186,10 @@ impl Packed32 {
         nb: usize,
     ) -> Self {
         let rb = form.row_bytes();
-        Self::pack_with(form, !m.is_empty(), (out, nb), |i, src| {
+        let half = d
+            .iter()
+            .all(|&x| f16::from_f32(x).to_f32().to_bits() == x.to_bits());
+        Self::pack_with(form, (!m.is_empty(), half), (out, nb), |i, src| {
             src.copy_from_slice(&quants[i * rb..(i + 1) * rb]);
             (d[i], m.get(i).copied().unwrap_or(0.0))
         })
@@ -190,11 +197,12 @@ impl Packed32 {
 
     /// Repacks blocks that `read(i, src)` gives one at a time, block `i = o·nb + b`
     /// (row `o`, block `b`): it fills `src` (`form.row_bytes()`) and returns the
-    /// block's scale and minimum (ignored unless `has_min`). Reading the file's blocks
-    /// this way leaves no per-row copy of the weight.
+    /// block's scale and minimum (ignored unless `has_min`). With `half` (and always
+    /// for bytes) every scale must be an f16, and is held as one. Reading the file's
+    /// blocks this way leaves no per-row copy of the weight.
     pub(super) fn pack_with(
         form: Form,
-        has_min: bool,
+        (has_min, half): (bool, bool),
         (out, nb): (usize, usize),
         read: impl Fn(usize, &mut [u8]) -> (f32, f32) + Sync,
     ) -> Self {
@@ -203,6 +211,7 @@ impl Packed32 {
         let qb = form.packed_bytes() * LANES;
         let five = matches!(form, Form::Nibbles { five: true, .. });
         let bytes = form == Form::Bytes;
+        let half = half || bytes;
         let mut held = Weights::zeroed(slots * qb);
         // Bytes are held as `q + 128`: zero padding rows stay weights 0.
         if bytes {
@@ -213,8 +222,8 @@ impl Packed32 {
             nb,
             groups,
             quants: held,
-            d: Weights::zeroed(if bytes { 0 } else { slots * LANES }),
-            d16: Weights::zeroed(if bytes { slots * LANES } else { 0 }),
+            d: Weights::zeroed(if half { 0 } else { slots * LANES }),
+            d16: Weights::zeroed(if half { slots * LANES } else { 0 }),
             m: Weights::zeroed(if has_min { slots * LANES } else { 0 }),
             high: Weights::zeroed(if five { slots * 4 * LANES } else { 0 }),
         };
@@ -228,7 +237,7 @@ impl Packed32 {
         );
         let pack_group = |g: usize, (q, ds, d16s, ms, high): Parts<'_>| {
             // Read once here: as captures they would be re-read after every store.
-            let (bytes, five, has_min, rb, qb) = (bytes, five, has_min, rb, qb);
+            let (bytes, five, has_min, half, rb, qb) = (bytes, five, has_min, half, rb, qb);
             for o in g * LANES..out.min((g + 1) * LANES) {
                 let lane = o % LANES;
                 let mut block = [0u8; QK];
@@ -257,13 +266,13 @@ impl Packed32 {
                             high[at + 8] |= (((qh >> (16 + 4 * t)) & 0xF) as u8) << shift;
                         }
                     }
-                    if bytes {
-                        let half = f16::from_f32(scale);
+                    if half {
+                        let held = f16::from_f32(scale);
                         assert!(
-                            half.to_f32().to_bits() == scale.to_bits(),
-                            "a byte block's scale {scale} is not an f16"
+                            held.to_f32().to_bits() == scale.to_bits(),
+                            "a block's scale {scale} is not an f16"
                         );
-                        d16s[gb * LANES + lane] = half;
+                        d16s[gb * LANES + lane] = held;
                     } else {
                         ds[gb * LANES + lane] = scale;
                     }
@@ -498,18 +507,28 @@ mod tests {
             return;
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
-        for form in NUMERIC_FORMS.into_iter().chain([Form::Codebook]) {
+        for (form, f32_scales) in NUMERIC_FORMS
+            .into_iter()
+            .chain([Form::Codebook])
+            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
+        {
             for with_min in [false, true] {
                 for nb in [1, 2, 3, 19] {
                     let out = 20;
-                    let (q, d, m) = rows_of(form, out, nb, with_min);
+                    let (q, mut d, m) = rows_of(form, out, nb, with_min);
+                    if f32_scales {
+                        // Not f16s (as IQ4_XS's): held as f32.
+                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
+                    }
                     let packed = Packed32::pack(form, &q, &d, &m, out, nb);
+                    assert_eq!(packed.d16.is_empty(), f32_scales, "{form:?}");
                     let rows = act_rows(nb * QK, ROW_TILE);
                     assert_eq!(rows[0].qs[..QK], [127; QK]);
                     for g in 0..packed.groups {
                         for n in 1..=ROW_TILE {
                             let at = format!(
-                                "{form:?}, minimum {with_min}, {nb} blocks, group {g}, {n} rows"
+                                "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} \
+                                 blocks, group {g}, {n} rows"
                             );
                             let mut want = [0f32; ROW_TILE * LANES];
                             packed.group_scalar(g, &rows[..n], &mut want);
@@ -542,7 +561,7 @@ mod tests {
     }
 
     /// Every form's packed quants start on a cache line, so a step's 64-byte load never
-    /// straddles two; bytes hold their scales as f16.
+    /// straddles two; scales that are f16s are held as f16.
     #[test]
     fn packed_quants_start_on_a_cache_line() {
         for form in NUMERIC_FORMS.into_iter().chain([Form::Codebook]) {
@@ -551,7 +570,7 @@ mod tests {
                 let packed = Packed32::pack(form, &q, &d, &[], out, nb);
                 let first = packed.block(0, 0).quants.as_ptr();
                 assert_eq!(first.align_offset(64), 0, "{form:?}, {out}x{nb}");
-                assert_eq!(packed.d16.is_empty(), form != Form::Bytes, "{form:?}");
+                assert!(!packed.d16.is_empty() && packed.d.is_empty(), "{form:?}");
             }
         }
     }

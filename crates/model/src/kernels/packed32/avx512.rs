@@ -145,7 +145,7 @@ unsafe fn rows_n<const R: usize, const F: u8>(
         }
         // SAFETY: 16 scales each (`m` only with minimums).
         let d = unsafe {
-            if F == BYTES {
+            if !blk.d16.is_empty() {
                 _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
             } else {
                 _mm512_loadu_ps(blk.d.as_ptr())
