@@ -27,7 +27,7 @@
 //!   quants): an AVX-512 kernel loads it as the byte mask of a masked add;
 //! - bytes: `quants[gb·512..]` as `[step t: 8][lane][4 bytes]`, values `4t..4t + 4`,
 //!   each `q + 128`;
-//! - `d` or `d16`, `m`: `[gb·16 + lane]` (`m` empty without minimums). Scales are held
+//! - `d` or `d16`, `m` (f16): `[gb·16 + lane]` (`m` empty without minimums). Scales are held
 //!   as f16 (`d16`) when every one is an f16, as the file stores them for every type but
 //!   IQ4_XS (whose per-32 scale `d·(ls − 32)` is not): Q4_0 then streams 4.5 bits per
 //!   weight, as in the file, instead of 5.
@@ -128,7 +128,8 @@ pub(super) struct Packed32 {
     d: Weights<f32>,
     /// Scales, when all are f16s, as the file holds them (always for bytes).
     d16: Weights<f16>,
-    m: Weights<f32>,
+    /// Minimums (Q4_1, Q5_1), f16s as the file holds them.
+    m: Weights<f16>,
     /// Fifth bits: `[step t: 4][nibble half h: 2]` a 64-bit mask each per group and
     /// block, bit `4·lane + k` for value `16h + 4t + k` of the lane's row.
     high: Weights,
@@ -138,7 +139,7 @@ struct Block<'a> {
     quants: &'a [u8],
     d: &'a [f32],
     d16: &'a [f16],
-    m: &'a [f32],
+    m: &'a [f16],
     high: &'a [u8],
 }
 
@@ -158,7 +159,7 @@ type Parts<'a> = (
     &'a mut [u8],
     &'a mut [f32],
     &'a mut [f16],
-    &'a mut [f32],
+    &'a mut [f16],
     &'a mut [u8],
 );
 
@@ -277,7 +278,12 @@ impl Packed32 {
                         ds[gb * LANES + lane] = scale;
                     }
                     if has_min {
-                        ms[gb * LANES + lane] = min;
+                        let held = f16::from_f32(min);
+                        assert!(
+                            held.to_f32().to_bits() == min.to_bits(),
+                            "a block's minimum {min} is not an f16"
+                        );
+                        ms[gb * LANES + lane] = held;
                     }
                 }
             }
@@ -344,7 +350,7 @@ impl Packed32 {
         let m = if blk.m.is_empty() {
             None
         } else {
-            Some(blk.m[lane])
+            Some(blk.m[lane].to_f32())
         };
         out.extend((0..QK).map(|j| {
             let x = d * self.quant(&blk, lane, j) as f32;
@@ -400,7 +406,7 @@ impl Packed32 {
                         .sum();
                     acc = (blk.scale(lane) * row.d[b]).mul_add(isum as f32, acc);
                     if !blk.m.is_empty() {
-                        acc = blk.m[lane].mul_add(row.s[b], acc);
+                        acc = blk.m[lane].to_f32().mul_add(row.s[b], acc);
                     }
                 }
                 out[r * LANES + lane] = acc;

@@ -177,7 +177,8 @@ unsafe fn rows_n<const R: usize>(
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]), acc[r]);
             if has_min {
                 // SAFETY: as above.
-                let m = unsafe { _mm256_loadu_ps(blk.m.as_ptr().add(8 * h)) };
+                let m =
+                    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast())) };
                 acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r]);
             }
         }

@@ -143,13 +143,19 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                 }
             }
         }
-        // SAFETY: 16 scales each (`m` only with minimums).
+        // SAFETY: 16 scales, f16 or f32.
         let d = unsafe {
             if !blk.d16.is_empty() {
                 _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
             } else {
                 _mm512_loadu_ps(blk.d.as_ptr())
             }
+        };
+        let m = if has_min {
+            // SAFETY: 16 f16 minimums, when the weight has them.
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().cast())) }
+        } else {
+            _mm512_setzero_ps()
         };
         for r in 0..R {
             // SAFETY: block b of each of the row's arrays (its value words lie in the
@@ -173,7 +179,6 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(*da[r].add(b)));
                 acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[r]);
                 if has_min {
-                    let m = _mm512_loadu_ps(blk.m.as_ptr());
                     acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sa[r].add(b)), acc[r]);
                 }
             }
