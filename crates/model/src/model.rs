@@ -710,13 +710,13 @@ impl Model {
     }
 
     /// RMS norm: the training path's fused operation ([`Model::graph_ops`]), candle's
-    /// fused kernel otherwise.
+    /// fused kernel's arithmetic split across the team otherwise.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor> {
         let eps = self.config.rms_eps as f32;
         Ok(if self.graph_ops(x.track_op() || weight.track_op()) {
             grad::rms_norm(x, weight, eps)?
         } else {
-            candle_nn::ops::rms_norm(x, weight, eps)?
+            kernels::rms_norm(x, weight, eps)?
         })
     }
 
@@ -896,17 +896,17 @@ impl Model {
             };
 
             observe(layer, &["attn_output"], &attn)?;
-            x = (x + block.o.forward(&attn)?)?;
+            x = residual(&x, &block.o.forward(&attn)?)?;
             let h = self.rms_norm(&x, &block.ffn_norm)?;
             observe(layer, &["ffn_gate", "ffn_up"], &h)?;
             let [gate, up] = Linear::forward_many([&block.gate, &block.up], &h)?;
             let act = if self.graph_ops(gate.track_op() || up.track_op()) {
                 grad::silu_mul(&gate, &up)?
             } else {
-                (candle_nn::ops::silu(&gate)? * up)?
+                kernels::silu_mul(&gate, &up)?
             };
             observe(layer, &["ffn_down"], &act)?;
-            x = (x + block.down.forward(&act)?)?;
+            x = residual(&x, &block.down.forward(&act)?)?;
         }
         for item in batch.iter_mut() {
             item.cache.len += item.tokens.len();
@@ -1186,6 +1186,16 @@ impl Model {
             false,
         );
     }
+}
+
+/// `x + y` between layers: candle's, differentiable, when either carries gradients;
+/// the same values split across the team otherwise.
+fn residual(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    Ok(if x.track_op() || y.track_op() {
+        (x + y)?
+    } else {
+        kernels::add(x, y)?
+    })
 }
 
 /// Positions covered by a cache's autograd segments.

@@ -37,11 +37,16 @@ use crate::error::{ModelError, Result};
 use crate::gguf::{MappedTensor, TensorType};
 
 mod act;
+mod attend;
 mod iq4;
 mod kquant;
 mod memory;
 mod packed32;
+mod pointwise;
 pub(crate) mod team;
+
+pub use attend::attention;
+pub(crate) use pointwise::{add, rms_norm, silu_mul};
 
 use kquant::{KPacked, KType, LANES};
 use packed32::{Form, Packed32};
@@ -528,7 +533,6 @@ impl FastLinear {
         // Every group's outputs as [group][row][lane], in one buffer the tasks write
         // in place: with one activation row (decode) it is the result itself.
         let stride = n * LANES;
-        let mut tiles = vec![0f32; groups * stride];
         let task = |t: usize, dst: &mut [f32]| {
             for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
                 for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
@@ -536,17 +540,12 @@ impl FastLinear {
                 }
             }
         };
-        if per_task >= groups {
-            task(0, &mut tiles);
-        } else {
-            team::for_each_chunk_mut(&mut tiles, per_task * stride, task);
-        }
+        let mut tiles = team::collect_chunks(groups * stride, per_task * stride, task);
         if n == 1 {
             tiles.truncate(out);
             return tiles;
         }
         // The tiles as rows `[row][out]`, a few rows per task.
-        let mut y = vec![0f32; n * out];
         let rows_per_task = if threads <= 1 || n * out < 1 << 16 {
             n
         } else {
@@ -562,12 +561,7 @@ impl FastLinear {
                 }
             }
         };
-        if rows_per_task >= n {
-            copy(0, &mut y);
-        } else {
-            team::for_each_chunk_mut(&mut y, rows_per_task * out, copy);
-        }
-        y
+        team::collect_chunks(n * out, rows_per_task * out, copy)
     }
 }
 
@@ -741,179 +735,6 @@ impl CustomOp1 for Op<'_> {
     }
 }
 
-/// Causal attention of `n` new queries against a sequence's keys and values.
-///
-/// `q` is `[n, heads·hd]` (rotary already applied), `k` and `v` are `[s, kv_heads·hd]`
-/// with the new positions last (`s ≥ n`): query `t` sees keys `0..=s−n+t`. Returns
-/// `[n, heads·hd]`. Each output row is computed in one fixed order whatever `n` is, so a
-/// position attends identically in a prefill, a decode step or a batch. With AVX2 the
-/// same operations run eight lanes wide (the arithmetic is written lane by lane, so
-/// the bits are those of the baseline build).
-#[expect(clippy::too_many_arguments, reason = "the shape of one attention call")]
-pub fn attention(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    n: usize,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    scale: f32,
-) -> Vec<f32> {
-    #[cfg(target_arch = "x86_64")]
-    let wide = simd() >= Simd::Avx2;
-    #[cfg(not(target_arch = "x86_64"))]
-    let wide = false;
-    let shape = Attend {
-        q,
-        k,
-        v,
-        n,
-        heads,
-        kv_heads,
-        hd,
-        scale,
-    };
-    shape.all(wide)
-}
-
-/// One attention call's inputs and shape.
-struct Attend<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    n: usize,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    scale: f32,
-}
-
-impl Attend<'_> {
-    /// Every query and head, each computed by [`Self::one`]; `wide` runs its AVX2 build.
-    fn all(&self, wide: bool) -> Vec<f32> {
-        let s = self.k.len() / (self.kv_heads * self.hd).max(1);
-        let mut out = vec![0f32; self.n * self.heads * self.hd];
-        let task = |i: usize, dst: &mut [f32]| {
-            let (t, h) = (i / self.heads, i % self.heads);
-            #[cfg(target_arch = "x86_64")]
-            if wide {
-                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
-                // SAFETY: `wide` only when simd() found AVX2 and FMA.
-                unsafe {
-                    self.one_avx2(t, h, dst)
-                };
-                return;
-            }
-            let _ = wide;
-            self.one(t, h, dst);
-        };
-        if self.n * self.heads * s >= 1 << 14 {
-            team::for_each_chunk_mut(&mut out, self.hd, task);
-        } else {
-            for (i, dst) in out.chunks_mut(self.hd).enumerate() {
-                task(i, dst);
-            }
-        }
-        out
-    }
-
-    /// [`Self::one`] compiled for AVX2: the same lane-by-lane arithmetic, eight wide.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[cfg(target_arch = "x86_64")]
-    #[expect(unsafe_code, reason = "a target-feature function")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn one_avx2(&self, t: usize, h: usize, dst: &mut [f32]) {
-        self.one(t, h, dst);
-    }
-
-    /// Query `t`, head `h` into `dst`.
-    #[inline(always)]
-    fn one(&self, t: usize, h: usize, dst: &mut [f32]) {
-        let (hd, q_dim, kv_dim) = (self.hd, self.heads * self.hd, self.kv_heads * self.hd);
-        let s = self.k.len() / kv_dim.max(1);
-        let start = s - self.n;
-        let g = h / (self.heads / self.kv_heads);
-        let qrow = &self.q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
-        let visible = start + t + 1;
-        let krow = |j: usize| &self.k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-        let mut scores = vec![0f32; visible];
-        // Four keys at a time: four independent dot products keep the multiply-adds
-        // busy (one alone waits on its own adds); each is `dot`'s arithmetic.
-        let mut quads = scores.chunks_exact_mut(4);
-        for (c, out) in (&mut quads).enumerate() {
-            let j = 4 * c;
-            let dots = dot4(qrow, [krow(j), krow(j + 1), krow(j + 2), krow(j + 3)]);
-            for (o, d) in out.iter_mut().zip(dots) {
-                *o = d * self.scale;
-            }
-        }
-        let done = visible - quads.into_remainder().len();
-        for (j, o) in scores.iter_mut().enumerate().skip(done) {
-            *o = dot(qrow, krow(j)) * self.scale;
-        }
-        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut total = 0f32;
-        for score in &mut scores {
-            *score = (*score - max).exp();
-            total += *score;
-        }
-        let inv = 1.0 / total;
-        dst.fill(0.0);
-        for (j, &p) in scores.iter().enumerate() {
-            let vrow = &self.v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
-            let p = p * inv;
-            for (o, &x) in dst.iter_mut().zip(vrow) {
-                *o += p * x;
-            }
-        }
-    }
-}
-
-/// [`dot`] of `a` with each of four vectors, bit for bit.
-#[inline(always)]
-fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
-    let n = a.len() / 8 * 8;
-    if b.iter().any(|b| b.len() != a.len()) || n != a.len() {
-        return b.map(|b| dot(a, b));
-    }
-    let mut lanes = [[0f32; 8]; 4];
-    for i in (0..n).step_by(8) {
-        let x = &a[i..i + 8];
-        for (lanes, b) in lanes.iter_mut().zip(&b) {
-            let y = &b[i..i + 8];
-            for l in 0..8 {
-                lanes[l] += x[l] * y[l];
-            }
-        }
-    }
-    lanes.map(|lanes| {
-        ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-            + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-    })
-}
-
-/// A dot product with eight independent lanes (vectorizable, same order every time).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    let mut sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    for (x, y) in ra.iter().zip(rb) {
-        sum += x * y;
-    }
-    sum
-}
-
 #[cfg(test)]
 mod tests {
     use candle_core::quantized::QMatMul;
@@ -959,25 +780,6 @@ mod tests {
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() <= MAX_REL_ERROR * scale, "n={n}: {g} vs {w}");
-            }
-        }
-    }
-
-    /// `dot4` is `dot` four times, bit for bit (ragged lengths included).
-    #[test]
-    fn dot4_is_four_dots() {
-        for len in [8, 64, 67] {
-            let v: Vec<Vec<f32>> = (0..5)
-                .map(|k| {
-                    (0..len)
-                        .map(|i| ((i * 37 + k * 11) % 23) as f32 / 7.0 - 1.5)
-                        .collect()
-                })
-                .collect();
-            let b = [&v[1][..], &v[2][..], &v[3][..], &v[4][..]];
-            let got = dot4(&v[0], b);
-            for (g, b) in got.iter().zip(b) {
-                assert_eq!(g.to_bits(), dot(&v[0], b).to_bits(), "length {len}");
             }
         }
     }
@@ -1246,42 +1048,6 @@ mod tests {
     /// shapes, grouped heads, a head size that is not a multiple of 8).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn attention_avx2_equals_the_baseline() {
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
-            return;
-        }
-        for (n, s, heads, kv_heads, hd) in [(1, 37, 9, 3, 64), (7, 7, 4, 4, 20), (5, 300, 8, 2, 64)]
-        {
-            let values = |len: usize, seed: usize| -> Vec<f32> {
-                (0..len)
-                    .map(|i| (((i * 7919 + seed) % 1009) as f32 - 504.0) / 97.0)
-                    .collect()
-            };
-            let q = values(n * heads * hd, 1);
-            let k = values(s * kv_heads * hd, 2);
-            let v = values(s * kv_heads * hd, 3);
-            let shape = Attend {
-                q: &q,
-                k: &k,
-                v: &v,
-                n,
-                heads,
-                kv_heads,
-                hd,
-                scale: 0.125,
-            };
-            let (base, wide) = (shape.all(false), shape.all(true));
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&wide),
-                bits(&base),
-                "n {n}, s {s}, heads {heads}/{kv_heads}, hd {hd}"
-            );
-        }
-    }
-
-    #[test]
     fn magic_rounding_is_round_half_to_even() {
         for i in -2540..=2540 {
             let x = i as f32 / 20.0;
@@ -1292,35 +1058,5 @@ mod tests {
         ] {
             assert_eq!(round_ties_even(x), x.round_ties_even(), "{x}");
         }
-    }
-
-    #[test]
-    fn attention_is_causal_and_shape_independent() {
-        let (heads, kv_heads, hd, s) = (4, 2, 16, 7);
-        let f = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0) - 0.5;
-        let q: Vec<f32> = (0..s * heads * hd).map(f).collect();
-        let k: Vec<f32> = (0..s * kv_heads * hd).map(|i| f(i + 17)).collect();
-        let v: Vec<f32> = (0..s * kv_heads * hd).map(|i| f(i + 31)).collect();
-        let full = attention(&q, &k, &v, s, heads, kv_heads, hd, 0.25);
-        for t in 0..s {
-            let kv = (t + 1) * kv_heads * hd;
-            let one = attention(
-                &q[t * heads * hd..(t + 1) * heads * hd],
-                &k[..kv],
-                &v[..kv],
-                1,
-                heads,
-                kv_heads,
-                hd,
-                0.25,
-            );
-            assert_eq!(
-                one,
-                full[t * heads * hd..(t + 1) * heads * hd],
-                "position {t}"
-            );
-        }
-        // The first position sees only itself: its output is its own value row.
-        assert_eq!(&full[..hd], &v[..hd]);
     }
 }

@@ -23,6 +23,7 @@
 //! as before.
 
 use std::cell::Cell;
+use std::mem::MaybeUninit;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock, TryLockError};
@@ -297,6 +298,42 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
     for_each_index(n, &task);
 }
 
+/// A new buffer of `len` values, chunk `i` (`chunk_len` long, the last may be
+/// shorter) zeroed and then filled by `f(i, chunk)` on the open team (see
+/// [`for_each_chunk_mut`]): the zeroing runs in the tasks, beside the writes, instead of
+/// on this thread before the region (a prefill's outputs are megabytes).
+pub(crate) fn collect_chunks<T: Copy + Default + Send>(
+    len: usize,
+    chunk_len: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) -> Vec<T> {
+    let mut out: Vec<MaybeUninit<T>> = Vec::with_capacity(len);
+    #[expect(unsafe_code, reason = "a buffer initialized by the tasks")]
+    // SAFETY: the capacity is `len`, and `MaybeUninit` values need no initialization.
+    unsafe {
+        out.set_len(len)
+    };
+    for_each_chunk_mut(&mut out, chunk_len.max(1), |i, chunk| {
+        for v in chunk.iter_mut() {
+            v.write(T::default());
+        }
+        #[expect(unsafe_code, reason = "a chunk just initialized")]
+        // SAFETY: every value of the chunk was written just above, and
+        // `MaybeUninit<T>` has `T`'s layout.
+        let chunk =
+            unsafe { std::slice::from_raw_parts_mut(chunk.as_mut_ptr().cast::<T>(), chunk.len()) };
+        f(i, chunk);
+    });
+    let mut out = std::mem::ManuallyDrop::new(out);
+    #[expect(unsafe_code, reason = "the buffer, every value initialized")]
+    // SAFETY: `for_each_chunk_mut` returned, so every chunk's task ran and initialized
+    // its values (a task's panic is raised before this point); the pointer, length and
+    // capacity are the vector's, of a type with `T`'s layout, and `out` is not dropped.
+    unsafe {
+        Vec::from_raw_parts(out.as_mut_ptr().cast::<T>(), out.len(), out.capacity())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,6 +369,40 @@ mod tests {
         let mut data = vec![0u8; 10];
         for_each_chunk_mut(&mut data, 3, |i, c| c.fill(i as u8));
         assert_eq!(data, [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]);
+    }
+
+    /// A collected buffer is each chunk's task output over zeros, with a team of 1, 2
+    /// and 3 threads and with none; empty buffers and a zero chunk length are fine.
+    #[test]
+    fn collected_chunks_start_zeroed() {
+        let fill = |i: usize, c: &mut [u32]| {
+            assert!(c.iter().all(|&v| v == 0));
+            // Leaves the chunk's last value zero.
+            let n = c.len().saturating_sub(1);
+            c[..n].fill(i as u32 + 1);
+        };
+        let want = |len: usize, chunk: usize| -> Vec<u32> {
+            (0..len)
+                .map(|j| {
+                    if j % chunk == chunk - 1 || j == len - 1 {
+                        0
+                    } else {
+                        (j / chunk) as u32 + 1
+                    }
+                })
+                .collect()
+        };
+        for threads in [1, 2, 3] {
+            pool(threads).install(|| {
+                with_team(|| {
+                    for len in [1, 5, 1000, 4099] {
+                        assert_eq!(collect_chunks(len, 64, fill), want(len, 64), "{len}");
+                    }
+                })
+            });
+        }
+        assert_eq!(collect_chunks(300, 7, fill), want(300, 7));
+        assert!(collect_chunks::<f32>(0, 0, |_, _| {}).is_empty());
     }
 
     /// Helpers take tasks: on a team of 2, a region whose tasks wait for each other

@@ -1,0 +1,432 @@
+//! Causal attention of new queries against a sequence's cached keys and values, for
+//! inference (training's differentiable attention is `grad`'s).
+//!
+//! Each query and head is one task: its scores (query · key, eight keys at a time),
+//! their softmax, and the probability-weighted sum of the value rows. Every output
+//! element is computed in one fixed order whatever the number of queries, threads or
+//! the SIMD family, so a position attends to the same bits in a prefill, a decode step
+//! or a batch:
+//! - a score sums eight lanes over the head's dimensions (lane `l` takes the products
+//!   of dimensions `l mod 8`; a product is rounded, then added), the lanes then in the
+//!   tree `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`, and any dimensions past
+//!   the last eight one by one;
+//! - an output element adds the value rows' products in key order.
+//!
+//! The AVX2 build runs eight keys' lanes in eight registers and sums their trees with
+//! two rounds of horizontal adds (`vhaddps` pairs adjacent lanes, as the tree does), and
+//! keeps up to 64 output elements in registers across all keys; the baseline does the
+//! same arithmetic one number at a time.
+
+use super::team;
+#[cfg(target_arch = "x86_64")]
+use super::{Simd, simd};
+
+/// Causal attention of `n` new queries against a sequence's keys and values.
+///
+/// `q` is `[n, heads·hd]` (rotary already applied), `k` and `v` are `[s, kv_heads·hd]`
+/// with the new positions last (`s ≥ n`): query `t` sees keys `0..=s−n+t`. Returns
+/// `[n, heads·hd]`, each row the same bits whatever `n` is (see the module's
+/// documentation).
+#[expect(clippy::too_many_arguments, reason = "the shape of one attention call")]
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    scale: f32,
+) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    let wide = simd() >= Simd::Avx2;
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
+    let shape = Attend {
+        q,
+        k,
+        v,
+        n,
+        heads,
+        kv_heads,
+        hd,
+        scale,
+    };
+    shape.all(wide)
+}
+
+/// Multiply-adds of one call's scores and sums at which its heads are split across the
+/// team: a parallel region costs a few microseconds, a decode step's attention of a
+/// small model's layer a few dozen at a few hundred positions.
+const PARALLEL_WORK: usize = 1 << 15;
+
+/// One attention call's inputs and shape.
+pub(super) struct Attend<'a> {
+    pub(super) q: &'a [f32],
+    pub(super) k: &'a [f32],
+    pub(super) v: &'a [f32],
+    pub(super) n: usize,
+    pub(super) heads: usize,
+    pub(super) kv_heads: usize,
+    pub(super) hd: usize,
+    pub(super) scale: f32,
+}
+
+impl Attend<'_> {
+    /// Every query and head, each computed by [`Self::one`]; `wide` runs its AVX2 build.
+    pub(super) fn all(&self, wide: bool) -> Vec<f32> {
+        let s = self.k.len() / (self.kv_heads * self.hd).max(1);
+        let one = |i: usize, dst: &mut [f32]| {
+            let (t, h) = (i / self.heads, i % self.heads);
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
+                // SAFETY: `wide` only when simd() found AVX2 and FMA.
+                unsafe {
+                    self.one_avx2(t, h, dst)
+                };
+                return;
+            }
+            let _ = wide;
+            self.one::<false>(t, h, dst);
+        };
+        let len = self.n * self.heads * self.hd;
+        // Heads per task: one each when the call is worth splitting, all of them in one
+        // task otherwise.
+        let per = if self.n * self.heads * s * self.hd >= PARALLEL_WORK {
+            1
+        } else {
+            self.n * self.heads
+        };
+        team::collect_chunks(len, per * self.hd, |task, dst| {
+            for (i, dst) in dst.chunks_mut(self.hd).enumerate() {
+                one(task * per + i, dst);
+            }
+        })
+    }
+
+    /// [`Self::one`] with AVX2 kernels for its scores and sums.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[expect(unsafe_code, reason = "a target-feature function")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn one_avx2(&self, t: usize, h: usize, dst: &mut [f32]) {
+        self.one::<true>(t, h, dst);
+    }
+
+    /// Query `t`, head `h` into `dst`; `WIDE` (only from [`Self::one_avx2`]) uses the
+    /// AVX2 kernels, the same bits.
+    #[inline(always)]
+    fn one<const WIDE: bool>(&self, t: usize, h: usize, dst: &mut [f32]) {
+        let (hd, q_dim, kv_dim) = (self.hd, self.heads * self.hd, self.kv_heads * self.hd);
+        let s = self.k.len() / kv_dim.max(1);
+        let start = s - self.n;
+        let g = h / (self.heads / self.kv_heads);
+        let qrow = &self.q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
+        let visible = start + t + 1;
+        let krow = |j: usize| &self.k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd];
+        let mut scores = vec![0f32; visible];
+        let mut done = 0;
+        if hd.is_multiple_of(8) {
+            for (c, out) in scores.chunks_exact_mut(8).enumerate() {
+                let keys: [&[f32]; 8] = std::array::from_fn(|i| krow(8 * c + i));
+                let dots = dot8::<WIDE>(qrow, keys);
+                for (o, d) in out.iter_mut().zip(dots) {
+                    *o = d * self.scale;
+                }
+            }
+            done = visible / 8 * 8;
+        }
+        for (j, o) in scores.iter_mut().enumerate().skip(done) {
+            *o = dot(qrow, krow(j)) * self.scale;
+        }
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut total = 0f32;
+        for score in &mut scores {
+            *score = (*score - max).exp();
+            total += *score;
+        }
+        let inv = 1.0 / total;
+        for p in &mut scores {
+            *p *= inv;
+        }
+        let vals = &self.v[g * hd..];
+        #[cfg(target_arch = "x86_64")]
+        if WIDE && hd.is_multiple_of(8) {
+            #[expect(unsafe_code, reason = "AVX2 intrinsics")]
+            // SAFETY: WIDE only runs inside `one_avx2` (AVX2 checked); row `j` of the
+            // values starts at `j·kv_dim` of `vals` and the last visible one ends within
+            // it (`visible ≤ s`, `g·hd + hd ≤ kv_dim`).
+            unsafe {
+                avx2::weighted_sum(&scores, vals, kv_dim, dst)
+            };
+            return;
+        }
+        dst.fill(0.0);
+        for (j, &p) in scores.iter().enumerate() {
+            for (o, &x) in dst.iter_mut().zip(&vals[j * kv_dim..j * kv_dim + hd]) {
+                *o += p * x;
+            }
+        }
+    }
+}
+
+/// [`dot`] of `a` with each of eight vectors of its length (a multiple of 8).
+#[inline(always)]
+fn dot8<const WIDE: bool>(a: &[f32], b: [&[f32]; 8]) -> [f32; 8] {
+    #[cfg(target_arch = "x86_64")]
+    if WIDE {
+        #[expect(unsafe_code, reason = "AVX2 intrinsics")]
+        // SAFETY: WIDE only inside `one_avx2` (AVX2 checked); `dot8` checks the lengths.
+        return unsafe { avx2::dot8(a, b) };
+    }
+    b.map(|b| dot(a, b))
+}
+
+/// A dot product: eight lanes, summed in the module's tree, then the rest of the
+/// dimensions in order.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    let mut sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+        + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        sum += x * y;
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[expect(unsafe_code, reason = "AVX2 intrinsics")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`super::dot`] of `a` with eight vectors at once, bit for bit.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot8(a: &[f32], b: [&[f32]; 8]) -> [f32; 8] {
+        let n = a.len();
+        assert!(n.is_multiple_of(8) && b.iter().all(|b| b.len() == n));
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for c in (0..n).step_by(8) {
+            // SAFETY: `c + 8 ≤ n`, the length of every vector.
+            unsafe {
+                let x = _mm256_loadu_ps(a.as_ptr().add(c));
+                for (acc, b) in acc.iter_mut().zip(&b) {
+                    let y = _mm256_loadu_ps(b.as_ptr().add(c));
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
+                }
+            }
+        }
+        // hadd(u, v) = [u0+u1, u2+u3, v0+v1, v2+v3 | u4+u5, u6+u7, v4+v5, v6+v7].
+        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+        let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+        let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+        // Vector i's (l0+l1)+(l2+l3) in element i of the low half (keys 0-3) and its
+        // (l4+l5)+(l6+l7) in element i of the high half.
+        let q0 = _mm256_hadd_ps(h01, h23);
+        let q1 = _mm256_hadd_ps(h45, h67);
+        let low = _mm256_permute2f128_ps::<0x20>(q0, q1);
+        let high = _mm256_permute2f128_ps::<0x31>(q0, q1);
+        let mut out = [0f32; 8];
+        // SAFETY: eight floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(low, high)) };
+        out
+    }
+
+    /// `dst = Σ_j p_j · vals[j·stride..][..dst.len()]` in key order, each product
+    /// rounded and then added (the baseline's arithmetic), up to 64 elements held in
+    /// registers across all keys.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `dst.len()` is a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum(p: &[f32], vals: &[f32], stride: usize, dst: &mut [f32]) {
+        let hd = dst.len();
+        assert!(hd.is_multiple_of(8));
+        if let Some(last) = p.len().checked_sub(1) {
+            assert!(last * stride + hd <= vals.len());
+        }
+        for (c, out) in dst.chunks_mut(64).enumerate() {
+            let base = 64 * c;
+            // SAFETY: AVX2 is enabled here; the last row holds `base + 8R ≤ hd` elements
+            // (checked above), so every row does.
+            unsafe {
+                match out.len() / 8 {
+                    8 => sum_into::<8>(p, vals, stride, base, out),
+                    7 => sum_into::<7>(p, vals, stride, base, out),
+                    6 => sum_into::<6>(p, vals, stride, base, out),
+                    5 => sum_into::<5>(p, vals, stride, base, out),
+                    4 => sum_into::<4>(p, vals, stride, base, out),
+                    3 => sum_into::<3>(p, vals, stride, base, out),
+                    2 => sum_into::<2>(p, vals, stride, base, out),
+                    _ => sum_into::<1>(p, vals, stride, base, out),
+                }
+            }
+        }
+    }
+
+    /// `R·8` elements of [`weighted_sum`] from `base`, in `R` registers.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; row `j`'s elements `base..base + 8R` (at
+    /// `j·stride + base`) lie within `vals` for every `j < p.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn sum_into<const R: usize>(
+        p: &[f32],
+        vals: &[f32],
+        stride: usize,
+        base: usize,
+        out: &mut [f32],
+    ) {
+        assert_eq!(out.len(), 8 * R);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (j, &pj) in p.iter().enumerate() {
+            let pj = _mm256_set1_ps(pj);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: within row j's elements, as the caller promised.
+                let x = unsafe { _mm256_loadu_ps(vals.as_ptr().add(j * stride + base + 8 * r)) };
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(pj, x));
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 8R floats.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * r), *acc) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::detected_simd;
+    use super::*;
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + seed) % 1009) as f32 - 504.0) / 97.0)
+            .collect()
+    }
+
+    #[test]
+    fn the_avx2_build_gives_the_baselines_bits() {
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        for (n, s, heads, kv_heads, hd) in [
+            (1, 37, 9, 3, 64),
+            (7, 7, 4, 4, 20),
+            (5, 300, 8, 2, 64),
+            (3, 70, 4, 2, 128),
+            (2, 19, 2, 1, 72),
+            (1, 8, 2, 2, 8),
+        ] {
+            let q = values(n * heads * hd, 1);
+            let k = values(s * kv_heads * hd, 2);
+            let v = values(s * kv_heads * hd, 3);
+            let shape = Attend {
+                q: &q,
+                k: &k,
+                v: &v,
+                n,
+                heads,
+                kv_heads,
+                hd,
+                scale: 0.125,
+            };
+            let (base, wide) = (shape.all(false), shape.all(true));
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&wide),
+                bits(&base),
+                "n {n}, s {s}, heads {heads}/{kv_heads}, hd {hd}"
+            );
+        }
+    }
+
+    /// Softmax-weighted values, as the definition computes them in f64.
+    #[test]
+    fn it_is_softmax_attention() {
+        let (n, s, heads, kv_heads, hd) = (3, 45, 4, 2, 64);
+        let q = values(n * heads * hd, 5);
+        let k = values(s * kv_heads * hd, 6);
+        let v = values(s * kv_heads * hd, 7);
+        let scale = 0.05;
+        let got = attention(&q, &k, &v, n, heads, kv_heads, hd, scale);
+        let (q_dim, kv_dim) = (heads * hd, kv_heads * hd);
+        for t in 0..n {
+            for h in 0..heads {
+                let g = h / (heads / kv_heads);
+                let visible = s - n + t + 1;
+                let logits: Vec<f64> = (0..visible)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|d| {
+                                f64::from(q[t * q_dim + h * hd + d])
+                                    * f64::from(k[j * kv_dim + g * hd + d])
+                            })
+                            .sum::<f64>()
+                            * f64::from(scale)
+                    })
+                    .collect();
+                let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = (0..visible)
+                        .map(|j| weights[j] / total * f64::from(v[j * kv_dim + g * hd + d]))
+                        .sum();
+                    let at = t * q_dim + h * hd + d;
+                    assert!(
+                        (f64::from(got[at]) - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "query {t}, head {h}, element {d}: {} vs {want}",
+                        got[at]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn it_is_causal_and_shape_independent() {
+        let (heads, kv_heads, hd, s) = (4, 2, 16, 7);
+        let f = |i: usize| ((i * 7919 % 1009) as f32 / 1009.0) - 0.5;
+        let q: Vec<f32> = (0..s * heads * hd).map(f).collect();
+        let k: Vec<f32> = (0..s * kv_heads * hd).map(|i| f(i + 17)).collect();
+        let v: Vec<f32> = (0..s * kv_heads * hd).map(|i| f(i + 31)).collect();
+        let full = attention(&q, &k, &v, s, heads, kv_heads, hd, 0.25);
+        for t in 0..s {
+            let kv = (t + 1) * kv_heads * hd;
+            let one = attention(
+                &q[t * heads * hd..(t + 1) * heads * hd],
+                &k[..kv],
+                &v[..kv],
+                1,
+                heads,
+                kv_heads,
+                hd,
+                0.25,
+            );
+            assert_eq!(
+                one,
+                full[t * heads * hd..(t + 1) * heads * hd],
+                "position {t}"
+            );
+        }
+        // The first position sees only itself: its output is its own value row.
+        assert_eq!(&full[..hd], &v[..hd]);
+    }
+}
