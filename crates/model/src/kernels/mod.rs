@@ -471,13 +471,67 @@ impl FastLinear {
         let values = x.flatten_all()?.to_vec1::<f32>()?;
         let rows = first.quantize(&values);
         let n = rows.len();
+        let outputs = if n == 1 && team::threads() > 1 {
+            Self::decode_many(weights, &rows)
+        } else {
+            weights.iter().map(|w| w.matmul_rows(&rows, n)).collect()
+        };
         weights
             .iter()
-            .map(|w| {
+            .zip(outputs)
+            .map(|(w, y)| {
                 let mut out_dims = dims.clone();
                 *out_dims.last_mut().expect("at least one dim") = w.out_features;
-                let y = w.matmul_rows(&rows, n);
                 Ok(Tensor::from_vec(y, out_dims, x.device())?)
+            })
+            .collect()
+    }
+
+    /// One activation row through several weights in one parallel region (a decode
+    /// step's q, k and v, or gate and up): each weight's groups in the tasks
+    /// [`Self::matmul_packed`] would give it, so each output is the same bits, with one
+    /// wait for the team instead of one per weight.
+    fn decode_many(weights: &[&Self], row: &[ActRow]) -> Vec<Vec<f32>> {
+        debug_assert_eq!(row.len(), 1);
+        let threads = team::threads();
+        // Per weight: groups per task and the index of its first task.
+        let mut plan = Vec::with_capacity(weights.len());
+        let mut tasks = 0;
+        for w in weights {
+            let groups = w.packed.groups();
+            let per_task = if threads <= 1 || w.out_features * w.in_features < 1 << 16 {
+                groups
+            } else {
+                groups.div_ceil(threads * 4)
+            };
+            plan.push((per_task, tasks));
+            tasks += groups.div_ceil(per_task);
+        }
+        // One output per task: the tasks' groups differ in number, so a shared buffer
+        // would not split into equal chunks.
+        let mut outs = team::collect_chunks(tasks, 1, |task, slot: &mut [Vec<f32>]| {
+            let w = plan.partition_point(|&(_, first)| first <= task) - 1;
+            let (per_task, first) = plan[w];
+            let p = &weights[w].packed;
+            let from = (task - first) * per_task;
+            let to = p.groups().min(from + per_task);
+            let mut y = vec![0f32; (to - from) * LANES];
+            for (g, d) in (from..to).zip(y.chunks_exact_mut(LANES)) {
+                p.group(g, row, d);
+            }
+            slot[0] = y;
+        })
+        .into_iter();
+        weights
+            .iter()
+            .zip(&plan)
+            .map(|(w, &(per_task, _))| {
+                let mut y = Vec::with_capacity(w.packed.groups() * LANES);
+                for _ in 0..w.packed.groups().div_ceil(per_task) {
+                    y.extend(outs.next().unwrap_or_default());
+                }
+                y.truncate(w.out_features);
+                y
             })
             .collect()
     }
@@ -1044,9 +1098,45 @@ mod tests {
         }
     }
 
-    /// The AVX2 build of attention gives the baseline build's bits (prefill and decode
-    /// shapes, grouped heads, a head size that is not a multiple of 8).
-    #[cfg(target_arch = "x86_64")]
+    /// Several weights of one input in one region (a decode step's q, k and v) give
+    /// each weight's own product, bit for bit, on a team of 3 as on one thread; one
+    /// weight small enough to be one task, K-quants of three types.
+    #[test]
+    fn weights_of_one_input_decode_together_as_alone() {
+        let device = Device::Cpu;
+        let pool = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+        };
+        let (one, three) = (pool(1), pool(3));
+        let weight = |out: usize, dtype, seed: u64| {
+            let w = Tensor::from_vec(fixed_values(out * 512, seed), (out, 512), &device).unwrap();
+            FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap()
+        };
+        let ws = [
+            weight(200, GgmlDType::Q4K, 1),
+            weight(40, GgmlDType::Q6K, 2),
+            weight(72, GgmlDType::Q5K, 3),
+        ];
+        let refs: Vec<&FastLinear> = ws.iter().collect();
+        let x = Tensor::from_vec(fixed_values(512, 4), (1, 512), &device).unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> { values(t).iter().map(|v| v.to_bits()).collect() };
+        let want: Vec<Vec<u32>> =
+            one.install(|| ws.iter().map(|w| bits(&w.forward(&x).unwrap())).collect());
+        let got: Vec<Vec<u32>> = three.install(|| {
+            team::with_team(|| {
+                FastLinear::forward_many(&refs, &x)
+                    .unwrap()
+                    .iter()
+                    .map(bits)
+                    .collect()
+            })
+        });
+        assert_eq!(got, want);
+    }
+
     #[test]
     fn magic_rounding_is_round_half_to_even() {
         for i in -2540..=2540 {

@@ -299,10 +299,10 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
 }
 
 /// A new buffer of `len` values, chunk `i` (`chunk_len` long, the last may be
-/// shorter) zeroed and then filled by `f(i, chunk)` on the open team (see
+/// shorter) set to `T::default()` (zero) and then filled by `f(i, chunk)` on the open team (see
 /// [`for_each_chunk_mut`]): the zeroing runs in the tasks, beside the writes, instead of
 /// on this thread before the region (a prefill's outputs are megabytes).
-pub(crate) fn collect_chunks<T: Copy + Default + Send>(
+pub(crate) fn collect_chunks<T: Default + Send>(
     len: usize,
     chunk_len: usize,
     f: impl Fn(usize, &mut [T]) + Sync,
