@@ -466,10 +466,9 @@ impl FastLinear {
         }) {
             return weights.iter().map(|w| w.forward(x)).collect();
         }
-        let x = x.contiguous()?;
         let dims = x.dims().to_vec();
-        let values = x.flatten_all()?.to_vec1::<f32>()?;
-        let rows = first.quantize(&values);
+        // The activations read in place (copied only when not contiguous f32s).
+        let rows = crate::model::with_f32(x, |values| first.quantize(values))?;
         let n = rows.len();
         let outputs = if n == 1 && team::threads() > 1 {
             Self::decode_many(weights, &rows)

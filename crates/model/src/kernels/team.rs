@@ -1,8 +1,9 @@
 //! A team of spinning threads for the parallel regions of one forward pass.
 //!
-//! A prefill of a 30-layer model runs about 150 parallel regions (the matmuls and the
-//! attention of every layer) with serial work between them (norms, rope, the
-//! residual adds), each region a fraction of a millisecond. Rayon's workers go to
+//! A prefill of a 30-layer model runs a few hundred parallel regions (the matmuls,
+//! the attention, the norms, residual adds and gating of every layer) with a little
+//! serial work between them (rope, the cache writes), each region a fraction of a
+//! millisecond. Rayon's workers go to
 //! sleep when they find no work for a few dozen rounds, so every region pays a
 //! futex wake-up, and in a virtual machine the wake-up of a halted vCPU, which
 //! costs tens of microseconds to milliseconds when the host is busy. llama.cpp's
