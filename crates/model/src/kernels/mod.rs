@@ -1049,18 +1049,20 @@ mod tests {
         }
     }
 
+    /// A rayon pool of `threads` threads.
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+    }
+
     /// A product has the same bits on one thread as on three, where the groups are
     /// split across tasks that write their outputs in place: one row (decode, the
     /// buffer is the result) and five; a last group with padding lanes.
     #[test]
     fn outputs_do_not_depend_on_the_thread_count() {
         let device = Device::Cpu;
-        let pool = |threads: usize| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap()
-        };
         let (one, three) = (pool(1), pool(3));
         for dtype in LEGACY_KINDS.into_iter().chain(K_KINDS) {
             // 200 outputs: 13 groups, the last with 8 lanes.
@@ -1103,12 +1105,6 @@ mod tests {
     #[test]
     fn weights_of_one_input_decode_together_as_alone() {
         let device = Device::Cpu;
-        let pool = |threads: usize| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap()
-        };
         let (one, three) = (pool(1), pool(3));
         let weight = |out: usize, dtype, seed: u64| {
             let w = Tensor::from_vec(fixed_values(out * 512, seed), (out, 512), &device).unwrap();
