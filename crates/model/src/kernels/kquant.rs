@@ -30,9 +30,10 @@
 //! - Q6_K (212 bytes per row and super-block, the file's 210 plus f32 `d`):
 //!   `quants[gs·2048..]` as `[step s = 4·g8 + t: 32][lane][4 bytes]`, low nibbles the
 //!   low 4 bits of values `16·g8 + 4t..` (group `g8`), high nibbles those of group
-//!   `g8 + 8`; `high[gs·1024..]` as `[step][lane][2 bytes]`, the top two bits of the
-//!   four low-nibble values (bits `2k..2k + 2` of the first byte) and of the four
-//!   high-nibble values (the second). `small[gs·256..]`: the 16 signed scales as
+//!   `g8 + 8`; `high[gs·1024..]` as `[step pair u: 16][lane][4 bytes]`, byte k beside
+//!   quant byte k of steps `2u` and `2u + 1`: the top two bits of its low-nibble and
+//!   high-nibble values of step `2u + e` in bits `4e..4e + 2` and `4e + 2..4e + 4`, so
+//!   that a shift and a mask put them at bits 4–5 of the quant bytes. `small[gs·256..]`: the 16 signed scales as
 //!   `[g][lane]`. `d`: `[gs·16 + lane]`. The weight is the unsigned 6 bits minus 32.
 
 use half::f16;
@@ -281,13 +282,16 @@ impl KPacked {
                                     q[to..to + 4]
                                         .copy_from_slice(&(first | (second << 4)).to_le_bytes());
                                     for half in 0..2 {
-                                        // The four values' top two bits, one per byte, packed
-                                        // into bits 2k of one byte.
+                                        // The four values' top two bits, one per byte (byte
+                                        // k for value k), into their field of the step
+                                        // pair's bytes.
                                         let w = (word(high, 32 * half + l) >> (2 * quarter))
                                             & 0x0303_0303;
-                                        let w = (w | (w >> 6)) & 0x000F_000F;
-                                        top[(s * LANES + lane) * 2 + half] =
-                                            ((w | (w >> 12)) & 0xFF) as u8;
+                                        let field = 4 * (s % 2) + 2 * half;
+                                        let at = ((s / 2) * LANES + lane) * 4;
+                                        for (k, byte) in top[at..at + 4].iter_mut().enumerate() {
+                                            *byte |= (((w >> (8 * k)) & 3) as u8) << field;
+                                        }
                                     }
                                 }
                             }
@@ -339,7 +343,8 @@ impl KPacked {
         let (step, hi) = ((g16 % 8) * 4 + t, usize::from(g16 >= 8));
         let byte = blk.quants[(step * LANES + lane) * 4 + k];
         let nibble = (byte >> (4 * hi)) & 0x0F;
-        let top = (blk.high[(step * LANES + lane) * 2 + hi] >> (2 * k)) & 3;
+        let field = 4 * (step % 2) + 2 * hi;
+        let top = (blk.high[((step / 2) * LANES + lane) * 4 + k] >> field) & 3;
         nibble | (top << 4)
     }
 

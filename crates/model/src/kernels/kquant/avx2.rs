@@ -67,19 +67,6 @@ pub(super) fn doubled(x: __m256i) -> __m256i {
     )
 }
 
-/// Nibbles plus 16 and 32 where byte k's top-bit byte has bit 2k and 2k + 1 set.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-fn six_bits(nibbles: __m256i, top: __m256i) -> __m256i {
-    let bit = |pattern: i32, add: i8| {
-        let p = _mm256_set1_epi32(pattern);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(top, p), p);
-        _mm256_and_si256(set, _mm256_set1_epi8(add))
-    };
-    let x = _mm256_add_epi8(nibbles, bit(0x4010_0401, 16));
-    _mm256_add_epi8(x, bit(0x8020_0802u32 as i32, 32))
-}
-
 /// 16 in byte `j` of the result where bit `j` of `mask` is set, else 0: a fifth-bit
 /// mask (Q5_K, Q5_0, Q5_1) for 32 bytes of nibbles. Each 128-bit half takes the
 /// broadcast mask's bytes 0–1 (2–3) into bytes 8j..8j + 8, each tested for its own bit.
@@ -219,11 +206,7 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, h: usize, rows: &[ActRow], out: &mut [f32]) {
     let low = _mm256_set1_epi8(0x0F);
-    let spread_lo = _mm256_setr_epi8(
-        0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12,
-        12, 12, 12,
-    );
-    let spread_hi = _mm256_add_epi8(spread_lo, _mm256_set1_epi8(1));
+    let bits45 = _mm256_set1_epi8(0x30);
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..p.nb {
         let blk = p.block(g, b);
@@ -253,8 +236,8 @@ unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, h: usize, rows: &[ActRow], 
                 let mut hi = [_mm256_setzero_si256(); R];
                 for t in 2 * half..2 * half + 2 {
                     let step = g8 * 4 + t;
-                    // SAFETY: step's 64 nibble bytes (half h: 32) and 32 top-bit bytes
-                    // (half h: 16); the activation words lie within the row's block.
+                    // SAFETY: step's 64 nibble bytes (half h: 32) and its pair's 64 top-bit
+                    // bytes (half h: 32); the activation words lie within the row's block.
                     unsafe {
                         if R == 1 {
                             _mm_prefetch::<_MM_HINT_T0>(
@@ -262,16 +245,19 @@ unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, h: usize, rows: &[ActRow], 
                             );
                         }
                         let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
-                        let top = _mm256_cvtepu16_epi32(_mm_loadu_si128(
-                            hp.add(step * 32 + 16 * h).cast(),
-                        ));
-                        let wl = six_bits(
-                            _mm256_and_si256(w, low),
-                            _mm256_shuffle_epi8(top, spread_lo),
-                        );
-                        let wh = six_bits(
+                        let top = _mm256_loadu_si256(hp.add((step / 2) * 64 + 32 * h).cast());
+                        // The step's fields at bits 4-5 (bits shifted in from a
+                        // neighbouring byte fall outside them).
+                        let (tl, th) = if step % 2 == 0 {
+                            (_mm256_slli_epi16::<4>(top), _mm256_slli_epi16::<2>(top))
+                        } else {
+                            (top, _mm256_srli_epi16::<2>(top))
+                        };
+                        let wl =
+                            _mm256_or_si256(_mm256_and_si256(w, low), _mm256_and_si256(tl, bits45));
+                        let wh = _mm256_or_si256(
                             _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
-                            _mm256_shuffle_epi8(top, spread_hi),
+                            _mm256_and_si256(th, bits45),
                         );
                         for r in 0..R {
                             let xl = _mm256_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));

@@ -193,44 +193,6 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
     }
 }
 
-/// `_mm512_shuffle_epi8` indices: `base`'s bytes offset by each lane's first byte
-/// within its 128-bit half (0, 4, 8, 12).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-#[inline]
-fn lane_bytes(base: __m512i) -> __m512i {
-    _mm512_add_epi8(
-        base,
-        _mm512_set_epi32(
-            12 * 0x0101_0101,
-            8 * 0x0101_0101,
-            4 * 0x0101_0101,
-            0,
-            12 * 0x0101_0101,
-            8 * 0x0101_0101,
-            4 * 0x0101_0101,
-            0,
-            12 * 0x0101_0101,
-            8 * 0x0101_0101,
-            4 * 0x0101_0101,
-            0,
-            12 * 0x0101_0101,
-            8 * 0x0101_0101,
-            4 * 0x0101_0101,
-            0,
-        ),
-    )
-}
-
-/// Nibbles plus 16 and 32 where byte k's top-bit byte has bit 2k and 2k + 1 set.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-#[inline]
-fn six_bits(nibbles: __m512i, top: __m512i) -> __m512i {
-    let b0 = _mm512_test_epi8_mask(top, _mm512_set1_epi32(0x4010_0401));
-    let b1 = _mm512_test_epi8_mask(top, _mm512_set1_epi32(0x8020_0802u32 as i32));
-    let x = _mm512_mask_add_epi8(nibbles, b0, nibbles, _mm512_set1_epi8(16));
-    _mm512_mask_add_epi8(x, b1, x, _mm512_set1_epi8(32))
-}
-
 /// Q6_K: per 16-value group, `vpdpbusd` of the unsigned 6-bit weights (no overflow),
 /// the −32 offset taken off with the group's activation sum (the sum starts there),
 /// times the lane's scale. Each pair of groups (four steps) is unpacked once into
@@ -242,10 +204,7 @@ fn six_bits(nibbles: __m512i, top: __m512i) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
     let low = _mm512_set1_epi8(0x0F);
-    // The lane's top-bit byte for the low (high) nibbles in all four of its bytes.
-    let spread_lo = _mm512_set1_epi32(0);
-    let spread_hi = _mm512_set1_epi32(0x0101_0101);
-    let (spread_lo, spread_hi) = (lane_bytes(spread_lo), lane_bytes(spread_hi));
+    let bits45 = _mm512_set1_epi8(0x30);
     // Each row's arrays, whose lengths `group` asserted.
     let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
     let sums: [*const i16; R] = std::array::from_fn(|r| rows[r].sums.as_ptr());
@@ -262,19 +221,24 @@ unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut 
             let mut w = [_mm512_setzero_si512(); 8];
             for t in 0..4 {
                 let step = g8 * 4 + t;
-                // SAFETY: step's 64 of the block's 2048 nibble bytes and 32 of its
-                // 1024 top-bit bytes.
+                // SAFETY: step's 64 of the block's 2048 nibble bytes and its pair's 64
+                // of its 1024 top-bit bytes.
                 unsafe {
                     _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + PREFETCH).cast());
                     let x = _mm512_loadu_si512(q.add(step * 64).cast());
-                    let top = _mm512_cvtepu16_epi32(_mm256_loadu_si256(hp.add(step * 32).cast()));
-                    w[t] = six_bits(
-                        _mm512_and_si512(x, low),
-                        _mm512_shuffle_epi8(top, spread_lo),
-                    );
-                    w[4 + t] = six_bits(
+                    let top = _mm512_loadu_si512(hp.add((step / 2) * 64).cast());
+                    // The step's fields at bits 4-5 (bits shifted in from a neighbouring
+                    // byte fall outside them), or-ed onto the nibbles: A | (B & C).
+                    let (tl, th) = if step % 2 == 0 {
+                        (_mm512_slli_epi16::<4>(top), _mm512_slli_epi16::<2>(top))
+                    } else {
+                        (top, _mm512_srli_epi16::<2>(top))
+                    };
+                    w[t] = _mm512_ternarylogic_epi32::<0xF8>(_mm512_and_si512(x, low), tl, bits45);
+                    w[4 + t] = _mm512_ternarylogic_epi32::<0xF8>(
                         _mm512_and_si512(_mm512_srli_epi16::<4>(x), low),
-                        _mm512_shuffle_epi8(top, spread_hi),
+                        th,
+                        bits45,
                     );
                 }
             }
