@@ -33,8 +33,9 @@
 //!   `g8 + 8`; `high[gs·1024..]` as `[step pair u: 16][lane][4 bytes]`, byte k beside
 //!   quant byte k of steps `2u` and `2u + 1`: the top two bits of its low-nibble and
 //!   high-nibble values of step `2u + e` in bits `4e..4e + 2` and `4e + 2..4e + 4`, so
-//!   that a shift and a mask put them at bits 4–5 of the quant bytes. `small[gs·256..]`: the 16 signed scales as
-//!   `[g][lane]`. `d`: `[gs·16 + lane]`. The weight is the unsigned 6 bits minus 32.
+//!   that a shift and a mask put them at bits 4–5 of the quant bytes.
+//!   `small[gs·256..]`: the 16 signed scales as `[g][lane]`. `d`: `[gs·16 + lane]`.
+//!   The weight is the unsigned 6 bits minus 32.
 
 use half::f16;
 use rayon::prelude::*;

@@ -497,14 +497,9 @@ impl FastLinear {
         let mut plan = Vec::with_capacity(weights.len());
         let mut tasks = 0;
         for w in weights {
-            let groups = w.packed.groups();
-            let per_task = if threads <= 1 || w.out_features * w.in_features < 1 << 16 {
-                groups
-            } else {
-                groups.div_ceil(threads * 4)
-            };
+            let per_task = w.groups_per_task(1, threads);
             plan.push((per_task, tasks));
-            tasks += groups.div_ceil(per_task);
+            tasks += w.packed.groups().div_ceil(per_task);
         }
         // One output per task: the tasks' groups differ in number, so a shared buffer
         // would not split into equal chunks.
@@ -571,18 +566,25 @@ impl FastLinear {
         self.matmul_packed(&self.packed, rows, n)
     }
 
+    /// Groups of 16 output rows per task of a product with `n` activation rows on
+    /// `threads` threads: a few tasks per thread, or all groups in one task with one
+    /// thread or a small product.
+    fn groups_per_task(&self, n: usize, threads: usize) -> usize {
+        let groups = self.packed.groups();
+        if threads <= 1 || n * self.out_features * self.in_features < 1 << 16 {
+            groups
+        } else {
+            groups.div_ceil(threads * 4)
+        }
+    }
+
     /// [`Self::matmul_rows`] for a weight packed in groups of 16 rows: each group's
     /// outputs for up to [`ROW_TILE`] activation rows at once, groups split across threads.
     fn matmul_packed(&self, p: &Packing, rows: &[ActRow], n: usize) -> Vec<f32> {
         let out = self.out_features;
         let groups = p.groups();
         let threads = team::threads();
-        // Groups per task: a few tasks per thread, or one task with one thread.
-        let per_task = if threads <= 1 || n * out * self.in_features < 1 << 16 {
-            groups
-        } else {
-            groups.div_ceil(threads * 4)
-        };
+        let per_task = self.groups_per_task(n, threads);
         // Every group's outputs as [group][row][lane], in one buffer the tasks write
         // in place: with one activation row (decode) it is the result itself.
         let stride = n * LANES;

@@ -3,11 +3,10 @@
 //! A prefill of a 30-layer model runs a few hundred parallel regions (the matmuls,
 //! the attention, the norms, residual adds and gating of every layer) with a little
 //! serial work between them (rope, the cache writes), each region a fraction of a
-//! millisecond. Rayon's workers go to
-//! sleep when they find no work for a few dozen rounds, so every region pays a
-//! futex wake-up, and in a virtual machine the wake-up of a halted vCPU, which
-//! costs tens of microseconds to milliseconds when the host is busy. llama.cpp's
-//! thread pool spins instead; so does this team.
+//! millisecond. Rayon's workers go to sleep when they find no work for a few dozen
+//! rounds, so every region pays a futex wake-up, and in a virtual machine the wake-up
+//! of a halted vCPU, which costs tens of microseconds to milliseconds when the host is
+//! busy. llama.cpp's thread pool spins instead; so does this team.
 //!
 //! [`with_team`] opens the team for the duration of a closure on the calling thread
 //! (one forward pass). While it is open, the team's helper threads spin waiting for
@@ -300,9 +299,9 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
 }
 
 /// A new buffer of `len` values, chunk `i` (`chunk_len` long, the last may be
-/// shorter) set to `T::default()` (zero) and then filled by `f(i, chunk)` on the open team (see
-/// [`for_each_chunk_mut`]): the zeroing runs in the tasks, beside the writes, instead of
-/// on this thread before the region (a prefill's outputs are megabytes).
+/// shorter) set to `T::default()` (zero) and then filled by `f(i, chunk)` on the open
+/// team (see [`for_each_chunk_mut`]): the zeroing runs in the tasks, beside the writes,
+/// instead of on this thread before the region (a prefill's outputs are megabytes).
 pub(crate) fn collect_chunks<T: Default + Send>(
     len: usize,
     chunk_len: usize,
