@@ -206,6 +206,30 @@ impl TokenIds {
 /// The child's command line: this binary's `__measure` on `model`, `prompt_tokens`
 /// and `gen_tokens` per run, `repetitions` timed runs, at `threads` threads with
 /// `kernels`.
+/// The repack cache our children use: one folder per model, which the first child
+/// fills (see [`set_repack_cache`]).
+static REPACK_CACHE: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// Points our children's repack cache (`AGENTSTACK_REPACK_CACHE`) at `dir`, so they
+/// run as a user's second and later loads do, and the user's own cache is untouched.
+pub fn set_repack_cache(dir: Option<PathBuf>) {
+    *REPACK_CACHE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = dir;
+}
+
+/// Our children's `AGENTSTACK_REPACK_CACHE` setting: the folder set, else off.
+pub fn repack_cache_env() -> (&'static str, std::ffi::OsString) {
+    let dir = REPACK_CACHE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    (
+        env_vars::AGENTSTACK_REPACK_CACHE,
+        dir.map_or_else(|| "off".into(), PathBuf::into_os_string),
+    )
+}
+
 pub fn measure_command(
     model: &Path,
     (prompt_tokens, gen_tokens, repetitions): (usize, usize, usize),
@@ -230,6 +254,8 @@ pub fn measure_command(
         // As the CLI does: no spinning workers in candle's element-wise pool.
         .env(env_vars::CANDLE_NUM_THREADS, "1")
         .env_remove(env_vars::AGENTSTACK_KERNELS);
+    let (name, value) = repack_cache_env();
+    command.env(name, value);
     if let Some(cap) = kernels.env_value() {
         command.env(env_vars::AGENTSTACK_KERNELS, cap);
     }

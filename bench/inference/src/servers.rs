@@ -70,6 +70,8 @@ pub fn command(
                 "--threads",
                 &threads.to_string(),
             ]);
+            let (name, value) = crate::in_process::repack_cache_env();
+            command.env(name, value);
             (command, None)
         }
         Engine::LlamaCpp => {

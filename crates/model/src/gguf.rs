@@ -359,6 +359,16 @@ impl GgufFile {
         self.tensor_infos.get(name).map(|info| info.ty)
     }
 
+    /// Tensor `name`'s shape, the fastest-varying dimension last.
+    pub(crate) fn tensor_dims(&self, name: &str) -> Result<&[usize]> {
+        Ok(entry(&self.tensor_infos, name)?.dims.as_slice())
+    }
+
+    /// The open file (its identity keys the repack cache).
+    pub(crate) fn handle(&self) -> &File {
+        self.reader.get_ref()
+    }
+
     /// Maps tensor `name`'s blocks from the file, with the checks of [`Self::weight`].
     pub fn map(&self, name: &str) -> Result<MappedTensor> {
         let info = entry(&self.tensor_infos, name)?;

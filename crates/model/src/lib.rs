@@ -30,6 +30,7 @@ mod hf;
 pub mod kernels;
 pub mod model;
 pub mod pull;
+pub mod repack_cache;
 pub mod sampling;
 pub mod server;
 pub mod tokenizer;
@@ -43,6 +44,7 @@ pub use crate::config::{Architecture, ModelConfig};
 pub use crate::error::{ModelError, Result};
 pub use crate::gguf::GgufFile;
 pub use crate::model::{Logits, MatmulObserver, Model, SeqCache, SeqInput, WeightForm, with_f32};
+pub use crate::repack_cache::RepackCache;
 pub use crate::sampling::{SamplingParams, TokenLogprob};
 pub use crate::tokenizer::Tokenizer;
 

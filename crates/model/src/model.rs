@@ -22,6 +22,7 @@ use crate::error::{ModelError, Result};
 use crate::gguf::{GgufFile, TensorType, Weight};
 use crate::grad::{self, RopeTables};
 use crate::kernels::{self, FastLinear, QuantKind};
+use crate::repack_cache::{Loading, RepackCache};
 
 /// How the weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -407,6 +408,7 @@ pub struct SeqInput<'a> {
 
 fn linear_from(
     file: &mut GgufFile,
+    repacked: &mut Loading<'_>,
     name: &str,
     form: WeightForm,
     shape: (usize, usize),
@@ -425,10 +427,10 @@ fn linear_from(
     };
     let weight_name = format!("{name}.weight");
     if matches!(form, WeightForm::Quantized) && has_kernel(file, &weight_name) {
-        let w = file.map(&weight_name)?;
-        check_shape(name, w.dims(), &[shape.0, shape.1])?;
+        let dims = file.tensor_dims(&weight_name)?;
+        check_shape(name, dims, &[shape.0, shape.1])?;
         return Ok(Linear::Fast {
-            weight: Arc::new(FastLinear::from_mapped(&w)?),
+            weight: repacked.weight(file, &weight_name)?,
             bias,
         });
     }
@@ -480,8 +482,26 @@ fn norm_from(file: &mut GgufFile, name: &str, size: usize, dtype: DType) -> Resu
 }
 
 impl Model {
-    /// Loads the weights of a GGUF file in the given form.
+    /// Loads the weights of a GGUF file in the given form, the repacked ones through
+    /// the repack cache the environment names ([`RepackCache::from_env`]).
     pub fn from_gguf(file: &mut GgufFile, form: WeightForm) -> Result<Self> {
+        Self::from_gguf_cached(file, form, &RepackCache::from_env())
+    }
+
+    /// Loads the weights of a GGUF file in the given form; weights for this crate's
+    /// kernels come from `cache` when it holds them for this file, and are written to it
+    /// when it does not.
+    pub fn from_gguf_cached(
+        file: &mut GgufFile,
+        form: WeightForm,
+        cache: &RepackCache,
+    ) -> Result<Self> {
+        let off = RepackCache::off();
+        let mut repacked = match form {
+            WeightForm::Quantized => cache.start(file),
+            WeightForm::Dense(_) => off.start(file),
+        };
+        let r = &mut repacked;
         let config = ModelConfig::from_gguf(file)?;
         let dtype = match form {
             WeightForm::Quantized => DType::F32,
@@ -497,10 +517,17 @@ impl Model {
             let p = format!("blk.{i}");
             blocks.push(Block {
                 attn_norm: norm_from(file, &format!("{p}.attn_norm.weight"), h, dtype)?,
-                q: linear_from(file, &format!("{p}.attn_q"), form, (q_dim, h), bias)?,
-                k: linear_from(file, &format!("{p}.attn_k"), form, (kv_dim, h), bias)?,
-                v: linear_from(file, &format!("{p}.attn_v"), form, (kv_dim, h), bias)?,
-                o: linear_from(file, &format!("{p}.attn_output"), form, (h, q_dim), false)?,
+                q: linear_from(file, r, &format!("{p}.attn_q"), form, (q_dim, h), bias)?,
+                k: linear_from(file, r, &format!("{p}.attn_k"), form, (kv_dim, h), bias)?,
+                v: linear_from(file, r, &format!("{p}.attn_v"), form, (kv_dim, h), bias)?,
+                o: linear_from(
+                    file,
+                    r,
+                    &format!("{p}.attn_output"),
+                    form,
+                    (h, q_dim),
+                    false,
+                )?,
                 q_norm: if qk_norm {
                     Some(norm_from(
                         file,
@@ -524,6 +551,7 @@ impl Model {
                 ffn_norm: norm_from(file, &format!("{p}.ffn_norm.weight"), h, dtype)?,
                 gate: linear_from(
                     file,
+                    r,
                     &format!("{p}.ffn_gate"),
                     form,
                     (config.ffn_size, h),
@@ -531,6 +559,7 @@ impl Model {
                 )?,
                 up: linear_from(
                     file,
+                    r,
                     &format!("{p}.ffn_up"),
                     form,
                     (config.ffn_size, h),
@@ -538,6 +567,7 @@ impl Model {
                 )?,
                 down: linear_from(
                     file,
+                    r,
                     &format!("{p}.ffn_down"),
                     form,
                     (h, config.ffn_size),
@@ -549,9 +579,9 @@ impl Model {
         let tied = !file.has_tensor("output.weight");
         let (embedding, output) =
             if matches!(form, WeightForm::Quantized) && has_kernel(file, "token_embd.weight") {
-                let embd = file.map("token_embd.weight")?;
-                check_shape("token_embd", embd.dims(), &[config.vocab_size, h])?;
-                let embd = Arc::new(FastLinear::from_mapped(&embd)?);
+                let dims = file.tensor_dims("token_embd.weight")?;
+                check_shape("token_embd", dims, &[config.vocab_size, h])?;
+                let embd = r.weight(file, "token_embd.weight")?;
                 let output = if tied {
                     // Tied embeddings: the output projection is the embedding table, and
                     // one copy serves both.
@@ -560,7 +590,7 @@ impl Model {
                         bias: None,
                     }
                 } else {
-                    linear_from(file, "output", form, (config.vocab_size, h), false)?
+                    linear_from(file, r, "output", form, (config.vocab_size, h), false)?
                 };
                 (Embedding::Fast(embd), output)
             } else {
@@ -578,7 +608,7 @@ impl Model {
                         },
                     }
                 } else {
-                    linear_from(file, "output", form, (config.vocab_size, h), false)?
+                    linear_from(file, r, "output", form, (config.vocab_size, h), false)?
                 };
                 let embedding = match (form, embd) {
                     (WeightForm::Dense(dtype), embd) => {
@@ -591,6 +621,7 @@ impl Model {
                 };
                 (embedding, output)
             };
+        repacked.finish();
         Ok(Self::assemble(config, form, embedding, blocks, norm, output)?.with_tied_output(tied))
     }
 
@@ -1296,9 +1327,18 @@ mod tests {
         candle_core::quantized::gguf_file::write(&mut f, &[], &refs).unwrap();
         drop(f);
         let mut file = GgufFile::open(&path).unwrap();
+        let off = RepackCache::off();
+        let mut repacked = off.start(&file);
         let layers = ["q4k", "q6k", "q2k", "q3k"].map(|name| {
-            let loaded =
-                linear_from(&mut file, name, WeightForm::Quantized, (out, inp), false).unwrap();
+            let loaded = linear_from(
+                &mut file,
+                &mut repacked,
+                name,
+                WeightForm::Quantized,
+                (out, inp),
+                false,
+            )
+            .unwrap();
             assert!(matches!(loaded, Linear::Fast { .. }), "{name}");
             loaded
         });
@@ -1334,13 +1374,23 @@ mod tests {
             ],
         );
         let mut file = GgufFile::open(&path).unwrap();
+        let off = RepackCache::off();
+        let mut repacked = off.start(&file);
         for (name, raw) in [("nl", &nl), ("xs", &xs)] {
             let want = ggml_dequantize(raw);
-            let fast =
-                linear_from(&mut file, name, WeightForm::Quantized, (out, inp), false).unwrap();
+            let fast = linear_from(
+                &mut file,
+                &mut repacked,
+                name,
+                WeightForm::Quantized,
+                (out, inp),
+                false,
+            )
+            .unwrap();
             assert!(matches!(fast, Linear::Fast { .. }), "{name}");
             let dense = linear_from(
                 &mut file,
+                &mut repacked,
                 name,
                 WeightForm::Dense(DType::F32),
                 (out, inp),

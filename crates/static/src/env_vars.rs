@@ -80,6 +80,16 @@ env_vars! {
     /// Read once per process.
     AGENTSTACK_HUGE_PAGES = "AGENTSTACK_HUGE_PAGES";
 
+    /// The repack cache, where weights repacked for the kernels are kept so later loads
+    /// of the same GGUF file map them instead of repacking: `off`/`0`/`false` turns it
+    /// off; a path puts it there; unset, empty or `on` use
+    /// `$XDG_CACHE_HOME/agentstack/repacked` (default `~/.cache/agentstack/repacked`).
+    AGENTSTACK_REPACK_CACHE = "AGENTSTACK_REPACK_CACHE";
+
+    /// The repack cache's bound in GiB (default 32): the least recently used entries go
+    /// first.
+    AGENTSTACK_REPACK_CACHE_MAX_GIB = "AGENTSTACK_REPACK_CACHE_MAX_GIB";
+
     /// Whether a forward pass's threads spin between its parallel regions (as
     /// llama.cpp's do): `off`/`0`/`false` lets them sleep (rayon's pool), for a machine
     /// shared with other work; unset, empty, `on`/`1`/`true` spin (anything else warns
@@ -134,6 +144,10 @@ env_vars! {
 
     /// The user's home directory, for `~` defaults.
     HOME = "HOME";
+
+    /// Where user caches go (XDG); the repack cache's default folder is its
+    /// `agentstack/repacked` when set, else `~/.cache/agentstack/repacked`.
+    XDG_CACHE_HOME = "XDG_CACHE_HOME";
 
     /// Where user data goes (XDG); the default data directory is its `agentstack`
     /// folder when `AGENTSTACK_HOME` is unset.

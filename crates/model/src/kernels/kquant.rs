@@ -139,27 +139,79 @@ struct GroupMut<'a> {
 }
 
 impl KPacked {
+    /// How many values each array holds (quants, small, d, dmin, high) for a weight of
+    /// `out` rows and `nb` super-blocks per row.
+    fn lens(ty: KType, out: usize, nb: usize) -> [usize; 5] {
+        let slots = out.div_ceil(LANES) * nb;
+        [
+            slots * ty.quant_bytes(),
+            slots * SMALL,
+            slots * LANES,
+            match ty {
+                KType::Q3K | KType::Q6K => 0,
+                KType::Q2K | KType::Q4K | KType::Q5K => slots * LANES,
+            },
+            match ty {
+                KType::Q2K | KType::Q4K => 0,
+                KType::Q3K | KType::Q5K => slots * HIGH,
+                KType::Q6K => slots * HIGH6,
+            },
+        ]
+    }
+
+    /// Its arrays' bytes, in [`Self::lens`]'s order (what the repack cache stores),
+    /// each with its offset in the file of arena `arena` if it was packed there.
+    pub(super) fn arrays(&self, arena: u64) -> super::StoredArrays<'_> {
+        [
+            (self.quants.as_bytes(), self.quants.offset_in(arena)),
+            (self.small.as_bytes(), self.small.offset_in(arena)),
+            (self.d.as_bytes(), self.d.offset_in(arena)),
+            (self.dmin.as_bytes(), self.dmin.offset_in(arena)),
+            (self.high.as_bytes(), self.high.offset_in(arena)),
+        ]
+    }
+
+    /// A weight from arrays [`Self::arrays`] gave, if each holds as many values as
+    /// [`Self::lens`] says (the kernels index them without further checks).
+    pub(super) fn from_arrays(
+        ty: KType,
+        out: usize,
+        nb: usize,
+        [quants, small, d, dmin, high]: [Weights; 5],
+    ) -> Option<Self> {
+        let p = Self {
+            ty,
+            nb,
+            groups: out.div_ceil(LANES),
+            quants,
+            small,
+            d: d.cast()?,
+            dmin: dmin.cast()?,
+            high,
+        };
+        let held = [
+            p.quants.len(),
+            p.small.len(),
+            p.d.len(),
+            p.dmin.len(),
+            p.high.len(),
+        ];
+        (held == Self::lens(ty, out, nb)).then_some(p)
+    }
+
     /// Repacks the file's bytes of a `[out, in]` weight (`in` a multiple of 256).
     pub(super) fn pack(ty: KType, data: &[u8], out: usize, nb: usize) -> Self {
         let groups = out.div_ceil(LANES);
-        let slots = groups * nb;
+        let [quants, small, d, dmin, high] = Self::lens(ty, out, nb);
         let mut p = Self {
             ty,
             nb,
             groups,
-            quants: Weights::zeroed(slots * ty.quant_bytes()),
-            small: Weights::zeroed(slots * SMALL),
-            d: Weights::zeroed(slots * LANES),
-            dmin: Weights::zeroed(if matches!(ty, KType::Q3K | KType::Q6K) {
-                0
-            } else {
-                slots * LANES
-            }),
-            high: match ty {
-                KType::Q2K | KType::Q4K => Weights::default(),
-                KType::Q3K | KType::Q5K => Weights::zeroed(slots * HIGH),
-                KType::Q6K => Weights::zeroed(slots * HIGH6),
-            },
+            quants: Weights::zeroed(quants),
+            small: Weights::zeroed(small),
+            d: Weights::zeroed(d),
+            dmin: Weights::zeroed(dmin),
+            high: Weights::zeroed(high),
         };
         let half_at =
             |block: &[u8], i: usize| f16::from_le_bytes([block[i], block[i + 1]]).to_f32();

@@ -58,6 +58,145 @@ enum Backing {
         start: usize,
         len: usize,
     },
+    /// A mapping of a range of a repack cache entry (`repack_cache.rs`): private when
+    /// read from a finished entry (the page cache's pages, not copied), shared when the
+    /// weight is packed straight into the entry being written (an [`Arena`]'s `id`,
+    /// with the range's offset).
+    File {
+        map: memmap2::MmapMut,
+        arena: u64,
+        offset: u64,
+    },
+}
+
+/// A file the weights packed on this thread go into while it is set
+/// ([`Arena::packing`]): each array of at least [`MIN_LEN`] bytes gets the file's next
+/// 2 MiB-aligned range, allocated on disk and mapped shared, so the packing writes the
+/// repack cache's entry itself (one copy of the weights, in the page cache) instead of
+/// anonymous memory that would then be copied to the file. Smaller arrays stay on the
+/// heap.
+pub(crate) struct Arena {
+    file: std::fs::File,
+    /// Unique in the process (from 1): which [`Backing::File`]s are this file's.
+    id: u64,
+    /// Where the next range may start.
+    end: std::cell::Cell<u64>,
+    /// Set once a range could not be had (a full disk): the rest go to memory.
+    failed: std::cell::Cell<bool>,
+}
+
+thread_local! {
+    /// The arena of the weight being packed on this thread, if any.
+    static ARENA: std::cell::RefCell<Option<std::rc::Rc<Arena>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Arena ids; 0 is no arena (a finished entry's mappings).
+static ARENAS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl Arena {
+    /// An arena in `file` (open for reading and writing), its ranges from `start`.
+    pub(crate) fn new(file: std::fs::File, start: u64) -> Self {
+        Self {
+            file,
+            id: ARENAS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            end: std::cell::Cell::new(start),
+            failed: std::cell::Cell::new(false),
+        }
+    }
+
+    /// Its id, as [`Weights::offset_in`] takes it.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The end of its last range.
+    pub(crate) fn end(&self) -> u64 {
+        self.end.get()
+    }
+
+    /// Runs `pack` with the large arrays it allocates on this thread in `arena`.
+    pub(crate) fn packing<R>(arena: &std::rc::Rc<Self>, pack: impl FnOnce() -> R) -> R {
+        /// Puts back the arena that was set (none, in practice), also on a panic.
+        struct Restore(Option<std::rc::Rc<Arena>>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                let before = self.0.take();
+                ARENA.with(|a| *a.borrow_mut() = before);
+            }
+        }
+        let _restore = Restore(ARENA.with(|a| a.borrow_mut().replace(arena.clone())));
+        pack()
+    }
+
+    /// A zeroed range of `len` bytes from the next 2 MiB boundary, mapped shared and
+    /// populated (huge pages where the file system gives large folios); None once
+    /// the file cannot grow.
+    #[cfg(target_os = "linux")]
+    fn range(&self, len: usize) -> Option<Backing> {
+        if self.failed.get() {
+            return None;
+        }
+        let offset = self.end.get().next_multiple_of(HUGE_PAGE as u64);
+        let mapped = (|| -> std::io::Result<memmap2::MmapMut> {
+            let ilen = i64::try_from(len).map_err(std::io::Error::other)?;
+            let ioffset = i64::try_from(offset).map_err(std::io::Error::other)?;
+            // Blocks allocated up front: page faults on a hole would allocate them one
+            // page at a time (2-5x slower to fill here). A file system without
+            // `fallocate` gets a hole.
+            if nix::fcntl::fallocate(
+                &self.file,
+                nix::fcntl::FallocateFlags::empty(),
+                ioffset,
+                ilen,
+            )
+            .is_err()
+            {
+                let needed = offset + len as u64;
+                if self.file.metadata()?.len() < needed {
+                    self.file.set_len(needed)?;
+                }
+            }
+            #[expect(
+                unsafe_code,
+                reason = "mapping the repack cache's entry being written, to pack into it"
+            )]
+            // SAFETY: the file is this load's own temporary file in the cache folder
+            // (a random name, open by no one else) until it is renamed into place, and
+            // after that others only read it or map it privately; nothing truncates it.
+            // The range lies within the file, just allocated.
+            let map = unsafe {
+                memmap2::MmapOptions::new()
+                    .offset(offset)
+                    .len(len)
+                    .map_mut(&self.file)?
+            };
+            Ok(map)
+        })();
+        match mapped {
+            Ok(map) => {
+                let _ = map.advise(memmap2::Advice::HugePage);
+                let mut map = map;
+                populate(&mut map, 0, len);
+                self.end.set(offset + len as u64);
+                Some(Backing::File {
+                    map,
+                    arena: self.id,
+                    offset,
+                })
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "packing into memory: the repack cache's entry cannot grow");
+                self.failed.set(true);
+                None
+            }
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn range(&self, _: usize) -> Option<Backing> {
+        None
+    }
 }
 
 impl<T: Pod> Weights<T> {
@@ -68,7 +207,9 @@ impl<T: Pod> Weights<T> {
             return Self::default();
         }
         if len >= MIN_LEN
-            && let Some(backing) = mapped(len, huge_pages_on())
+            && let Some(backing) = ARENA
+                .with(|a| a.borrow().as_ref().and_then(|a| a.range(len)))
+                .or_else(|| mapped(len, huge_pages_on()))
         {
             return Self(backing, PhantomData);
         }
@@ -82,6 +223,80 @@ impl<T: Pod> Weights<T> {
     #[cfg(test)]
     fn is_mapped(&self) -> bool {
         matches!(self.0, Backing::Mapped { .. })
+    }
+
+    /// Its bytes, as stored in the repack cache.
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+
+    /// Where its bytes are in the file of arena `id`, if they were packed there.
+    pub(crate) fn offset_in(&self, id: u64) -> Option<u64> {
+        match self.0 {
+            Backing::File { arena, offset, .. } if arena == id && id != 0 => Some(offset),
+            _ => None,
+        }
+    }
+
+    /// The same bytes as values of `U`, if they are a whole number of them (every
+    /// backing starts on a 64-byte boundary).
+    pub(crate) fn cast<U: Pod>(self) -> Option<Weights<U>> {
+        (self.0.bytes().len().is_multiple_of(size_of::<U>()) && align_of::<U>() <= CACHE_LINE)
+            .then_some(Weights(self.0, PhantomData))
+    }
+}
+
+impl Weights<u8> {
+    /// `len` bytes of `file` from `offset` (a multiple of 2 MiB when `len` is at least
+    /// [`MIN_LEN`]): buffers that would get their own mapping map the file privately
+    /// (the page cache's pages, no copy; huge ones where the file system keeps large
+    /// folios); smaller ones are read onto the heap.
+    pub(crate) fn from_file(
+        file: &std::fs::File,
+        offset: u64,
+        len: usize,
+    ) -> std::io::Result<Self> {
+        use std::os::unix::fs::FileExt;
+        if len == 0 {
+            return Ok(Self::default());
+        }
+        if len >= MIN_LEN {
+            if !offset.is_multiple_of(HUGE_PAGE as u64) {
+                return Err(std::io::Error::other(format!(
+                    "a weight of {len} bytes at offset {offset}, not on a 2 MiB boundary"
+                )));
+            }
+            #[expect(
+                unsafe_code,
+                reason = "mapping the repack cache's file, as model files are"
+            )]
+            // SAFETY: a private mapping, read only by the kernels; its length is checked
+            // against the file's by the caller. The cache replaces a file by renaming a new
+            // one over it, never by writing into it, so the bytes under a mapping do not
+            // change; a file truncated by someone else would fault on access, as a model
+            // file mapped by any loader (llama.cpp, safetensors) would.
+            let map = unsafe {
+                memmap2::MmapOptions::new()
+                    .offset(offset)
+                    .len(len)
+                    .map_copy(file)?
+            };
+            // Faulted in for reading, in one call: `MAP_POPULATE` on a writable private
+            // mapping would fault for writing, copying every page.
+            #[cfg(target_os = "linux")]
+            let _ = map.advise(memmap2::Advice::PopulateRead);
+            return Ok(Self(
+                Backing::File {
+                    map,
+                    arena: 0,
+                    offset,
+                },
+                PhantomData,
+            ));
+        }
+        let mut w = Self::zeroed(len);
+        file.read_exact_at(&mut w, offset)?;
+        Ok(w)
     }
 }
 
@@ -133,6 +348,15 @@ fn mapped(len: usize, huge: bool) -> Option<Backing> {
         // Without transparent huge pages the advice fails: ordinary pages serve as well.
         let _ = map.advise_range(memmap2::Advice::HugePage, start, map.len() - start);
     }
+    populate(&mut map, start, len);
+    Some(Backing::Mapped { map, start, len })
+}
+
+/// Allocates the pages of `map[start..start + len]` on rayon's threads:
+/// `MADV_POPULATE_WRITE` (Linux 5.14) in the kernel, without a page fault per 4 KiB
+/// while the weight is written; older kernels get the pages touched instead.
+#[cfg(target_os = "linux")]
+fn populate(map: &mut memmap2::MmapMut, start: usize, len: usize) {
     // Chunks of 32 MiB: few enough calls, and enough of them to share among threads.
     const CHUNK: usize = 16 * HUGE_PAGE;
     let populated = (0..len.div_ceil(CHUNK)).into_par_iter().all(|c| {
@@ -149,7 +373,6 @@ fn mapped(len: usize, huge: bool) -> Option<Backing> {
             .par_chunks_mut(4096)
             .for_each(|page| page[0] = 0);
     }
-    Some(Backing::Mapped { map, start, len })
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -164,6 +387,7 @@ impl Backing {
             Self::Empty => &[],
             Self::Heap { v, start, len } => &v[*start..*start + *len],
             Self::Mapped { map, start, len } => &map[*start..*start + *len],
+            Self::File { map, .. } => map,
         }
     }
 
@@ -173,6 +397,7 @@ impl Backing {
             Self::Empty => &mut [],
             Self::Heap { v, start, len } => &mut v[*start..*start + *len],
             Self::Mapped { map, start, len } => &mut map[*start..*start + *len],
+            Self::File { map, .. } => map,
         }
     }
 }

@@ -46,6 +46,7 @@ mod pointwise;
 pub(crate) mod team;
 
 pub use attend::attention;
+pub(crate) use memory::{Arena, Weights as StoredArray};
 pub(crate) use pointwise::{add, rms_norm, silu_mul};
 
 use kquant::{KPacked, KType, LANES};
@@ -174,21 +175,84 @@ enum ActFormat {
 }
 
 impl QuantKind {
-    /// The kernel for a GGML type, if there is one.
-    pub fn of(dtype: GgmlDType) -> Option<Self> {
-        match dtype {
-            GgmlDType::Q4_0 => Some(Self::Q4_0),
-            GgmlDType::Q4_1 => Some(Self::Q4_1),
-            GgmlDType::Q5_0 => Some(Self::Q5_0),
-            GgmlDType::Q5_1 => Some(Self::Q5_1),
-            GgmlDType::Q8_0 => Some(Self::Q8_0),
-            GgmlDType::Q2K => Some(Self::Q2K),
-            GgmlDType::Q3K => Some(Self::Q3K),
-            GgmlDType::Q4K => Some(Self::Q4K),
-            GgmlDType::Q5K => Some(Self::Q5K),
-            GgmlDType::Q6K => Some(Self::Q6K),
+    const ALL: [Self; 12] = [
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q2K,
+        Self::Q3K,
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+        Self::Iq4Nl,
+        Self::Iq4Xs,
+    ];
+
+    /// ggml's name of the type (`Q4_K`, `IQ4_XS`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q8_0 => "Q8_0",
+            Self::Q2K => "Q2_K",
+            Self::Q3K => "Q3_K",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
+            Self::Iq4Nl => "IQ4_NL",
+            Self::Iq4Xs => "IQ4_XS",
+        }
+    }
+
+    /// The kind [`Self::name`] names.
+    fn named(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == name)
+    }
+
+    /// The file type of the kinds candle reads (all but IQ4_NL and IQ4_XS).
+    fn ggml_dtype(self) -> Option<GgmlDType> {
+        Self::ALL_GGML
+            .into_iter()
+            .find(|&(_, k)| k == self)
+            .map(|(dtype, _)| dtype)
+    }
+
+    /// The K-quant layout of the K-quant kinds.
+    fn ktype(self) -> Option<KType> {
+        match self {
+            Self::Q2K => Some(KType::Q2K),
+            Self::Q3K => Some(KType::Q3K),
+            Self::Q4K => Some(KType::Q4K),
+            Self::Q5K => Some(KType::Q5K),
+            Self::Q6K => Some(KType::Q6K),
             _ => None,
         }
+    }
+
+    /// The GGML types with a kernel, and theirs.
+    const ALL_GGML: [(GgmlDType, Self); 10] = [
+        (GgmlDType::Q4_0, Self::Q4_0),
+        (GgmlDType::Q4_1, Self::Q4_1),
+        (GgmlDType::Q5_0, Self::Q5_0),
+        (GgmlDType::Q5_1, Self::Q5_1),
+        (GgmlDType::Q8_0, Self::Q8_0),
+        (GgmlDType::Q2K, Self::Q2K),
+        (GgmlDType::Q3K, Self::Q3K),
+        (GgmlDType::Q4K, Self::Q4K),
+        (GgmlDType::Q5K, Self::Q5K),
+        (GgmlDType::Q6K, Self::Q6K),
+    ];
+
+    /// The kernel for a GGML type, if there is one.
+    pub fn of(dtype: GgmlDType) -> Option<Self> {
+        Self::ALL_GGML
+            .into_iter()
+            .find(|&(d, _)| d == dtype)
+            .map(|(_, k)| k)
     }
 
     /// Values per block as held (super-block for the K-quants; IQ4_XS is held in
@@ -254,6 +318,83 @@ impl Packing {
     }
 }
 
+/// A weight's five arrays' bytes, each with its offset in an arena's file if it was
+/// packed there ([`FastLinear::stored`]).
+pub(crate) type StoredArrays<'a> = [(&'a [u8], Option<u64>); 5];
+
+/// What the repack cache keeps of a [`FastLinear`] besides its arrays' bytes: enough
+/// to rebuild it from them, and to check that each array holds what the kernels index.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct StoredForm {
+    /// [`QuantKind::name`].
+    pub(crate) kind: String,
+    pub(crate) out_features: usize,
+    pub(crate) in_features: usize,
+    /// Blocks of 32: whether the scales are held as f16 (the K-quants: false).
+    pub(crate) half_scales: bool,
+}
+
+/// A digest of how this build repacks weights: the crate's version and the packed
+/// arrays of a small weight of every kind, from fixed bytes. The repack cache keys its
+/// files by it, so a build whose packing differs in any way never reads another's
+/// arrays. Computed once (a few hundred microseconds).
+pub(crate) fn layout_fingerprint() -> &'static str {
+    use sha2::{Digest, Sha256};
+    static DIGEST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    DIGEST.get_or_init(|| {
+        let mut h = Sha256::new();
+        h.update(env!("CARGO_PKG_VERSION"));
+        // A partial group of rows, two super-blocks per row.
+        let (out, inp) = (LANES + 3, 2 * QK_K);
+        let mut x = 0x9E37_79B9_7F4A_7C15_u64;
+        for kind in QuantKind::ALL {
+            let (bytes, weight) = match kind.ggml_dtype() {
+                Some(dtype) => {
+                    let n = out * inp / dtype.block_size() * dtype.type_size();
+                    let data = fingerprint_bytes(&mut x, n);
+                    (n, FastLinear::from_ggml_bytes(dtype, (out, inp), &data))
+                }
+                None => {
+                    let ty = if kind == QuantKind::Iq4Nl {
+                        crate::gguf::RawType::Iq4Nl
+                    } else {
+                        crate::gguf::RawType::Iq4Xs
+                    };
+                    let n = out * inp / ty.block_size() * ty.type_size();
+                    let data = fingerprint_bytes(&mut x, n);
+                    (n, FastLinear::from_raw_bytes(ty, &[out, inp], &data))
+                }
+            };
+            h.update(kind.name());
+            h.update((bytes as u64).to_le_bytes());
+            match weight {
+                Ok(w) => {
+                    let (form, arrays) = w.stored(0);
+                    h.update(serde_json::to_vec(&form).unwrap_or_default());
+                    for (a, _) in arrays {
+                        h.update((a.len() as u64).to_le_bytes());
+                        h.update(a);
+                    }
+                }
+                Err(e) => h.update(e.to_string()),
+            }
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    })
+}
+
+/// `n` bytes of a fixed xorshift sequence.
+fn fingerprint_bytes(x: &mut u64, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            *x ^= *x << 13;
+            *x ^= *x >> 7;
+            *x ^= *x << 17;
+            (*x >> 24) as u8
+        })
+        .collect()
+}
+
 /// Activations of one row quantized to 8 bits per value (Q8_1, Q8_0 or Q8_K).
 #[derive(Default)]
 struct ActRow {
@@ -313,14 +454,7 @@ impl FastLinear {
         if data.len() != blocks * block_bytes {
             return Err(bad(format!("{} bytes for {blocks} blocks", data.len())));
         }
-        if let Some(ty) = match kind {
-            QuantKind::Q2K => Some(KType::Q2K),
-            QuantKind::Q3K => Some(KType::Q3K),
-            QuantKind::Q4K => Some(KType::Q4K),
-            QuantKind::Q5K => Some(KType::Q5K),
-            QuantKind::Q6K => Some(KType::Q6K),
-            _ => None,
-        } {
+        if let Some(ty) = kind.ktype() {
             let nb = in_features / QK_K;
             return Ok(Self {
                 kind,
@@ -408,6 +542,52 @@ impl FastLinear {
                 nb,
             )),
         }
+    }
+
+    /// Its form and its five arrays' bytes, for the repack cache, each with its offset
+    /// in the file of arena `arena` if it was packed there (0: none).
+    pub(crate) fn stored(&self, arena: u64) -> (StoredForm, StoredArrays<'_>) {
+        let (half_scales, arrays) = match &self.packed {
+            Packing::K(p) => (false, p.arrays(arena)),
+            Packing::B32(p) => (p.half_scales(), p.arrays(arena)),
+        };
+        let form = StoredForm {
+            kind: self.kind.name().to_owned(),
+            out_features: self.out_features,
+            in_features: self.in_features,
+            half_scales,
+        };
+        (form, arrays)
+    }
+
+    /// The weight [`Self::stored`] described, from its arrays; None unless the form is
+    /// one this build packs and every array holds exactly what the kernels index.
+    pub(crate) fn from_stored(form: &StoredForm, arrays: [memory::Weights; 5]) -> Option<Self> {
+        let kind = QuantKind::named(&form.kind)?;
+        let (out, inp) = (form.out_features, form.in_features);
+        let block_len = kind.block_len();
+        // Bounded so that no array length overflows (a weight of 2^40 values is 1 TB).
+        if inp == 0 || !inp.is_multiple_of(block_len) || out.checked_mul(inp)? > 1 << 40 {
+            return None;
+        }
+        let packed = match kind.ktype() {
+            Some(ty) => Packing::K(KPacked::from_arrays(ty, out, inp / QK_K, arrays)?),
+            None => {
+                let has_min = matches!(kind, QuantKind::Q4_1 | QuantKind::Q5_1);
+                Packing::B32(Packed32::from_arrays(
+                    Form::of(kind),
+                    (has_min, form.half_scales),
+                    (out, inp / QK),
+                    arrays,
+                )?)
+            }
+        };
+        Some(Self {
+            kind,
+            out_features: out,
+            in_features: inp,
+            packed,
+        })
     }
 
     /// The weight type.

@@ -175,6 +175,69 @@ fn slot<T>(v: &[T], gb: usize, n: usize) -> &[T] {
 }
 
 impl Packed32 {
+    /// How many values each array holds (quants, d, d16, m, high) for a weight of `out`
+    /// rows and `nb` blocks per row, with minimums or not, its scales as f16 or f32.
+    fn lens(form: Form, (has_min, half): (bool, bool), out: usize, nb: usize) -> [usize; 5] {
+        let slots = out.div_ceil(LANES) * nb;
+        let five = matches!(form, Form::Nibbles { five: true, .. });
+        [
+            slots * form.packed_bytes() * LANES,
+            if half { 0 } else { slots * LANES },
+            if half { slots * LANES } else { 0 },
+            if has_min { slots * LANES } else { 0 },
+            if five { slots * 4 * LANES } else { 0 },
+        ]
+    }
+
+    /// Whether its scales are held as f16.
+    pub(super) fn half_scales(&self) -> bool {
+        self.d.is_empty()
+    }
+
+    /// Its arrays' bytes, in [`Self::lens`]'s order (what the repack cache stores),
+    /// each with its offset in the file of arena `arena` if it was packed there.
+    pub(super) fn arrays(&self, arena: u64) -> super::StoredArrays<'_> {
+        [
+            (self.quants.as_bytes(), self.quants.offset_in(arena)),
+            (self.d.as_bytes(), self.d.offset_in(arena)),
+            (self.d16.as_bytes(), self.d16.offset_in(arena)),
+            (self.m.as_bytes(), self.m.offset_in(arena)),
+            (self.high.as_bytes(), self.high.offset_in(arena)),
+        ]
+    }
+
+    /// A weight from arrays [`Self::arrays`] gave, if each holds as many values as
+    /// [`Self::lens`] says (the kernels index them without further checks). Bytes
+    /// always hold f16 scales.
+    pub(super) fn from_arrays(
+        form: Form,
+        (has_min, half): (bool, bool),
+        (out, nb): (usize, usize),
+        [quants, d, d16, m, high]: [Weights; 5],
+    ) -> Option<Self> {
+        if form == Form::Bytes && !half {
+            return None;
+        }
+        let p = Self {
+            form,
+            nb,
+            groups: out.div_ceil(LANES),
+            quants,
+            d: d.cast()?,
+            d16: d16.cast()?,
+            m: m.cast()?,
+            high,
+        };
+        let held = [
+            p.quants.len(),
+            p.d.len(),
+            p.d16.len(),
+            p.m.len(),
+            p.high.len(),
+        ];
+        (held == Self::lens(form, (has_min, half), out, nb)).then_some(p)
+    }
+
     /// Repacks per-row arrays: `quants` (`form.row_bytes()` per block, row after row),
     /// `d` per block, `m` per block or empty. The scales are held as f16 when every one
     /// is exactly an f16.
@@ -208,12 +271,12 @@ impl Packed32 {
         read: impl Fn(usize, &mut [u8]) -> (f32, f32) + Sync,
     ) -> Self {
         let groups = out.div_ceil(LANES);
-        let slots = groups * nb;
         let qb = form.packed_bytes() * LANES;
         let five = matches!(form, Form::Nibbles { five: true, .. });
         let bytes = form == Form::Bytes;
         let half = half || bytes;
-        let mut held = Weights::zeroed(slots * qb);
+        let [quants, d, d16, m, high] = Self::lens(form, (has_min, half), out, nb);
+        let mut held = Weights::zeroed(quants);
         // Bytes are held as `q + 128`: zero padding rows stay weights 0.
         if bytes {
             held.fill(0x80);
@@ -223,10 +286,10 @@ impl Packed32 {
             nb,
             groups,
             quants: held,
-            d: Weights::zeroed(if half { 0 } else { slots * LANES }),
-            d16: Weights::zeroed(if half { slots * LANES } else { 0 }),
-            m: Weights::zeroed(if has_min { slots * LANES } else { 0 }),
-            high: Weights::zeroed(if five { slots * 4 * LANES } else { 0 }),
+            d: Weights::zeroed(d),
+            d16: Weights::zeroed(d16),
+            m: Weights::zeroed(m),
+            high: Weights::zeroed(high),
         };
         let rb = form.row_bytes();
         let parts = (

@@ -407,3 +407,47 @@ async fn a_group_of_one_prompt_reads_it_once_without_changing_it() {
     }
     assert_eq!(fresh.reused_prompt_tokens(), 0);
 }
+
+/// Every position's logits of `model` on `tokens`, as bits.
+fn logit_bits(model: &agentstack_model::Model, tokens: &[u32]) -> Vec<u32> {
+    let mut cache = model.new_cache();
+    let out = model
+        .forward(&mut [agentstack_model::SeqInput {
+            cache: &mut cache,
+            tokens,
+            logits: agentstack_model::Logits::All,
+        }])
+        .unwrap();
+    out[0]
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// The real model repacked, written to the repack cache, and mapped back from it gives
+/// the same logits, bit for bit, as the model repacked without the cache.
+#[test]
+#[ignore = "needs the SmolLM2 model (scripts/fetch-model)"]
+fn the_repack_cache_gives_the_same_model() {
+    use agentstack_model::{GgufFile, Model, RepackCache};
+    let lm = lm();
+    let tokens = chat(&lm, "Write a haiku about the sea.");
+    let dir = tempfile::tempdir().unwrap();
+    let cache = RepackCache::in_dir(dir.path(), 0, 1 << 40);
+    let load = |cache: &RepackCache| {
+        let mut file = GgufFile::open(model_path()).unwrap();
+        Model::from_gguf_cached(&mut file, WeightForm::Quantized, cache).unwrap()
+    };
+    let want = logit_bits(&load(&RepackCache::off()), &tokens);
+    let entries = || std::fs::read_dir(dir.path()).unwrap().count();
+    let first = load(&cache);
+    assert_eq!(entries(), 1, "the first load writes its entry");
+    let second = load(&cache);
+    assert_eq!(logit_bits(&first, &tokens), want);
+    assert_eq!(logit_bits(&second, &tokens), want);
+    assert_eq!(entries(), 1);
+}
