@@ -802,7 +802,10 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
             "- Startup: each engine in a fresh process loads the model and computes one token, {} rounds alternating \
              (ours: `Model::forward` on one prompt token then one decoded token in a child process; llama.cpp: \
              `llama-completion -m MODEL -p Hi -n 1 --no-warmup -no-cnv -t T`), at the first thread count; wall time from \
-             spawn to exit, peak RSS its `VmHWM` read every 2 ms; the file is in the page cache. Our children use a              repack cache of the model's own (`AGENTSTACK_REPACK_CACHE`): the startup phase's first run of ours finds it              empty, repacks and writes the entry (reported as the first load), and every later child of ours (these rounds,              prefill/decode, the server) maps the entry, as a user's second and later loads do.",
+             spawn to exit, peak RSS its `VmHWM` read every 2 ms; the file is in the page cache. Our children use a repack cache of the model's own \
+             (`AGENTSTACK_REPACK_CACHE`): the startup phase's first run of ours finds it empty, repacks and \
+             writes the entry (reported as the first load), and every later child of ours (these rounds, \
+             prefill/decode, the server) maps the entry, as a user's second and later loads do.",
             plan.repetitions
         );
     }

@@ -5,7 +5,8 @@
 //! model's chat template, runs a batched forward pass with per-sequence KV caches, and
 //! samples with the usual controls and log-probabilities. The [`engine`] batches
 //! concurrent requests continuously; the [`server`] speaks the OpenAI API plus a
-//! token-in-token-out `/generate`.
+//! token-in-token-out `/generate`. Quantized weights run on the [`kernels`], repacked
+//! once per file and kept in the [`repack_cache`], which later loads map.
 //!
 //! ```no_run
 //! use agentstack_model::{LanguageModel, WeightForm, generate::{GenerateRequest, generate}};
