@@ -1327,18 +1327,8 @@ mod tests {
         candle_core::quantized::gguf_file::write(&mut f, &[], &refs).unwrap();
         drop(f);
         let mut file = GgufFile::open(&path).unwrap();
-        let off = RepackCache::off();
-        let mut repacked = off.start(&file);
         let layers = ["q4k", "q6k", "q2k", "q3k"].map(|name| {
-            let loaded = linear_from(
-                &mut file,
-                &mut repacked,
-                name,
-                WeightForm::Quantized,
-                (out, inp),
-                false,
-            )
-            .unwrap();
+            let loaded = uncached(&mut file, name, WeightForm::Quantized, (out, inp));
             assert!(matches!(loaded, Linear::Fast { .. }), "{name}");
             loaded
         });
@@ -1351,6 +1341,18 @@ mod tests {
         for (many, layer) in Linear::forward_many(all, &x).unwrap().iter().zip(all) {
             assert_eq!(rows(many), rows(&layer.forward(&x).unwrap()));
         }
+    }
+
+    /// Linear `name` of `file` (no bias), repacked without the repack cache.
+    fn uncached(
+        file: &mut GgufFile,
+        name: &str,
+        form: WeightForm,
+        shape: (usize, usize),
+    ) -> Linear {
+        let off = RepackCache::off();
+        let mut repacked = off.start(file);
+        linear_from(file, &mut repacked, name, form, shape, false).unwrap()
     }
 
     /// IQ4_NL and IQ4_XS weights (which candle cannot read) load on this crate's
@@ -1374,29 +1376,11 @@ mod tests {
             ],
         );
         let mut file = GgufFile::open(&path).unwrap();
-        let off = RepackCache::off();
-        let mut repacked = off.start(&file);
         for (name, raw) in [("nl", &nl), ("xs", &xs)] {
             let want = ggml_dequantize(raw);
-            let fast = linear_from(
-                &mut file,
-                &mut repacked,
-                name,
-                WeightForm::Quantized,
-                (out, inp),
-                false,
-            )
-            .unwrap();
+            let fast = uncached(&mut file, name, WeightForm::Quantized, (out, inp));
             assert!(matches!(fast, Linear::Fast { .. }), "{name}");
-            let dense = linear_from(
-                &mut file,
-                &mut repacked,
-                name,
-                WeightForm::Dense(DType::F32),
-                (out, inp),
-                false,
-            )
-            .unwrap();
+            let dense = uncached(&mut file, name, WeightForm::Dense(DType::F32), (out, inp));
             assert!(matches!(dense, Linear::Dense { .. }), "{name}");
             for layer in [&fast, &dense] {
                 let got: Vec<f32> = layer
