@@ -525,7 +525,8 @@ impl Loading<'_> {
                  (AGENTSTACK_REPACK_CACHE=off turns this off)"
             ),
             Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "could not cache the repacked weights");
+                tracing::warn!(path = %path.display(), error = %e, "could not cache the repacked weights: the next load repacks again \
+                     (hint: point AGENTSTACK_REPACK_CACHE at a writable folder, or set it to off)");
                 return;
             }
         }
@@ -887,6 +888,19 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         let quants = arrays[0].0;
         assert_eq!(&bytes[at as usize..at as usize + quants.len()], quants);
+    }
+
+    #[test]
+    fn a_folder_that_cannot_be_made_still_loads_every_weight() {
+        let s = setup();
+        // Under a plain file: no folder can be made there, whoever runs the test.
+        let file = s.dir.with_file_name("plain");
+        std::fs::write(&file, b"").unwrap();
+        let cache = RepackCache::in_dir(file.join("repacked"), 0, 1 << 30);
+        let (got, repacked) = load(&cache, &s.model);
+        assert_eq!(repacked, WEIGHTS.len());
+        let (fresh, _) = load(&RepackCache::off(), &s.model);
+        assert_eq!(outputs(&got), outputs(&fresh));
     }
 
     #[test]
