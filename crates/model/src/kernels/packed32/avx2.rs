@@ -10,6 +10,11 @@ use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
 /// The CPU must support AVX2, FMA and F16C; otherwise as `avx512::group`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    if rows.len() == 1 {
+        // SAFETY: as this function requires.
+        unsafe { one_row(p, g, rows, out) };
+        return;
+    }
     // Four rows at a time: sixteen registers hold no more.
     for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
         for h in 0..2 {
@@ -186,5 +191,155 @@ unsafe fn rows_n<const R: usize>(
     for (r, &v) in acc.iter().enumerate() {
         // SAFETY: `out` holds 16·R values.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+    }
+}
+
+/// [`rows_n`] for one row (decode), both halves of the group in one pass: each step's
+/// 64 bytes are read once and its activation words broadcast once, and the block's
+/// bookkeeping serves both halves. Per lane the same operations in the same order as
+/// [`rows_n`], so the same bits.
+///
+/// # Safety
+/// As [`group`], with one row.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[expect(
+    clippy::needless_range_loop,
+    reason = "the half indexes its accumulators and its bytes' offset alike"
+)]
+unsafe fn one_row(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    let low = _mm256_set1_epi8(0x0F);
+    let flip = _mm256_set1_epi8(i8::MIN);
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: 16 readable bytes.
+    let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let has_min = p.has_min();
+    let row = &rows[0];
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        // SAFETY: `group`'s caller guarantees nb blocks of the row.
+        let a = unsafe { row.qs.as_ptr().add(b * QK) };
+        let mut isum = [_mm256_setzero_si256(); 2];
+        match p.form {
+            Form::Nibbles { offset, five } => {
+                let mut sum16 = [_mm256_setzero_si256(); 2];
+                for t in 0..4 {
+                    // SAFETY: step t is 64 of the block's 256 bytes (and 16 of its 64
+                    // bytes of fifth bits); the activation words lie within the block.
+                    unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+                        let al = _mm256_set1_epi32(word_at(a.add(4 * t)));
+                        let ah = _mm256_set1_epi32(word_at(a.add(16 + 4 * t)));
+                        for h in 0..2 {
+                            let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                            let mut wl = _mm256_and_si256(w, low);
+                            let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                            if five {
+                                let mask = |half: usize| {
+                                    let m = blk
+                                        .high
+                                        .as_ptr()
+                                        .add((t * 2 + half) * 8 + 4 * h)
+                                        .cast::<i32>()
+                                        .read_unaligned();
+                                    sixteen_where(m)
+                                };
+                                wl = _mm256_or_si256(wl, mask(0));
+                                wh = _mm256_or_si256(wh, mask(1));
+                            }
+                            let x = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(wl, al),
+                                _mm256_maddubs_epi16(wh, ah),
+                            );
+                            sum16[h] = _mm256_add_epi16(sum16[h], x);
+                        }
+                    }
+                    if five && t % 2 == 1 {
+                        for h in 0..2 {
+                            isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(sum16[h], ones));
+                            sum16[h] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+                let off = _mm256_set1_epi32(offset * row.isums[b]);
+                for h in 0..2 {
+                    let rest = _mm256_add_epi32(isum[h], _mm256_madd_epi16(sum16[h], ones));
+                    isum[h] = _mm256_sub_epi32(rest, off);
+                }
+            }
+            Form::Codebook => {
+                for t in 0..4 {
+                    // SAFETY: step t is 64 of the block's 256 bytes; the activation
+                    // words lie within the row's block.
+                    unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+                        let al = _mm256_set1_epi32(word_at(a.add(4 * t)));
+                        let ah = _mm256_set1_epi32(word_at(a.add(16 + 4 * t)));
+                        for h in 0..2 {
+                            let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                            let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low));
+                            let wh = _mm256_shuffle_epi8(
+                                table,
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                            );
+                            let (absl, absh) = (_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(wh, wh));
+                            let x = _mm256_add_epi32(
+                                _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
+                                    ones,
+                                ),
+                                _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
+                                    ones,
+                                ),
+                            );
+                            isum[h] = _mm256_add_epi32(isum[h], x);
+                        }
+                    }
+                }
+            }
+            Form::Bytes => {
+                for t in 0..8 {
+                    // SAFETY: step t is 64 of the block's 512 bytes; the activation word
+                    // lies within the row's block.
+                    unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+                        let x = _mm256_set1_epi32(word_at(a.add(4 * t)));
+                        for h in 0..2 {
+                            let w = _mm256_xor_si256(
+                                _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast()),
+                                flip,
+                            );
+                            let abs = _mm256_sign_epi8(w, w);
+                            let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
+                            isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(prod, ones));
+                        }
+                    }
+                }
+            }
+        }
+        let da = _mm256_set1_ps(row.d[b]);
+        for h in 0..2 {
+            // SAFETY: 8 scales from lane 8h (`m` only with minimums).
+            let d = unsafe {
+                if blk.d16.is_empty() {
+                    _mm256_loadu_ps(blk.d.as_ptr().add(8 * h))
+                } else {
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
+                }
+            };
+            acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[h]), acc[h]);
+            if has_min {
+                // SAFETY: as above.
+                let m =
+                    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast())) };
+                acc[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(row.s[b]), acc[h]);
+            }
+        }
+    }
+    for (h, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 16 values.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), v) };
     }
 }
