@@ -11,38 +11,46 @@ use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
     if rows.len() == 1 {
+        // One row (decode): both halves of the group in one pass, so each step's 64
+        // bytes are read at once and the block's bookkeeping serves both (two passes
+        // took 1B Q4_0 decode to 18-19 tok/s at one thread, one pass 27-28).
         // SAFETY: as this function requires.
-        unsafe { one_row(p, g, rows, out) };
+        unsafe { rows_n::<1, 2>(p, g, 0, rows, out) };
         return;
     }
-    // Four rows at a time: sixteen registers hold no more.
+    // Four rows at a time, one half of the group per pass: sixteen registers hold no
+    // more.
     for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
         for h in 0..2 {
             // SAFETY: every arm calls with what this function requires.
             unsafe {
                 match rows.len() {
                     0 => {}
-                    1 => rows_n::<1>(p, g, h, rows, out),
-                    2 => rows_n::<2>(p, g, h, rows, out),
-                    3 => rows_n::<3>(p, g, h, rows, out),
-                    _ => rows_n::<4>(p, g, h, rows, out),
+                    1 => rows_n::<1, 1>(p, g, h, rows, out),
+                    2 => rows_n::<2, 1>(p, g, h, rows, out),
+                    3 => rows_n::<3, 1>(p, g, h, rows, out),
+                    _ => rows_n::<4, 1>(p, g, h, rows, out),
                 }
             }
         }
     }
 }
 
-/// Lanes `8h..8h + 8`. Nibbles: `vpmaddubsw` pair sums added in 16 bits over the
+/// Lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`). Nibbles: `vpmaddubsw` pair sums added in 16 bits over the
 /// block (no overflow: 8·2·15·127 < 2¹⁵). Bytes: `|w|` times the activations with
 /// `w`'s sign (no pair overflows: 2·128·127 < 2¹⁵), widened every step.
 ///
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_n<const R: usize>(
+#[expect(
+    clippy::needless_range_loop,
+    reason = "a half's index places its bytes and picks its accumulators alike"
+)]
+unsafe fn rows_n<const R: usize, const H: usize>(
     p: &Packed32,
     g: usize,
-    h: usize,
+    h0: usize,
     rows: &[ActRow],
     out: &mut [f32],
 ) {
@@ -51,191 +59,29 @@ unsafe fn rows_n<const R: usize>(
     let ones = _mm256_set1_epi16(1);
     // SAFETY: 16 readable bytes.
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); H]; R];
     let has_min = p.has_min();
     for b in 0..p.nb {
         let blk = p.block(g, b);
         let q = blk.quants.as_ptr();
         // SAFETY: `group`'s caller guarantees nb blocks of every row.
         let a: [*const i8; R] = std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
-        let mut isum = [_mm256_setzero_si256(); R];
+        let mut isum = [[_mm256_setzero_si256(); H]; R];
         match p.form {
             Form::Nibbles { offset, five } => {
-                let mut sum16 = [_mm256_setzero_si256(); R];
+                let mut sum16 = [[_mm256_setzero_si256(); H]; R];
                 for t in 0..4 {
-                    // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
-                    // them (and 8 of its 64 bytes of fifth bits); the activation words
-                    // lie within the row's block.
-                    unsafe {
-                        if h == 0 {
-                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                        }
-                        let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
-                        let mut wl = _mm256_and_si256(w, low);
-                        let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
-                        if five {
-                            // Bits 32h.. of step t's mask of each nibble half.
-                            let mask = |half: usize| {
-                                let m = blk
-                                    .high
-                                    .as_ptr()
-                                    .add((t * 2 + half) * 8 + 4 * h)
-                                    .cast::<i32>()
-                                    .read_unaligned();
-                                sixteen_where(m)
-                            };
-                            wl = _mm256_or_si256(wl, mask(0));
-                            wh = _mm256_or_si256(wh, mask(1));
-                        }
-                        for r in 0..R {
-                            let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
-                            let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
-                            let x = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(wl, al),
-                                _mm256_maddubs_epi16(wh, ah),
-                            );
-                            sum16[r] = _mm256_add_epi16(sum16[r], x);
-                        }
-                    }
-                    // Five bits: pair sums up to 2·2·31·127 per step, so two steps
-                    // fit 16 bits (nibbles: all four).
-                    if five && t % 2 == 1 {
-                        for r in 0..R {
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
-                            sum16[r] = _mm256_setzero_si256();
-                        }
-                    }
-                }
-                for r in 0..R {
-                    let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
-                    let rest = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
-                    isum[r] = _mm256_sub_epi32(rest, off);
-                }
-            }
-            Form::Codebook => {
-                for t in 0..4 {
-                    // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
-                    // them; the activation words lie within the row's block.
-                    unsafe {
-                        if h == 0 {
-                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                        }
-                        let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
-                        let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low));
-                        let wh = _mm256_shuffle_epi8(
-                            table,
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
-                        );
-                        let (absl, absh) = (_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(wh, wh));
-                        for r in 0..R {
-                            let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
-                            let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
-                            // No pair overflows: 2·127·127 < 2¹⁵.
-                            let x = _mm256_add_epi32(
-                                _mm256_madd_epi16(
-                                    _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
-                                    ones,
-                                ),
-                                _mm256_madd_epi16(
-                                    _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
-                                    ones,
-                                ),
-                            );
-                            isum[r] = _mm256_add_epi32(isum[r], x);
-                        }
-                    }
-                }
-            }
-            Form::Bytes => {
-                for t in 0..8 {
-                    // SAFETY: step t is 64 of the block's 512 bytes, half h 32 of
-                    // them; the activation word lies within the row's block.
-                    unsafe {
-                        if h == 0 {
-                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                        }
-                        // Held as `q + 128`: back to the signed `q`.
-                        let w = _mm256_xor_si256(
-                            _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast()),
-                            flip,
-                        );
-                        let abs = _mm256_sign_epi8(w, w);
-                        for r in 0..R {
-                            let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
-                            let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(prod, ones));
-                        }
-                    }
-                }
-            }
-        }
-        // SAFETY: 8 scales from lane 8h (`m` only with minimums).
-        let d = unsafe {
-            if blk.d16.is_empty() {
-                _mm256_loadu_ps(blk.d.as_ptr().add(8 * h))
-            } else {
-                _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
-            }
-        };
-        for r in 0..R {
-            let da = _mm256_set1_ps(rows[r].d[b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            if has_min {
-                // SAFETY: as above.
-                let m =
-                    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast())) };
-                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r]);
-            }
-        }
-    }
-    for (r, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16·R values.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
-    }
-}
-
-/// [`rows_n`] for one row (decode), both halves of the group in one pass: each step's
-/// 64 bytes are read once and its activation words broadcast once, and the block's
-/// bookkeeping serves both halves. Per lane the same operations in the same order as
-/// [`rows_n`], so the same bits.
-///
-/// # Safety
-/// As [`group`], with one row.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[expect(
-    clippy::needless_range_loop,
-    reason = "the half indexes its accumulators and its bytes' offset alike"
-)]
-unsafe fn one_row(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
-    let low = _mm256_set1_epi8(0x0F);
-    let flip = _mm256_set1_epi8(i8::MIN);
-    let ones = _mm256_set1_epi16(1);
-    // SAFETY: 16 readable bytes.
-    let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let has_min = p.has_min();
-    let row = &rows[0];
-    for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let q = blk.quants.as_ptr();
-        // SAFETY: `group`'s caller guarantees nb blocks of the row.
-        let a = unsafe { row.qs.as_ptr().add(b * QK) };
-        let mut isum = [_mm256_setzero_si256(); 2];
-        match p.form {
-            Form::Nibbles { offset, five } => {
-                let mut sum16 = [_mm256_setzero_si256(); 2];
-                for t in 0..4 {
-                    // SAFETY: step t is 64 of the block's 256 bytes (and 16 of its 64
-                    // bytes of fifth bits); the activation words lie within the block.
-                    unsafe {
-                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                        let al = _mm256_set1_epi32(word_at(a.add(4 * t)));
-                        let ah = _mm256_set1_epi32(word_at(a.add(16 + 4 * t)));
-                        for h in 0..2 {
-                            let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                    for hh in 0..H {
+                        let h = h0 + hh;
+                        // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                        // them (and 8 of its 64 bytes of fifth bits); the activation
+                        // words lie within the row's block.
+                        unsafe {
+                            let w = half_step(q, t, h);
                             let mut wl = _mm256_and_si256(w, low);
                             let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
                             if five {
+                                // Bits 32h.. of step t's mask of each nibble half.
                                 let mask = |half: usize| {
                                     let m = blk
                                         .high
@@ -248,79 +94,93 @@ unsafe fn one_row(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
                                 wl = _mm256_or_si256(wl, mask(0));
                                 wh = _mm256_or_si256(wh, mask(1));
                             }
-                            let x = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(wl, al),
-                                _mm256_maddubs_epi16(wh, ah),
-                            );
-                            sum16[h] = _mm256_add_epi16(sum16[h], x);
+                            for r in 0..R {
+                                let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                let x = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(wl, al),
+                                    _mm256_maddubs_epi16(wh, ah),
+                                );
+                                sum16[r][hh] = _mm256_add_epi16(sum16[r][hh], x);
+                            }
                         }
                     }
+                    // Five bits: pair sums up to 2·2·31·127 per step, so two steps
+                    // fit 16 bits (nibbles: all four).
                     if five && t % 2 == 1 {
-                        for h in 0..2 {
-                            isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(sum16[h], ones));
-                            sum16[h] = _mm256_setzero_si256();
+                        for (isum, sum16) in isum.iter_mut().zip(&mut sum16) {
+                            for (isum, sum16) in isum.iter_mut().zip(sum16) {
+                                *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
+                                *sum16 = _mm256_setzero_si256();
+                            }
                         }
                     }
                 }
-                let off = _mm256_set1_epi32(offset * row.isums[b]);
-                for h in 0..2 {
-                    let rest = _mm256_add_epi32(isum[h], _mm256_madd_epi16(sum16[h], ones));
-                    isum[h] = _mm256_sub_epi32(rest, off);
+                for r in 0..R {
+                    let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
+                    for (isum, sum16) in isum[r].iter_mut().zip(&sum16[r]) {
+                        let rest = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
+                        *isum = _mm256_sub_epi32(rest, off);
+                    }
                 }
             }
             Form::Codebook => {
                 for t in 0..4 {
-                    // SAFETY: step t is 64 of the block's 256 bytes; the activation
-                    // words lie within the row's block.
-                    unsafe {
-                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                        let al = _mm256_set1_epi32(word_at(a.add(4 * t)));
-                        let ah = _mm256_set1_epi32(word_at(a.add(16 + 4 * t)));
-                        for h in 0..2 {
-                            let w = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
+                    for hh in 0..H {
+                        let h = h0 + hh;
+                        // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                        // them; the activation words lie within the row's block.
+                        unsafe {
+                            let w = half_step(q, t, h);
                             let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low));
                             let wh = _mm256_shuffle_epi8(
                                 table,
                                 _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
                             );
                             let (absl, absh) = (_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(wh, wh));
-                            let x = _mm256_add_epi32(
-                                _mm256_madd_epi16(
-                                    _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
-                                    ones,
-                                ),
-                                _mm256_madd_epi16(
-                                    _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
-                                    ones,
-                                ),
-                            );
-                            isum[h] = _mm256_add_epi32(isum[h], x);
+                            for r in 0..R {
+                                let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                // No pair overflows: 2·127·127 < 2¹⁵.
+                                let x = _mm256_add_epi32(
+                                    _mm256_madd_epi16(
+                                        _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
+                                        ones,
+                                    ),
+                                    _mm256_madd_epi16(
+                                        _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
+                                        ones,
+                                    ),
+                                );
+                                isum[r][hh] = _mm256_add_epi32(isum[r][hh], x);
+                            }
                         }
                     }
                 }
             }
             Form::Bytes => {
                 for t in 0..8 {
-                    // SAFETY: step t is 64 of the block's 512 bytes; the activation word
-                    // lies within the row's block.
-                    unsafe {
-                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
-                        let x = _mm256_set1_epi32(word_at(a.add(4 * t)));
-                        for h in 0..2 {
-                            let w = _mm256_xor_si256(
-                                _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast()),
-                                flip,
-                            );
+                    for hh in 0..H {
+                        let h = h0 + hh;
+                        // SAFETY: step t is 64 of the block's 512 bytes, half h 32 of
+                        // them; the activation word lies within the row's block.
+                        unsafe {
+                            // Held as `q + 128`: back to the signed `q`.
+                            let w = _mm256_xor_si256(half_step(q, t, h), flip);
                             let abs = _mm256_sign_epi8(w, w);
-                            let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
-                            isum[h] = _mm256_add_epi32(isum[h], _mm256_madd_epi16(prod, ones));
+                            for r in 0..R {
+                                let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
+                                isum[r][hh] =
+                                    _mm256_add_epi32(isum[r][hh], _mm256_madd_epi16(prod, ones));
+                            }
                         }
                     }
                 }
             }
         }
-        let da = _mm256_set1_ps(row.d[b]);
-        for h in 0..2 {
+        for hh in 0..H {
+            let h = h0 + hh;
             // SAFETY: 8 scales from lane 8h (`m` only with minimums).
             let d = unsafe {
                 if blk.d16.is_empty() {
@@ -329,17 +189,42 @@ unsafe fn one_row(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
                     _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
                 }
             };
-            acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[h]), acc[h]);
-            if has_min {
-                // SAFETY: as above.
-                let m =
-                    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast())) };
-                acc[h] = _mm256_fmadd_ps(m, _mm256_set1_ps(row.s[b]), acc[h]);
+            for r in 0..R {
+                let da = _mm256_set1_ps(rows[r].d[b]);
+                acc[r][hh] = _mm256_fmadd_ps(
+                    _mm256_mul_ps(d, da),
+                    _mm256_cvtepi32_ps(isum[r][hh]),
+                    acc[r][hh],
+                );
+                if has_min {
+                    // SAFETY: as above.
+                    let m = unsafe {
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast()))
+                    };
+                    acc[r][hh] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r][hh]);
+                }
             }
         }
     }
-    for (h, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16 values.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * h), v) };
+    for (r, acc) in acc.iter().enumerate() {
+        for (hh, &v) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * (h0 + hh)), v) };
+        }
     }
+}
+
+/// Half `h` (32 bytes) of step `t` (64 bytes) of a block's quants at `q`; the first half
+/// asks for the cache line [`PREFETCH`] bytes ahead.
+///
+/// # Safety
+/// The CPU must support AVX2; the step's 64 bytes must be readable.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn half_step(q: *const u8, t: usize, h: usize) -> __m256i {
+    if h == 0 {
+        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+    }
+    // SAFETY: the caller's.
+    unsafe { _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast()) }
 }
