@@ -13,6 +13,18 @@ use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at
 /// `p.nb` super-blocks each and `out` `16·rows.len()` values.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+    // One row (decode) of Q4_K or Q5_K: both halves of the group in one pass, each step's
+    // 64 bytes read at once (as the blocks of 32 do).
+    if rows.len() == 1 {
+        // SAFETY: as this function requires.
+        unsafe {
+            match p.ty {
+                KType::Q4K => return q4k::<1, false, 2>(p, g, 0, rows, out),
+                KType::Q5K => return q4k::<1, true, 2>(p, g, 0, rows, out),
+                KType::Q2K | KType::Q3K | KType::Q6K => {}
+            }
+        }
+    }
     for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
         // SAFETY: as this function requires.
         unsafe { group4(p, g, rows, out) };
@@ -40,14 +52,14 @@ unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
                 (KType::Q3K, 2) => q23k::<2, true>(p, g, h, rows, out),
                 (KType::Q3K, 3) => q23k::<3, true>(p, g, h, rows, out),
                 (KType::Q3K, _) => q23k::<4, true>(p, g, h, rows, out),
-                (KType::Q4K, 1) => q4k::<1, false>(p, g, h, rows, out),
-                (KType::Q4K, 2) => q4k::<2, false>(p, g, h, rows, out),
-                (KType::Q4K, 3) => q4k::<3, false>(p, g, h, rows, out),
-                (KType::Q4K, _) => q4k::<4, false>(p, g, h, rows, out),
-                (KType::Q5K, 1) => q4k::<1, true>(p, g, h, rows, out),
-                (KType::Q5K, 2) => q4k::<2, true>(p, g, h, rows, out),
-                (KType::Q5K, 3) => q4k::<3, true>(p, g, h, rows, out),
-                (KType::Q5K, _) => q4k::<4, true>(p, g, h, rows, out),
+                (KType::Q4K, 1) => q4k::<1, false, 1>(p, g, h, rows, out),
+                (KType::Q4K, 2) => q4k::<2, false, 1>(p, g, h, rows, out),
+                (KType::Q4K, 3) => q4k::<3, false, 1>(p, g, h, rows, out),
+                (KType::Q4K, _) => q4k::<4, false, 1>(p, g, h, rows, out),
+                (KType::Q5K, 1) => q4k::<1, true, 1>(p, g, h, rows, out),
+                (KType::Q5K, 2) => q4k::<2, true, 1>(p, g, h, rows, out),
+                (KType::Q5K, 3) => q4k::<3, true, 1>(p, g, h, rows, out),
+                (KType::Q5K, _) => q4k::<4, true, 1>(p, g, h, rows, out),
                 (KType::Q6K, 1) => q6k::<1>(p, g, h, rows, out),
                 (KType::Q6K, 2) => q6k::<2>(p, g, h, rows, out),
                 (KType::Q6K, 3) => q6k::<3>(p, g, h, rows, out),
@@ -91,24 +103,29 @@ fn p_high(blk: &super::Block<'_>) -> *const u8 {
     blk.high.as_ptr()
 }
 
-/// Q4_K, lanes `8h..8h + 8`: `vpmaddubsw` pair sums of nibbles and broadcast
-/// activation bytes, added in 16 bits over a sub-block's 8 steps (no overflow:
-/// 8·2·15·128 < 2¹⁵), then `vpmaddwd` with the lane's scale in both halves.
+/// Q4_K, lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`): `vpmaddubsw`
+/// pair sums of nibbles and broadcast activation bytes, added in 16 bits over a
+/// sub-block's 8 steps (no overflow: 8·2·15·128 < 2¹⁵), then `vpmaddwd` with the lane's
+/// scale in both halves.
 ///
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q4k<const R: usize, const FIVE: bool>(
+#[expect(
+    clippy::needless_range_loop,
+    reason = "a half's index places its bytes and picks its accumulators alike"
+)]
+unsafe fn q4k<const R: usize, const FIVE: bool, const H: usize>(
     p: &KPacked,
     g: usize,
-    h: usize,
+    h0: usize,
     rows: &[ActRow],
     out: &mut [f32],
 ) {
     let low = _mm256_set1_epi8(0x0F);
     // Q5_K's 5-bit values: pair sums up to 2·31·128, so at most 4 steps fit in 16 bits.
     let flush = if FIVE { 4 } else { 8 };
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); H]; R];
     for b in 0..p.nb {
         let blk = p.block(g, b);
         let q = blk.quants.as_ptr();
@@ -116,84 +133,101 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
         let a: [*const i8; R] =
             std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
-        let mut isum = [_mm256_setzero_si256(); R];
+        let mut isum = [[_mm256_setzero_si256(); H]; R];
         for j in 0..8 {
             // Sub-block j: chunk j / 2, the low nibbles for even j, the high for odd
             // (one nibble half at a time: 16 registers hold four rows' sums then).
             let (i, shift) = (j / 2, 4 * (j % 2) as i32);
-            // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
-            let s = doubled(_mm256_cvtepu8_epi32(unsafe {
-                _mm_loadl_epi64(small.add(j * LANES + 8 * h).cast())
-            }));
-            let mut sum16 = [_mm256_setzero_si256(); R];
+            let s: [__m256i; H] = std::array::from_fn(|hh| {
+                // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
+                doubled(_mm256_cvtepu8_epi32(unsafe {
+                    _mm_loadl_epi64(small.add(j * LANES + 8 * (h0 + hh)).cast())
+                }))
+            });
+            let mut sum16 = [[_mm256_setzero_si256(); H]; R];
             for t in 0..8 {
-                // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
-                // them; the activation words lie within the row's super-block.
-                unsafe {
-                    if R == 1 && j % 2 == 0 {
-                        // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
-                        );
-                    }
-                    let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
-                    let mut w =
-                        _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
-                    if FIVE {
-                        // Bits 32h.. of the step's fifth-bit mask for this nibble half,
-                        // one per byte of `w`.
-                        let m = p_high(&blk)
-                            .add(((i * 8 + t) * 2 + j % 2) * 8 + 4 * h)
-                            .cast::<i32>()
-                            .read_unaligned();
-                        w = _mm256_or_si256(w, sixteen_where(m));
-                    }
-                    for r in 0..R {
-                        let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
-                        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(w, x));
+                for hh in 0..H {
+                    let h = h0 + hh;
+                    // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
+                    // them; the activation words lie within the row's super-block.
+                    unsafe {
+                        if R == 1 && j % 2 == 0 && hh == 0 {
+                            // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
+                            );
+                        }
+                        let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
+                        let mut w =
+                            _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
+                        if FIVE {
+                            // Bits 32h.. of the step's fifth-bit mask for this nibble
+                            // half, one per byte of `w`.
+                            let m = p_high(&blk)
+                                .add(((i * 8 + t) * 2 + j % 2) * 8 + 4 * h)
+                                .cast::<i32>()
+                                .read_unaligned();
+                            w = _mm256_or_si256(w, sixteen_where(m));
+                        }
+                        for r in 0..R {
+                            let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
+                            sum16[r][hh] =
+                                _mm256_add_epi16(sum16[r][hh], _mm256_maddubs_epi16(w, x));
+                        }
                     }
                 }
                 if (t + 1) % flush == 0 {
                     for r in 0..R {
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
-                        sum16[r] = _mm256_setzero_si256();
+                        for hh in 0..H {
+                            isum[r][hh] = _mm256_add_epi32(
+                                isum[r][hh],
+                                _mm256_madd_epi16(sum16[r][hh], s[hh]),
+                            );
+                            sum16[r][hh] = _mm256_setzero_si256();
+                        }
                     }
                 }
             }
         }
-        let mut msum = [_mm256_setzero_si256(); R];
-        for pr in 0..4 {
-            // SAFETY: minimum pair pr of lanes 8h..8h + 8: 16 bytes within the 256.
-            let m = unsafe {
-                _mm256_cvtepu8_epi16(_mm_loadu_si128(small.add(128 + pr * 32 + 16 * h).cast()))
+        for hh in 0..H {
+            let h = h0 + hh;
+            let mut msum = [_mm256_setzero_si256(); R];
+            for pr in 0..4 {
+                // SAFETY: minimum pair pr of lanes 8h..8h + 8: 16 bytes within the 256.
+                let m = unsafe {
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128(small.add(128 + pr * 32 + 16 * h).cast()))
+                };
+                for r in 0..R {
+                    let s = &rows[r].sums[b * K_SUMS..];
+                    let two = pair(
+                        i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                        i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                    );
+                    msum[r] =
+                        _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, _mm256_set1_epi32(two)));
+                }
+            }
+            // SAFETY: 8 f32 values each from lane 8h.
+            let (d, dmin) = unsafe {
+                (
+                    _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)),
+                    _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)),
+                )
             };
             for r in 0..R {
-                let s = &rows[r].sums[b * K_SUMS..];
-                let two = pair(
-                    i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
-                    i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
-                );
-                msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, _mm256_set1_epi32(two)));
+                // q4k_step, lane by lane.
+                let da = _mm256_set1_ps(rows[r].d[b]);
+                let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r][hh]));
+                let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
+                acc[r][hh] = _mm256_add_ps(acc[r][hh], _mm256_sub_ps(i, m));
             }
         }
-        // SAFETY: 8 f32 values each from lane 8h.
-        let (d, dmin) = unsafe {
-            (
-                _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)),
-                _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)),
-            )
-        };
-        for r in 0..R {
-            // q4k_step, lane by lane.
-            let da = _mm256_set1_ps(rows[r].d[b]);
-            let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]));
-            let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
-            acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(i, m));
-        }
     }
-    for (r, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16·R values.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+    for (r, acc) in acc.iter().enumerate() {
+        for (hh, &v) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * (h0 + hh)), v) };
+        }
     }
 }
 
