@@ -13,7 +13,7 @@ use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at
 /// `p.nb` super-blocks each and `out` `16·rows.len()` values.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
-    // One row (decode) of Q4_K or Q5_K: both halves of the group in one pass, each step's
+    // One row (decode) of Q4_K, Q5_K or Q6_K: both halves of the group in one pass, each step's
     // 64 bytes read at once (as the blocks of 32 do).
     if rows.len() == 1 {
         // SAFETY: as this function requires.
@@ -21,7 +21,8 @@ pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f3
             match p.ty {
                 KType::Q4K => return q4k::<1, false, 2>(p, g, 0, rows, out),
                 KType::Q5K => return q4k::<1, true, 2>(p, g, 0, rows, out),
-                KType::Q2K | KType::Q3K | KType::Q6K => {}
+                KType::Q6K => return q6k::<1, 2>(p, g, 0, rows, out),
+                KType::Q2K | KType::Q3K => {}
             }
         }
     }
@@ -60,10 +61,10 @@ unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
                 (KType::Q5K, 2) => q4k::<2, true, 1>(p, g, h, rows, out),
                 (KType::Q5K, 3) => q4k::<3, true, 1>(p, g, h, rows, out),
                 (KType::Q5K, _) => q4k::<4, true, 1>(p, g, h, rows, out),
-                (KType::Q6K, 1) => q6k::<1>(p, g, h, rows, out),
-                (KType::Q6K, 2) => q6k::<2>(p, g, h, rows, out),
-                (KType::Q6K, 3) => q6k::<3>(p, g, h, rows, out),
-                (KType::Q6K, _) => q6k::<4>(p, g, h, rows, out),
+                (KType::Q6K, 1) => q6k::<1, 1>(p, g, h, rows, out),
+                (KType::Q6K, 2) => q6k::<2, 1>(p, g, h, rows, out),
+                (KType::Q6K, 3) => q6k::<3, 1>(p, g, h, rows, out),
+                (KType::Q6K, _) => q6k::<4, 1>(p, g, h, rows, out),
             }
         }
     }
@@ -231,17 +232,24 @@ unsafe fn q4k<const R: usize, const FIVE: bool, const H: usize>(
     }
 }
 
-/// Q6_K, lanes `8h..8h + 8`: `vpmaddubsw` pair sums of the unsigned 6-bit weights,
-/// two steps added in 16 bits (no overflow: 2·2·63·128 < 2¹⁵), `vpmaddwd` with the
-/// lane's scale in both halves; the −32 offset from the group's activation sum.
+/// Q6_K, lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`): `vpmaddubsw`
+/// pair sums of the unsigned 6-bit weights, two steps added in 16 bits (no overflow:
+/// 2·2·63·128 < 2¹⁵), `vpmaddwd` with the lane's scale in both halves; the −32 offset
+/// from the group's activation sum.
 ///
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, h: usize, rows: &[ActRow], out: &mut [f32]) {
+unsafe fn q6k<const R: usize, const H: usize>(
+    p: &KPacked,
+    g: usize,
+    h0: usize,
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
     let low = _mm256_set1_epi8(0x0F);
     let bits45 = _mm256_set1_epi8(0x30);
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); H]; R];
     for b in 0..p.nb {
         let blk = p.block(g, b);
         let q = blk.quants.as_ptr();
@@ -249,64 +257,79 @@ unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, h: usize, rows: &[ActRow], 
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
         let a: [*const i8; R] =
             std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
-        let mut isum = [_mm256_setzero_si256(); R];
-        let mut offset = [_mm256_setzero_si256(); R];
+        let mut isum = [[_mm256_setzero_si256(); H]; R];
+        let mut offset = [[_mm256_setzero_si256(); H]; R];
         let hp = blk.high.as_ptr();
         for g8 in 0..8 {
-            // SAFETY: scales g8 and g8 + 8 of lanes 8h..8h + 8, within the 256.
-            let (sl, sh) = unsafe {
-                (
-                    doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                        small.add(g8 * LANES + 8 * h).cast(),
-                    ))),
-                    doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                        small.add((g8 + 8) * LANES + 8 * h).cast(),
-                    ))),
-                )
-            };
+            let scales: [(__m256i, __m256i); H] = std::array::from_fn(|hh| {
+                let h = h0 + hh;
+                // SAFETY: scales g8 and g8 + 8 of lanes 8h..8h + 8, within the 256.
+                unsafe {
+                    (
+                        doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            small.add(g8 * LANES + 8 * h).cast(),
+                        ))),
+                        doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            small.add((g8 + 8) * LANES + 8 * h).cast(),
+                        ))),
+                    )
+                }
+            });
             for half in 0..2 {
                 // Two steps summed in 16 bits (no overflow: 2·2·63·128 < 2¹⁵).
-                let mut lo = [_mm256_setzero_si256(); R];
-                let mut hi = [_mm256_setzero_si256(); R];
+                let mut lo = [[_mm256_setzero_si256(); H]; R];
+                let mut hi = [[_mm256_setzero_si256(); H]; R];
                 for t in 2 * half..2 * half + 2 {
                     let step = g8 * 4 + t;
-                    // SAFETY: step's 64 nibble bytes (half h: 32) and its pair's 64 top-bit
-                    // bytes (half h: 32); the activation words lie within the row's block.
-                    unsafe {
-                        if R == 1 {
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                q.wrapping_add(step * 64 + PREFETCH).cast(),
+                    for hh in 0..H {
+                        let h = h0 + hh;
+                        // SAFETY: step's 64 nibble bytes (half h: 32) and its pair's 64
+                        // top-bit bytes (half h: 32); the activation words lie within the
+                        // row's block.
+                        unsafe {
+                            if R == 1 && hh == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    q.wrapping_add(step * 64 + PREFETCH).cast(),
+                                );
+                            }
+                            let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
+                            let top = _mm256_loadu_si256(hp.add((step / 2) * 64 + 32 * h).cast());
+                            // The step's fields at bits 4-5 (bits shifted in from a
+                            // neighbouring byte fall outside them).
+                            let (tl, th) = if step % 2 == 0 {
+                                (_mm256_slli_epi16::<4>(top), _mm256_slli_epi16::<2>(top))
+                            } else {
+                                (top, _mm256_srli_epi16::<2>(top))
+                            };
+                            let wl = _mm256_or_si256(
+                                _mm256_and_si256(w, low),
+                                _mm256_and_si256(tl, bits45),
                             );
-                        }
-                        let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
-                        let top = _mm256_loadu_si256(hp.add((step / 2) * 64 + 32 * h).cast());
-                        // The step's fields at bits 4-5 (bits shifted in from a
-                        // neighbouring byte fall outside them).
-                        let (tl, th) = if step % 2 == 0 {
-                            (_mm256_slli_epi16::<4>(top), _mm256_slli_epi16::<2>(top))
-                        } else {
-                            (top, _mm256_srli_epi16::<2>(top))
-                        };
-                        let wl =
-                            _mm256_or_si256(_mm256_and_si256(w, low), _mm256_and_si256(tl, bits45));
-                        let wh = _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
-                            _mm256_and_si256(th, bits45),
-                        );
-                        for r in 0..R {
-                            let xl = _mm256_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
-                            let xh = _mm256_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
-                            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
-                            hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xh));
+                            let wh = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                                _mm256_and_si256(th, bits45),
+                            );
+                            for r in 0..R {
+                                let xl = _mm256_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
+                                let xh =
+                                    _mm256_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
+                                lo[r][hh] =
+                                    _mm256_add_epi16(lo[r][hh], _mm256_maddubs_epi16(wl, xl));
+                                hi[r][hh] =
+                                    _mm256_add_epi16(hi[r][hh], _mm256_maddubs_epi16(wh, xh));
+                            }
                         }
                     }
                 }
                 for r in 0..R {
-                    let x = _mm256_add_epi32(
-                        _mm256_madd_epi16(lo[r], sl),
-                        _mm256_madd_epi16(hi[r], sh),
-                    );
-                    isum[r] = _mm256_add_epi32(isum[r], x);
+                    for hh in 0..H {
+                        let (sl, sh) = scales[hh];
+                        let x = _mm256_add_epi32(
+                            _mm256_madd_epi16(lo[r][hh], sl),
+                            _mm256_madd_epi16(hi[r][hh], sh),
+                        );
+                        isum[r][hh] = _mm256_add_epi32(isum[r][hh], x);
+                    }
                 }
             }
             for r in 0..R {
@@ -316,22 +339,29 @@ unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, h: usize, rows: &[ActRow], 
                     _mm256_set1_epi32(pair(i32::from(sums[g8]), 0)),
                     _mm256_set1_epi32(pair(i32::from(sums[g8 + 8]), 0)),
                 );
-                let x = _mm256_add_epi32(_mm256_madd_epi16(sl, ol), _mm256_madd_epi16(sh, oh));
-                offset[r] = _mm256_add_epi32(offset[r], x);
+                for hh in 0..H {
+                    let (sl, sh) = scales[hh];
+                    let x = _mm256_add_epi32(_mm256_madd_epi16(sl, ol), _mm256_madd_epi16(sh, oh));
+                    offset[r][hh] = _mm256_add_epi32(offset[r][hh], x);
+                }
             }
         }
-        // SAFETY: 8 f32 values from lane 8h.
-        let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
-        for r in 0..R {
-            // q6k_step, lane by lane, on Σ scale·(Σ q·a − 32·Σ a).
-            let total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(offset[r]));
-            let da = _mm256_set1_ps(rows[r].d[b]);
-            let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
-            acc[r] = _mm256_add_ps(acc[r], i);
+        for hh in 0..H {
+            // SAFETY: 8 f32 values from lane 8h.
+            let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * (h0 + hh))) };
+            for r in 0..R {
+                // q6k_step, lane by lane, on Σ scale·(Σ q·a − 32·Σ a).
+                let total = _mm256_sub_epi32(isum[r][hh], _mm256_slli_epi32::<5>(offset[r][hh]));
+                let da = _mm256_set1_ps(rows[r].d[b]);
+                let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
+                acc[r][hh] = _mm256_add_ps(acc[r][hh], i);
+            }
         }
     }
-    for (r, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16·R values.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * h), v) };
+    for (r, acc) in acc.iter().enumerate() {
+        for (hh, &v) in acc.iter().enumerate() {
+            // SAFETY: `out` holds 16·R values.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * (h0 + hh)), v) };
+        }
     }
 }
