@@ -35,7 +35,7 @@ use agentstack_static::env_vars;
 
 use crate::error::Result;
 use crate::gguf::{GgufFile, TensorType};
-use crate::kernels::{Arena, FastLinear, StoredForm};
+use crate::kernels::{Arena, FastLinear, StoredForm, on_off_setting};
 
 /// The first bytes of an entry; the last two digits are the format's version.
 const MAGIC: &[u8; 8] = b"AGSRPK01";
@@ -90,13 +90,12 @@ impl RepackCache {
         max_gib: Option<&OsStr>,
         default: Option<PathBuf>,
     ) -> Self {
-        let dir = match cache {
-            Some(v) => match v.to_str().map(|s| s.trim().to_ascii_lowercase()).as_deref() {
-                Some("off" | "0" | "false" | "no") => None,
-                Some("" | "on" | "1" | "true" | "yes") => default,
-                _ => Some(PathBuf::from(v)),
-            },
-            None => default,
+        // The on/off words of the other switches (`AGENTSTACK_HUGE_PAGES`); anything else
+        // is a folder.
+        let dir = match cache.map(|v| (v, v.to_str().and_then(|s| on_off_setting(Some(s))))) {
+            Some((_, Some(false))) => None,
+            None | Some((_, Some(true))) => default,
+            Some((v, None)) => Some(PathBuf::from(v)),
         };
         let max_gib = match max_gib {
             None => Self::DEFAULT_MAX_GIB,
@@ -206,12 +205,22 @@ struct Source {
 }
 
 impl Source {
-    #[cfg(unix)]
+    /// `file` as it is now (its path made canonical).
     fn of(file: &GgufFile) -> Option<Self> {
-        use std::os::unix::fs::MetadataExt;
         let meta = file.handle().metadata().ok()?;
+        Self::from_metadata(std::fs::canonicalize(file.path()).ok()?, &meta)
+    }
+
+    /// The file as it is now at this path, if any.
+    fn now_at(path: &Path) -> Option<Self> {
+        Self::from_metadata(path.to_path_buf(), &std::fs::metadata(path).ok()?)
+    }
+
+    #[cfg(unix)]
+    fn from_metadata(path: PathBuf, meta: &std::fs::Metadata) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
         Some(Self {
-            path: std::fs::canonicalize(file.path()).ok()?,
+            path,
             dev: meta.dev(),
             ino: meta.ino(),
             size: meta.size(),
@@ -221,29 +230,8 @@ impl Source {
 
     /// Off where there is no way to map an array from a file.
     #[cfg(not(unix))]
-    fn of(_: &GgufFile) -> Option<Self> {
+    fn from_metadata(_: PathBuf, _: &std::fs::Metadata) -> Option<Self> {
         None
-    }
-
-    /// The file as it is now at this path, if any.
-    fn now_at(path: &Path) -> Option<Self> {
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::MetadataExt;
-            let meta = std::fs::metadata(path).ok()?;
-            Some(Self {
-                path: path.to_path_buf(),
-                dev: meta.dev(),
-                ino: meta.ino(),
-                size: meta.size(),
-                mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
-            })
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = path;
-            None
-        }
     }
 
     /// The entry's file name: the source and the packing, hashed.
@@ -291,22 +279,7 @@ impl Entry {
     fn open(path: &Path, source: &Source) -> std::result::Result<Self, String> {
         let mut file = File::open(path).map_err(|e| e.to_string())?;
         let len = file.metadata().map_err(|e| e.to_string())?.len();
-        let mut prefix = [0u8; PREFIX];
-        file.read_exact(&mut prefix)
-            .map_err(|e| format!("reading its first bytes: {e}"))?;
-        if &prefix[..8] != MAGIC {
-            return Err("not an entry of this format".into());
-        }
-        let word = |i: usize| u64::from_le_bytes(prefix[i..i + 8].try_into().expect("8 bytes"));
-        let (at, index_len) = (word(8), word(16));
-        if index_len > MAX_INDEX || at.checked_add(index_len) != Some(len) {
-            return Err(format!(
-                "an index of {index_len} bytes at {at} in {len} bytes (cut short?)"
-            ));
-        }
-        let mut raw = vec![0u8; index_len as usize];
-        read_at(&file, &mut raw, at).map_err(|e| format!("reading its index: {e}"))?;
-        let index: Index = serde_json::from_slice(&raw).map_err(|e| format!("its index: {e}"))?;
+        let index = read_index(&mut file, Some(len))?;
         if index.layout != crate::kernels::layout_fingerprint() {
             return Err("written by a build that packs differently".into());
         }
@@ -662,19 +635,29 @@ fn trim(dir: &Path, keep: &Path, max_bytes: u64) {
 /// The source recorded in the entry at `path`, if it is one.
 fn source_of(path: &Path) -> Option<Source> {
     let mut file = File::open(path).ok()?;
+    read_index(&mut file, None).ok().map(|i| i.source)
+}
+
+/// The index of the entry open as `file`: its prefix checked, the index read where the
+/// prefix says; with `len` (the file's length), the index must end the file.
+fn read_index(file: &mut File, len: Option<u64>) -> std::result::Result<Index, String> {
     let mut prefix = [0u8; PREFIX];
-    file.read_exact(&mut prefix).ok()?;
+    file.read_exact(&mut prefix)
+        .map_err(|e| format!("reading its first bytes: {e}"))?;
     if &prefix[..8] != MAGIC {
-        return None;
+        return Err("not an entry of this format".into());
     }
     let word = |i: usize| u64::from_le_bytes(prefix[i..i + 8].try_into().expect("8 bytes"));
-    let (at, len) = (word(8), word(16));
-    if len > MAX_INDEX {
-        return None;
+    let (at, index_len) = (word(8), word(16));
+    if index_len > MAX_INDEX || len.is_some_and(|len| at.checked_add(index_len) != Some(len)) {
+        return Err(format!(
+            "an index of {index_len} bytes at {at} in {} bytes (cut short?)",
+            len.unwrap_or_default()
+        ));
     }
-    let mut raw = vec![0u8; len as usize];
-    read_at(&file, &mut raw, at).ok()?;
-    serde_json::from_slice::<Index>(&raw).ok().map(|i| i.source)
+    let mut raw = vec![0u8; index_len as usize];
+    read_at(file, &mut raw, at).map_err(|e| format!("reading its index: {e}"))?;
+    serde_json::from_slice(&raw).map_err(|e| format!("its index: {e}"))
 }
 
 fn disk_bytes(meta: &std::fs::Metadata) -> u64 {

@@ -327,7 +327,7 @@ pub(super) fn env_switch(name: &str, unclear: &str) -> bool {
 
 /// An on/off variable's meaning: on when unset or empty, None for a value that is
 /// neither on nor off.
-fn on_off_setting(value: Option<&str>) -> Option<bool> {
+pub(crate) fn on_off_setting(value: Option<&str>) -> Option<bool> {
     match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
         None | Some("" | "on" | "1" | "true" | "yes") => Some(true),
         Some("off" | "0" | "false" | "no") => Some(false),

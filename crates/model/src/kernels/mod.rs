@@ -46,7 +46,7 @@ mod pointwise;
 pub(crate) mod team;
 
 pub use attend::attention;
-pub(crate) use memory::{Arena, Weights as StoredArray};
+pub(crate) use memory::{Arena, Weights as StoredArray, on_off_setting};
 pub(crate) use pointwise::{add, rms_norm, silu_mul};
 
 use kquant::{KPacked, KType, LANES};
