@@ -13,8 +13,8 @@ use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at
 /// `p.nb` super-blocks each and `out` `16·rows.len()` values.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
-    // One row (decode) of Q4_K, Q5_K or Q6_K: both halves of the group in one pass, each step's
-    // 64 bytes read at once (as the blocks of 32 do).
+    // One row (decode): both halves of the group in one pass, each step's 64 bytes
+    // read at once (as the blocks of 32 do).
     if rows.len() == 1 {
         // SAFETY: as this function requires.
         unsafe {
@@ -22,7 +22,8 @@ pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f3
                 KType::Q4K => return q4k::<1, false, 2>(p, g, 0, rows, out),
                 KType::Q5K => return q4k::<1, true, 2>(p, g, 0, rows, out),
                 KType::Q6K => return q6k::<1, 2>(p, g, 0, rows, out),
-                KType::Q2K | KType::Q3K => {}
+                KType::Q2K => return q23k::<1, false, 2>(p, g, 0, rows, out),
+                KType::Q3K => return q23k::<1, true, 2>(p, g, 0, rows, out),
             }
         }
     }
@@ -45,14 +46,14 @@ unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
         unsafe {
             match (p.ty, rows.len()) {
                 (_, 0) => {}
-                (KType::Q2K, 1) => q23k::<1, false>(p, g, h, rows, out),
-                (KType::Q2K, 2) => q23k::<2, false>(p, g, h, rows, out),
-                (KType::Q2K, 3) => q23k::<3, false>(p, g, h, rows, out),
-                (KType::Q2K, _) => q23k::<4, false>(p, g, h, rows, out),
-                (KType::Q3K, 1) => q23k::<1, true>(p, g, h, rows, out),
-                (KType::Q3K, 2) => q23k::<2, true>(p, g, h, rows, out),
-                (KType::Q3K, 3) => q23k::<3, true>(p, g, h, rows, out),
-                (KType::Q3K, _) => q23k::<4, true>(p, g, h, rows, out),
+                (KType::Q2K, 1) => q23k::<1, false, 1>(p, g, h, rows, out),
+                (KType::Q2K, 2) => q23k::<2, false, 1>(p, g, h, rows, out),
+                (KType::Q2K, 3) => q23k::<3, false, 1>(p, g, h, rows, out),
+                (KType::Q2K, _) => q23k::<4, false, 1>(p, g, h, rows, out),
+                (KType::Q3K, 1) => q23k::<1, true, 1>(p, g, h, rows, out),
+                (KType::Q3K, 2) => q23k::<2, true, 1>(p, g, h, rows, out),
+                (KType::Q3K, 3) => q23k::<3, true, 1>(p, g, h, rows, out),
+                (KType::Q3K, _) => q23k::<4, true, 1>(p, g, h, rows, out),
                 (KType::Q4K, 1) => q4k::<1, false, 1>(p, g, h, rows, out),
                 (KType::Q4K, 2) => q4k::<2, false, 1>(p, g, h, rows, out),
                 (KType::Q4K, 3) => q4k::<3, false, 1>(p, g, h, rows, out),
