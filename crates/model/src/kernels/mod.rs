@@ -50,7 +50,7 @@ pub(crate) use memory::{Arena, Weights as StoredArray, on_off_setting};
 pub(crate) use pointwise::{add, rms_norm, silu_mul};
 
 use kquant::{KPacked, KType, LANES};
-use packed32::{Form, Packed32};
+use packed32::{Form, Packed32, Scales};
 
 const QK: usize = 32;
 /// Values per K-quant super-block.
@@ -152,7 +152,8 @@ pub enum QuantKind {
     /// (ggml's IQ4_NL × Q8_0 integers).
     Iq4Nl,
     /// IQ4_XS: super-blocks of 256 with 6-bit sub-block scales over IQ4_NL's indices;
-    /// the codebook form, one block of scale `d·(ls − 32)` per sub-block of 32.
+    /// the codebook form, one block of scale `d·(ls − 32)` per sub-block of 32 (held
+    /// as the file's f16 `d` and a byte per block).
     Iq4Xs,
 }
 
@@ -510,7 +511,7 @@ impl FastLinear {
             packed: Packing::B32(Packed32::pack_with(
                 Form::of(kind),
                 // Every blocks-of-32 type's scale is an f16 in the file.
-                (has_min, true),
+                (has_min, Scales::F16),
                 (out_features, nb),
                 read,
             )),
@@ -574,9 +575,16 @@ impl FastLinear {
             Some(ty) => Packing::K(KPacked::from_arrays(ty, out, inp / QK_K, arrays)?),
             None => {
                 let has_min = matches!(kind, QuantKind::Q4_1 | QuantKind::Q5_1);
+                let scales = if kind == QuantKind::Iq4Xs {
+                    Scales::Sub
+                } else if form.half_scales {
+                    Scales::F16
+                } else {
+                    Scales::F32
+                };
                 Packing::B32(Packed32::from_arrays(
                     Form::of(kind),
-                    (has_min, form.half_scales),
+                    (has_min, scales),
                     (out, inp / QK),
                     arrays,
                 )?)

@@ -29,8 +29,10 @@
 //!   each `q + 128`;
 //! - `d` or `d16`, `m` (f16): `[gb·16 + lane]` (`m` empty without minimums). Scales are held
 //!   as f16 (`d16`) when every one is an f16, as the file stores them for every type but
-//!   IQ4_XS (whose per-32 scale `d·(ls − 32)` is not): Q4_0 then streams 4.5 bits per
-//!   weight, as in the file, instead of 5.
+//!   IQ4_XS: Q4_0 then streams 4.5 bits per weight, as in the file, instead of 5.
+//!   IQ4_XS's per-32 scale `d·(ls − 32)` is no f16; it is held as [`Scales::Sub`]: `d16`
+//!   per super-block `[(gb / 8)·16 + lane]` and the signed `ls − 32` in `high[gb·16 +
+//!   lane]`.
 //!
 //! The quants start on a 64-byte boundary, so no 512-bit load of a step straddles two
 //! cache lines, and lie on huge pages where the OS gives them (`memory.rs`).
@@ -115,39 +117,61 @@ impl Form {
     }
 }
 
+/// How a weight's per-block scales are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Scales {
+    /// An f32 per block (`d`).
+    F32,
+    /// An f16 per block (`d16`), as the file holds them.
+    F16,
+    /// IQ4_XS's: an f16 `d` per eight blocks (a super-block; `d16`, `[(gb / 8)·16 +
+    /// lane]`) and a signed byte `ls − 32` per block (`high`, `[gb·16 + lane]`). The
+    /// block's scale is `d·(ls − 32)`, exact in f32: the very float a per-block f32
+    /// would hold, in 4.31 bits per value rather than 5.
+    Sub,
+}
+
 /// A `[out, in]` weight in blocks of 32, repacked in groups of [`LANES`] rows.
 #[derive(Debug)]
 pub(super) struct Packed32 {
     pub(super) form: Form,
+    pub(super) scales: Scales,
     /// Blocks per row.
     pub(super) nb: usize,
     pub(super) groups: usize,
     /// The packed quants, from a 64-byte boundary (see [`Weights`]).
     quants: Weights,
-    /// Scales, when some are not f16s (empty otherwise).
+    /// Scales ([`Scales::F32`]; empty otherwise).
     d: Weights<f32>,
-    /// Scales, when all are f16s, as the file holds them (always for bytes).
+    /// Scales ([`Scales::F16`], always for bytes) or super-block scales
+    /// ([`Scales::Sub`]), as the file holds them.
     d16: Weights<f16>,
     /// Minimums (Q4_1, Q5_1), f16s as the file holds them.
     m: Weights<f16>,
     /// Fifth bits: `[step t: 4][nibble half h: 2]` a 64-bit mask each per group and
-    /// block, bit `4·lane + k` for value `16h + 4t + k` of the lane's row.
+    /// block, bit `4·lane + k` for value `16h + 4t + k` of the lane's row. With
+    /// [`Scales::Sub`]: each block's signed scale byte per lane.
     high: Weights,
 }
 
 struct Block<'a> {
     quants: &'a [u8],
     d: &'a [f32],
+    /// The block's scales, or ([`Scales::Sub`]) its super-block's.
     d16: &'a [f16],
     m: &'a [f16],
+    /// Fifth bits, or ([`Scales::Sub`]) the block's signed scale bytes.
     high: &'a [u8],
+    sub: bool,
 }
 
 impl Block<'_> {
     /// Lane `lane`'s scale.
     fn scale(&self, lane: usize) -> f32 {
-        if self.d16.is_empty() {
+        if !self.d.is_empty() {
             self.d[lane]
+        } else if self.sub {
+            self.d16[lane].to_f32() * f32::from(self.high[lane] as i8)
         } else {
             self.d16[lane].to_f32()
         }
@@ -176,20 +200,35 @@ fn slot<T>(v: &[T], gb: usize, n: usize) -> &[T] {
 
 impl Packed32 {
     /// How many values each array holds (quants, d, d16, m, high) for a weight of `out`
-    /// rows and `nb` blocks per row, with minimums or not, its scales as f16 or f32.
-    fn lens(form: Form, (has_min, half): (bool, bool), out: usize, nb: usize) -> [usize; 5] {
+    /// rows and `nb` blocks per row (with [`Scales::Sub`], a multiple of 8), with
+    /// minimums or not, its scales held as `scales` says.
+    fn lens(form: Form, (has_min, scales): (bool, Scales), out: usize, nb: usize) -> [usize; 5] {
         let slots = out.div_ceil(LANES) * nb;
         let five = matches!(form, Form::Nibbles { five: true, .. });
         [
             slots * form.packed_bytes() * LANES,
-            if half { 0 } else { slots * LANES },
-            if half { slots * LANES } else { 0 },
+            if scales == Scales::F32 {
+                slots * LANES
+            } else {
+                0
+            },
+            match scales {
+                Scales::F32 => 0,
+                Scales::F16 => slots * LANES,
+                Scales::Sub => slots / 8 * LANES,
+            },
             if has_min { slots * LANES } else { 0 },
-            if five { slots * 4 * LANES } else { 0 },
+            if five {
+                slots * 4 * LANES
+            } else if scales == Scales::Sub {
+                slots * LANES
+            } else {
+                0
+            },
         ]
     }
 
-    /// Whether its scales are held as f16.
+    /// Whether its scales are held as f16 (per block or per super-block): no f32 array.
     pub(super) fn half_scales(&self) -> bool {
         self.d.is_empty()
     }
@@ -208,18 +247,23 @@ impl Packed32 {
 
     /// A weight from arrays [`Self::arrays`] gave, if each holds as many values as
     /// [`Self::lens`] says (the kernels index them without further checks). Bytes
-    /// always hold f16 scales.
+    /// always hold f16 scales; super-block scales come only with the codebook form,
+    /// whole super-blocks and no minimums.
     pub(super) fn from_arrays(
         form: Form,
-        (has_min, half): (bool, bool),
+        (has_min, scales): (bool, Scales),
         (out, nb): (usize, usize),
         [quants, d, d16, m, high]: [Weights; 5],
     ) -> Option<Self> {
-        if form == Form::Bytes && !half {
+        if form == Form::Bytes && scales == Scales::F32 {
+            return None;
+        }
+        if scales == Scales::Sub && (form != Form::Codebook || has_min || nb % 8 != 0) {
             return None;
         }
         let p = Self {
             form,
+            scales,
             nb,
             groups: out.div_ceil(LANES),
             quants,
@@ -235,7 +279,7 @@ impl Packed32 {
             p.m.len(),
             p.high.len(),
         ];
-        (held == Self::lens(form, (has_min, half), out, nb)).then_some(p)
+        (held == Self::lens(form, (has_min, scales), out, nb)).then_some(p)
     }
 
     /// Repacks per-row arrays: `quants` (`form.row_bytes()` per block, row after row),
@@ -253,7 +297,8 @@ impl Packed32 {
         let half = d
             .iter()
             .all(|&x| f16::from_f32(x).to_f32().to_bits() == x.to_bits());
-        Self::pack_with(form, (!m.is_empty(), half), (out, nb), |i, src| {
+        let scales = if half { Scales::F16 } else { Scales::F32 };
+        Self::pack_with(form, (!m.is_empty(), scales), (out, nb), |i, src| {
             src.copy_from_slice(&quants[i * rb..(i + 1) * rb]);
             (d[i], m.get(i).copied().unwrap_or(0.0))
         })
@@ -261,12 +306,14 @@ impl Packed32 {
 
     /// Repacks blocks that `read(i, src)` gives one at a time, block `i = o·nb + b`
     /// (row `o`, block `b`): it fills `src` (`form.row_bytes()`) and returns the
-    /// block's scale and minimum (ignored unless `has_min`). With `half` (and always
-    /// for bytes) every scale must be an f16, and is held as one. Reading the file's
-    /// blocks this way leaves no per-row copy of the weight.
+    /// block's scale and minimum (ignored unless `has_min`); with [`Scales::Sub`],
+    /// its super-block's `d` and its `ls − 32` instead. With [`Scales::F16`] (always
+    /// for bytes) every scale must be an f16, and is held as one; so must every `d`
+    /// with [`Scales::Sub`]. Reading the file's blocks this way leaves no per-row copy
+    /// of the weight.
     pub(super) fn pack_with(
         form: Form,
-        (has_min, half): (bool, bool),
+        (has_min, scales): (bool, Scales),
         (out, nb): (usize, usize),
         read: impl Fn(usize, &mut [u8]) -> (f32, f32) + Sync,
     ) -> Self {
@@ -274,8 +321,9 @@ impl Packed32 {
         let qb = form.packed_bytes() * LANES;
         let five = matches!(form, Form::Nibbles { five: true, .. });
         let bytes = form == Form::Bytes;
-        let half = half || bytes;
-        let [quants, d, d16, m, high] = Self::lens(form, (has_min, half), out, nb);
+        let scales = if bytes { Scales::F16 } else { scales };
+        assert!(scales != Scales::Sub || (form == Form::Codebook && !has_min && nb % 8 == 0));
+        let [quants, d, d16, m, high] = Self::lens(form, (has_min, scales), out, nb);
         let mut held = Weights::zeroed(quants);
         // Bytes are held as `q + 128`: zero padding rows stay weights 0.
         if bytes {
@@ -283,6 +331,7 @@ impl Packed32 {
         }
         let mut p = Self {
             form,
+            scales,
             nb,
             groups,
             quants: held,
@@ -301,7 +350,7 @@ impl Packed32 {
         );
         let pack_group = |g: usize, (q, ds, d16s, ms, high): Parts<'_>| {
             // Read once here: as captures they would be re-read after every store.
-            let (bytes, five, has_min, half, rb, qb) = (bytes, five, has_min, half, rb, qb);
+            let (bytes, five, has_min, scales, rb, qb) = (bytes, five, has_min, scales, rb, qb);
             for o in g * LANES..out.min((g + 1) * LANES) {
                 let lane = o % LANES;
                 let mut block = [0u8; QK];
@@ -330,15 +379,23 @@ impl Packed32 {
                             high[at + 8] |= (((qh >> (16 + 4 * t)) & 0xF) as u8) << shift;
                         }
                     }
-                    if half {
-                        let held = f16::from_f32(scale);
-                        assert!(
-                            held.to_f32().to_bits() == scale.to_bits(),
-                            "a block's scale {scale} is not an f16"
-                        );
-                        d16s[gb * LANES + lane] = held;
-                    } else {
-                        ds[gb * LANES + lane] = scale;
+                    match scales {
+                        Scales::F32 => ds[gb * LANES + lane] = scale,
+                        Scales::F16 | Scales::Sub => {
+                            let held = f16::from_f32(scale);
+                            assert!(
+                                held.to_f32().to_bits() == scale.to_bits(),
+                                "a block's scale {scale} is not an f16"
+                            );
+                            if scales == Scales::F16 {
+                                d16s[gb * LANES + lane] = held;
+                            } else {
+                                // `scale` is the super-block's d, `min` the block's
+                                // ls − 32 (|ls − 32| ≤ 32).
+                                d16s[gb / 8 * LANES + lane] = held;
+                                high[gb * LANES + lane] = (min as i8) as u8;
+                            }
+                        }
                     }
                     if has_min {
                         let held = f16::from_f32(min);
@@ -367,12 +424,14 @@ impl Packed32 {
         let gb = g * self.nb + b;
         let qb = self.form.packed_bytes() * LANES;
         let q = gb * qb;
+        let sub = self.scales == Scales::Sub;
         Block {
             quants: &self.quants[q..q + qb],
             d: slot(&self.d, gb, LANES),
-            d16: slot(&self.d16, gb, LANES),
+            d16: slot(&self.d16, if sub { gb / 8 } else { gb }, LANES),
             m: slot(&self.m, gb, LANES),
-            high: slot(&self.high, gb, 4 * LANES),
+            high: slot(&self.high, gb, if sub { LANES } else { 4 * LANES }),
+            sub,
         }
     }
 

@@ -4,7 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::super::kquant::avx2::sixteen_where;
-use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
+use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, Scales, word_at};
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; otherwise as `avx512::group`.
@@ -61,6 +61,7 @@ unsafe fn rows_n<const R: usize, const H: usize>(
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
     let mut acc = [[_mm256_setzero_ps(); H]; R];
     let has_min = p.has_min();
+    let sub = p.scales == Scales::Sub;
     for b in 0..p.nb {
         let blk = p.block(g, b);
         let q = blk.quants.as_ptr();
@@ -181,9 +182,18 @@ unsafe fn rows_n<const R: usize, const H: usize>(
         }
         for hh in 0..H {
             let h = h0 + hh;
-            // SAFETY: 8 scales from lane 8h (`m` only with minimums).
+            // SAFETY: 8 scales from lane 8h (`m` only with minimums; with super-block
+            // scales, 8 of them and 8 bytes).
             let d = unsafe {
-                if blk.d16.is_empty() {
+                if sub {
+                    // d·(ls − 32), exact in f32.
+                    let ls =
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.high.as_ptr().add(8 * h).cast()));
+                    _mm256_mul_ps(
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast())),
+                        _mm256_cvtepi32_ps(ls),
+                    )
+                } else if blk.d16.is_empty() {
                     _mm256_loadu_ps(blk.d.as_ptr().add(8 * h))
                 } else {
                     _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))

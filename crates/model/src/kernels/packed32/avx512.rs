@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 #[cfg(doc)]
 use super::ROW_TILE;
-use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, word_at};
+use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, Scales, word_at};
 
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
@@ -18,6 +18,7 @@ pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f
         match p.form {
             Form::Nibbles { five: false, .. } => with_rows::<NIBBLES>(p, g, rows, out),
             Form::Nibbles { five: true, .. } => with_rows::<FIVE>(p, g, rows, out),
+            Form::Codebook if p.scales == Scales::Sub => with_rows::<CODEBOOK_SUB>(p, g, rows, out),
             Form::Codebook => with_rows::<CODEBOOK_FORM>(p, g, rows, out),
             Form::Bytes => with_rows::<BYTES>(p, g, rows, out),
         }
@@ -31,6 +32,9 @@ const NIBBLES: u8 = 0;
 const FIVE: u8 = 1;
 const CODEBOOK_FORM: u8 = 2;
 const BYTES: u8 = 3;
+/// The codebook with [`Scales::Sub`] (IQ4_XS): each block's scale from its
+/// super-block's `d` and its signed byte.
+const CODEBOOK_SUB: u8 = 4;
 
 /// # Safety
 /// As [`group`]; `F` must be `p.form`'s constant.
@@ -122,7 +126,7 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                     let x = _mm512_loadu_si512(q.add(t * 64).cast());
                     let mut wl = _mm512_and_si512(x, low);
                     let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
-                    if F == CODEBOOK_FORM {
+                    if F == CODEBOOK_FORM || F == CODEBOOK_SUB {
                         wl = _mm512_shuffle_epi8(table, wl);
                         wh = _mm512_shuffle_epi8(table, wh);
                     } else if F == FIVE {
@@ -143,9 +147,16 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                 }
             }
         }
-        // SAFETY: 16 scales, f16 or f32.
+        // SAFETY: 16 scales, f16 or f32 (or 16 f16 super-block scales and 16 bytes).
         let d = unsafe {
-            if !blk.d16.is_empty() {
+            if F == CODEBOOK_SUB {
+                // d·(ls − 32), exact in f32.
+                let ls = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.high.as_ptr().cast()));
+                _mm512_mul_ps(
+                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast())),
+                    _mm512_cvtepi32_ps(ls),
+                )
+            } else if !blk.d16.is_empty() {
                 _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
             } else {
                 _mm512_loadu_ps(blk.d.as_ptr())
