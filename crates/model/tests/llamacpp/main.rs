@@ -91,7 +91,14 @@ impl LlamaServer {
         let server = Self {
             child,
             url: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
+            // A fresh connection per request: llama-server (cpp-httplib) closes an idle
+            // keep-alive connection after 5 s, and a pooled one reused after a longer
+            // pause (a slow scalar-kernel run of ours between two requests) failed the
+            // POST with `IncompleteMessage`.
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(0)
+                .build()
+                .expect("an HTTP client"),
         };
         // Loading is seconds on an idle machine; a busy 2-core CI machine running other
         // tests beside it can take much longer.
