@@ -37,11 +37,6 @@ fn push_values(nibbles: &[u8], quants: &mut Vec<u8>) {
     quants.extend_from_slice(nibbles);
 }
 
-/// [`push_values`] into a block's buffer.
-fn push_values_into(nibbles: &[u8], src: &mut [u8]) {
-    src.copy_from_slice(nibbles);
-}
-
 /// ggml's Q8_K activations (one f32 scale per 256 values) in the form the blocks-of-32
 /// kernels read: each block of 32 with its super-block's scale and its own sum.
 pub(super) fn quantize_row_k_in_32(x: &[f32]) -> ActRow {
@@ -87,6 +82,7 @@ impl FastLinear {
         if data.len() != blocks * block_bytes {
             return Err(bad(format!("{} bytes for {blocks} blocks", data.len())));
         }
+        let half_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
         if ty == RawType::Iq4Xs {
             // d, scales_h (u16), scales_l[4], 8 × 16 bytes of indices: kernel block i
             // is sub-block i mod 8 of file block i / 8, with scale d·(ls − 32) held as
@@ -97,9 +93,12 @@ impl FastLinear {
                 let scales_h = u16::from_le_bytes([block[2], block[3]]);
                 let low = (block[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
                 let high = ((scales_h >> (2 * ib)) & 3) as u8;
-                push_values_into(&block[8 + 16 * ib..24 + 16 * ib], src);
-                let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
-                (d, f32::from(i16::from(low | high << 4) - 32))
+                // The kernels' nibble layout is the file's (see `push_values`).
+                src.copy_from_slice(&block[8 + 16 * ib..24 + 16 * ib]);
+                (
+                    half_at(block, 0),
+                    f32::from(i16::from(low | high << 4) - 32),
+                )
             };
             return Ok(Self {
                 kind: QuantKind::Iq4Xs,
@@ -116,7 +115,6 @@ impl FastLinear {
         let kernel_blocks = out_features * in_features / QK;
         let mut quants = Vec::with_capacity(kernel_blocks * QK / 2);
         let mut scales = Vec::with_capacity(kernel_blocks);
-        let half_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
         for block in data.chunks_exact(block_bytes) {
             match ty {
                 // d, 16 bytes of indices.

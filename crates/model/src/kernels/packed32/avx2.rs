@@ -36,8 +36,9 @@ pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f
     }
 }
 
-/// Lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`). Nibbles: `vpmaddubsw` pair sums added in 16 bits over the
-/// block (no overflow: 8·2·15·127 < 2¹⁵). Bytes: `|w|` times the activations with
+/// Lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`). Nibbles:
+/// `vpmaddubsw` pair sums added in 16 bits over the block (no overflow: 8·2·15·127 <
+/// 2¹⁵). Bytes: `|w|` times the activations with
 /// `w`'s sign (no pair overflows: 2·128·127 < 2¹⁵), widened every step.
 ///
 /// # Safety
