@@ -70,8 +70,9 @@ env_vars! {
     /// The namespace `launch --infra k8s` uses (default: the context's, else `default`).
     AGENTSTACK_K8S_NAMESPACE = "AGENTSTACK_K8S_NAMESPACE";
 
-    /// The highest instruction set the model kernels use: `scalar` or `avx2` cap them;
-    /// unset or anything else uses the best the CPU has (AVX-512 VNNI, else AVX2, else
+    /// The highest instruction set the model kernels use: `scalar`, `avx2` or `avx512`
+    /// (AVX-512 VNNI without AMX) cap them; unset or anything else uses the best the CPU
+    /// has (AMX for prefill where the process may use it, AVX-512 VNNI, else AVX2, else
     /// scalar). Read once per process.
     AGENTSTACK_KERNELS = "AGENTSTACK_KERNELS";
 

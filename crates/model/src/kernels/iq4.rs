@@ -241,6 +241,29 @@ mod tests {
                     );
                 }
             }
+            // A prefill of 37 rows: two sixteen-row tiles (AMX where this CPU has it)
+            // and five more.
+            let xs: Vec<f32> = (0..37 * k)
+                .map(|i| ((i * 53 % 97) as f32 - 48.0) / 11.0)
+                .collect();
+            let rows = fast.quantize(&xs);
+            let got = fast.matmul_rows(&rows, 37);
+            for (r, row) in rows.iter().enumerate() {
+                for g in 0..p.groups {
+                    let mut want = [0f32; 16];
+                    p.group_scalar(g, std::slice::from_ref(row), &mut want);
+                    let width = 16.min(out - 16 * g);
+                    let got = &got[r * out + 16 * g..r * out + 16 * g + width];
+                    assert_eq!(
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        want[..width]
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect::<Vec<_>>(),
+                        "{ty:?}, 37 rows, row {r}, group {g}"
+                    );
+                }
+            }
         }
     }
 }

@@ -476,6 +476,70 @@ impl KPacked {
         self.group_scalar(g, rows, out);
     }
 
+    /// Whether [`Self::amx_tile`] takes this type (Q4_K, Q5_K).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn has_amx(&self) -> bool {
+        matches!(self.ty, KType::Q4K | KType::Q5K)
+    }
+
+    /// Group `g`'s super-blocks unpacked for [`Self::amx_tile`] (`nb·4096` bytes), into
+    /// `w`. Only with AMX ([`super::amx::available`]) and [`Self::has_amx`].
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn amx_unpack(&self, g: usize, w: &mut Vec<i8>) {
+        assert!(super::amx::available() && self.has_amx() && g < self.groups);
+        w.resize(self.nb * amx::UNPACKED, 0);
+        #[expect(
+            unsafe_code,
+            reason = "AVX-512 over buffers whose lengths are set first"
+        )]
+        // SAFETY: AMX is only available with the AVX-512 kernels; Q4_K or Q5_K; `w`
+        // was sized.
+        unsafe {
+            amx::unpack(self, g, w);
+        }
+    }
+
+    /// [`Self::group`] for sixteen rows with AMX: `w` is group `g` from
+    /// [`Self::amx_unpack`], `a` the rows' quants one after another (`nb·256` each).
+    /// With `ahead`, the next group's quants are fetched meanwhile (give it for one
+    /// tile per group).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn amx_tile(
+        &self,
+        g: usize,
+        (w, a): (&[i8], &[i8]),
+        rows: &[ActRow],
+        out: &mut [f32],
+        ahead: bool,
+    ) {
+        assert!(
+            super::amx::available()
+                && self.has_amx()
+                && g < self.groups
+                && w.len() == self.nb * amx::UNPACKED
+                && rows.len() == super::amx::TILE_ROWS
+                && a.len() >= super::amx::TILE_ROWS * self.nb * QK_K
+                && out.len() >= super::amx::TILE_ROWS * LANES
+        );
+        for row in rows {
+            assert!(row.d.len() >= self.nb && row.sums.len() >= self.nb * K_SUMS);
+        }
+        let bytes = self.nb * self.ty.quant_bytes();
+        let ahead = if ahead && g + 1 < self.groups {
+            &self.quants[(g + 1) * bytes..(g + 2) * bytes]
+        } else {
+            &[]
+        };
+        #[expect(
+            unsafe_code,
+            reason = "AMX and AVX-512 over buffers whose lengths are asserted first"
+        )]
+        // SAFETY: AMX is available (and with it AVX-512); Q4_K or Q5_K; buffers checked.
+        unsafe {
+            amx::tile(self, g, (w, a), rows, out, ahead);
+        }
+    }
+
     /// [`Self::group`] without SIMD: the reference every kernel equals bit for bit.
     pub(super) fn group_scalar(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
         for (r, row) in rows.iter().enumerate() {
@@ -555,6 +619,13 @@ fn pair(x: i32, y: i32) -> i32 {
     reason = "SIMD intrinsics over buffers whose lengths are asserted first"
 )]
 mod avx512;
+
+#[cfg(target_arch = "x86_64")]
+#[expect(
+    unsafe_code,
+    reason = "AMX and SIMD over buffers whose lengths are asserted first"
+)]
+mod amx;
 
 #[cfg(target_arch = "x86_64")]
 #[expect(
@@ -690,6 +761,51 @@ mod tests {
     /// The scalar group kernel is the per-row definition: exact integer sums per
     /// super-block (checked here in i64 from the file's bytes, against nothing packed),
     /// then the shared float step.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_tiles_equal_the_scalar_kernel() {
+        if !super::super::amx::available() {
+            eprintln!("skipped: this process cannot use AMX");
+            return;
+        }
+        let tile = super::super::amx::TILE_ROWS;
+        for ty in [KType::Q4K, KType::Q5K] {
+            for nb in [1, 3] {
+                let out = 20;
+                let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
+                let k = nb * QK_K;
+                let mut x: Vec<f32> = (0..k * tile)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+                    .collect();
+                // Row 0 all +127 in its first super-block, row 1 zeros, row 2 ±127.
+                x[..QK_K].fill(2.5);
+                x[k..k + QK_K].fill(0.0);
+                for (i, v) in x[2 * k..2 * k + QK_K].iter_mut().enumerate() {
+                    *v = if i % 3 == 0 { -1.0 } else { 1.0 };
+                }
+                let rows: Vec<ActRow> = x.chunks_exact(k).map(quantize_row_k).collect();
+                let a: Vec<i8> = rows.iter().flat_map(|r| r.qs[..k].to_vec()).collect();
+                let mut w = Vec::new();
+                for g in 0..packed.groups {
+                    let mut want = vec![0f32; tile * LANES];
+                    for (rows, want) in rows.chunks(ROW_TILE).zip(want.chunks_mut(ROW_TILE * LANES))
+                    {
+                        packed.group_scalar(g, rows, want);
+                    }
+                    packed.amx_unpack(g, &mut w);
+                    let mut got = vec![0f32; tile * LANES];
+                    packed.amx_tile(g, (&w, &a), &rows, &mut got, g % 2 == 0);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{ty:?}, {nb} super-blocks, group {g}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn scalar_group_kernel_is_the_definition() {
         for ty in TYPES {

@@ -23,6 +23,12 @@
 //! any order, and the float arithmetic is one step per super-block shared by the
 //! scalar, AVX2 and AVX-512 kernels, so all give the same bits.
 //!
+//! Prefill on CPUs with AMX (`amx.rs`, where the process may use the tiles): the blocks
+//! of 32, Q4_K and Q5_K take sixteen activation rows at a time through AMX tiles
+//! (`packed32/amx.rs`, `kquant/amx.rs`), each group's weights unpacked once per product
+//! into signed bytes. The tile sums are the same exact integers, and the float steps the
+//! same, so the outputs keep their bits.
+//!
 //! Every output element is computed by one thread in one fixed order, whatever the
 //! number of rows in the batch: a sequence's logits do not depend on what it was
 //! batched with, and scoring a whole sequence in one pass gives bit-identical
@@ -37,6 +43,8 @@ use crate::error::{ModelError, Result};
 use crate::gguf::{MappedTensor, TensorType};
 
 mod act;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod attend;
 mod iq4;
 mod kquant;
@@ -74,7 +82,8 @@ fn per_group<T>(v: &mut [T], groups: usize) -> Vec<&mut [T]> {
 }
 
 /// The widest kernel family this CPU runs, detected once. `AGENTSTACK_KERNELS=avx2` or
-/// `=scalar` caps it (to compare kernel families on one machine).
+/// `=scalar` caps it (to compare kernel families on one machine); AMX (`amx.rs`) comes
+/// on top of AVX-512 VNNI for prefill, and `=avx512` turns it off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 #[cfg_attr(
     not(target_arch = "x86_64"),
@@ -776,7 +785,14 @@ impl FastLinear {
         // Every group's outputs as [group][row][lane], in one buffer the tasks write
         // in place: with one activation row (decode) it is the result itself.
         let stride = n * LANES;
+        #[cfg(target_arch = "x86_64")]
+        let amx = amx_operands(p, rows);
         let task = |t: usize, dst: &mut [f32]| {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(a) = &amx {
+                amx_groups(p, a, rows, t * per_task, dst);
+                return;
+            }
             for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
                 for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
                     p.group(g, chunk, d);
@@ -805,6 +821,62 @@ impl FastLinear {
             }
         };
         team::collect_chunks(n * out, rows_per_task * out, copy)
+    }
+}
+
+/// The activation rows' quants one after another (the first whole tiles' rows), when
+/// AMX runs the product: with AMX available, a weight it takes (blocks of 32, Q4_K,
+/// Q5_K) and at least one tile of rows.
+#[cfg(target_arch = "x86_64")]
+fn amx_operands(p: &Packing, rows: &[ActRow]) -> Option<Vec<i8>> {
+    let k = match p {
+        Packing::B32(b) => b.nb * QK,
+        Packing::K(kp) if kp.has_amx() => kp.nb * QK_K,
+        Packing::K(_) => return None,
+    };
+    if rows.len() < amx::TILE_ROWS || !amx::available() {
+        return None;
+    }
+    let full = rows.len() / amx::TILE_ROWS * amx::TILE_ROWS;
+    let mut a = Vec::with_capacity(full * k);
+    for row in &rows[..full] {
+        a.extend_from_slice(&row.qs[..k]);
+    }
+    Some(a)
+}
+
+/// [`FastLinear::matmul_packed`]'s task with AMX: groups `g0..` into `dst` (`[group]
+/// [row][lane]`), each group unpacked once, then its products sixteen rows at a time
+/// (`a`: those rows' quants) and the rows left over with the group kernel.
+#[cfg(target_arch = "x86_64")]
+fn amx_groups(p: &Packing, a: &[i8], rows: &[ActRow], g0: usize, dst: &mut [f32]) {
+    let tile = amx::TILE_ROWS;
+    let full = rows.len() / tile * tile;
+    let k = a.len() / full;
+    let mut w = Vec::new();
+    for (g, dst) in (g0..).zip(dst.chunks_exact_mut(rows.len() * LANES)) {
+        match p {
+            Packing::B32(b) => b.amx_unpack(g, &mut w),
+            Packing::K(kp) => kp.amx_unpack(g, &mut w),
+        }
+        let (tiles, rest) = dst.split_at_mut(full * LANES);
+        for (i, ((chunk, d), a)) in rows[..full]
+            .chunks_exact(tile)
+            .zip(tiles.chunks_exact_mut(tile * LANES))
+            .zip(a.chunks_exact(tile * k))
+            .enumerate()
+        {
+            match p {
+                Packing::B32(b) => b.amx_tile(g, (&w, a), chunk, d, i == 0),
+                Packing::K(kp) => kp.amx_tile(g, (&w, a), chunk, d, i == 0),
+            }
+        }
+        for (chunk, d) in rows[full..]
+            .chunks(ROW_TILE)
+            .zip(rest.chunks_mut(ROW_TILE * LANES))
+        {
+            p.group(g, chunk, d);
+        }
     }
 }
 
@@ -1276,7 +1348,8 @@ mod tests {
             // 67 outputs: the four-at-a-time decode path plus a remainder.
             let w = Tensor::randn(0f32, 1.0, (67, 256), &device).unwrap();
             let fast = FastLinear::from_qtensor(&QTensor::quantize(&w, dtype).unwrap()).unwrap();
-            let x = Tensor::randn(0f32, 1.0, (9, 256), &device).unwrap();
+            // 37 rows: two sixteen-row tiles (AMX, where this CPU has it) and five more.
+            let x = Tensor::randn(0f32, 1.0, (37, 256), &device).unwrap();
             let all: Vec<Vec<f32>> = fast.forward(&x).unwrap().to_vec2().unwrap();
             for (i, row) in all.iter().enumerate() {
                 let one: Vec<Vec<f32>> = fast

@@ -515,6 +515,63 @@ impl Packed32 {
         self.group_scalar(g, rows, out);
     }
 
+    /// Group `g`'s blocks unpacked for [`Self::amx_tile`] (`nb·512` bytes), into `w`.
+    /// Only with AMX ([`super::amx::available`]).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn amx_unpack(&self, g: usize, w: &mut Vec<i8>) {
+        assert!(super::amx::available() && g < self.groups);
+        w.resize(self.nb * amx::UNPACKED, 0);
+        #[expect(
+            unsafe_code,
+            reason = "AVX-512 over buffers whose lengths are set first"
+        )]
+        // SAFETY: AMX is only available with the AVX-512 kernels; `w` was sized.
+        unsafe {
+            amx::unpack(self, g, w);
+        }
+    }
+
+    /// [`Self::group`] for sixteen rows with AMX: `w` is group `g` from
+    /// [`Self::amx_unpack`], `a` the rows' quants one after another (`nb·32` each).
+    #[cfg(target_arch = "x86_64")]
+    /// With `ahead`, the next group's quants are fetched meanwhile (give it for one
+    /// tile per group).
+    pub(super) fn amx_tile(
+        &self,
+        g: usize,
+        (w, a): (&[i8], &[i8]),
+        rows: &[ActRow],
+        out: &mut [f32],
+        ahead: bool,
+    ) {
+        let k = self.nb * QK;
+        assert!(
+            super::amx::available()
+                && g < self.groups
+                && w.len() == self.nb * amx::UNPACKED
+                && rows.len() == super::amx::TILE_ROWS
+                && a.len() >= super::amx::TILE_ROWS * k
+                && out.len() >= super::amx::TILE_ROWS * LANES
+        );
+        for row in rows {
+            assert!(row.d.len() >= self.nb && (!self.has_min() || row.s.len() >= self.nb));
+        }
+        let ahead = if ahead && g + 1 < self.groups {
+            let bytes = self.nb * self.form.packed_bytes() * LANES;
+            &self.quants[(g + 1) * bytes..(g + 2) * bytes]
+        } else {
+            &[]
+        };
+        #[expect(
+            unsafe_code,
+            reason = "AMX and AVX-512 over buffers whose lengths are asserted first"
+        )]
+        // SAFETY: AMX is available (and with it AVX-512); buffers checked.
+        unsafe {
+            amx::tile(self, g, (w, a), rows, out, ahead);
+        }
+    }
+
     /// [`Self::group`] without SIMD: the definition every kernel equals bit for bit.
     pub(super) fn group_scalar(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
         for (r, row) in rows.iter().enumerate() {
@@ -550,6 +607,13 @@ mod avx512;
     reason = "SIMD intrinsics over buffers whose lengths are asserted first"
 )]
 mod avx2;
+
+#[cfg(target_arch = "x86_64")]
+#[expect(
+    unsafe_code,
+    reason = "AMX and SIMD over buffers whose lengths are asserted first"
+)]
+mod amx;
 
 #[cfg(test)]
 mod tests {
@@ -690,6 +754,53 @@ mod tests {
 
     /// Every form's packed quants start on a cache line, so a step's 64-byte load never
     /// straddles two; scales that are f16s are held as f16.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn amx_tiles_equal_the_scalar_kernel() {
+        if !super::super::amx::available() {
+            eprintln!("skipped: this process cannot use AMX");
+            return;
+        }
+        let tile = super::super::amx::TILE_ROWS;
+        for (form, f32_scales) in NUMERIC_FORMS
+            .into_iter()
+            .chain([Form::Codebook])
+            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
+        {
+            for with_min in [false, true] {
+                for nb in [1, 3, 19] {
+                    let out = 20;
+                    let (q, mut d, m) = rows_of(form, out, nb, with_min);
+                    if f32_scales {
+                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
+                    }
+                    let packed = Packed32::pack(form, &q, &d, &m, out, nb);
+                    let rows = act_rows(nb * QK, tile);
+                    let a: Vec<i8> = rows.iter().flat_map(|r| r.qs[..nb * QK].to_vec()).collect();
+                    let mut w = Vec::new();
+                    for g in 0..packed.groups {
+                        let mut want = vec![0f32; tile * LANES];
+                        for (rows, want) in
+                            rows.chunks(ROW_TILE).zip(want.chunks_mut(ROW_TILE * LANES))
+                        {
+                            packed.group_scalar(g, rows, want);
+                        }
+                        packed.amx_unpack(g, &mut w);
+                        let mut got = vec![0f32; tile * LANES];
+                        packed.amx_tile(g, (&w, &a), &rows, &mut got, g % 2 == 0);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} blocks, \
+                             group {g}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn packed_quants_start_on_a_cache_line() {
         for form in NUMERIC_FORMS.into_iter().chain([Form::Codebook]) {

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 #[cfg(doc)]
 use super::ROW_TILE;
-use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, Scales, word_at};
+use super::{ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, Scales, word_at};
 
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
@@ -147,27 +147,8 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                 }
             }
         }
-        // SAFETY: 16 scales, f16 or f32 (or 16 f16 super-block scales and 16 bytes).
-        let d = unsafe {
-            if F == CODEBOOK_SUB {
-                // d·(ls − 32), exact in f32.
-                let ls = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.high.as_ptr().cast()));
-                _mm512_mul_ps(
-                    _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast())),
-                    _mm512_cvtepi32_ps(ls),
-                )
-            } else if !blk.d16.is_empty() {
-                _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
-            } else {
-                _mm512_loadu_ps(blk.d.as_ptr())
-            }
-        };
-        let m = if has_min {
-            // SAFETY: 16 f16 minimums, when the weight has them.
-            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().cast())) }
-        } else {
-            _mm512_setzero_ps()
-        };
+        // SAFETY: the block's scales and minimums.
+        let (d, m) = unsafe { block_scales(&blk, F == CODEBOOK_SUB, has_min) };
         for r in 0..R {
             // SAFETY: block b of each of the row's arrays (its value words lie in the
             // block's 32 bytes).
@@ -198,5 +179,36 @@ unsafe fn rows_n<const R: usize, const F: u8>(
     for (r, &v) in acc.iter().enumerate() {
         // SAFETY: `out` holds 16·R values.
         unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}
+
+/// A block's sixteen scales (`sub`: [`Scales::Sub`]'s `d·(ls − 32)`, exact in f32) and,
+/// with `has_min`, its minimums (zeros without).
+///
+/// # Safety
+/// As [`group`], for the block's arrays.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn block_scales(blk: &Block<'_>, sub: bool, has_min: bool) -> (__m512, __m512) {
+    // SAFETY: 16 scales, f16 or f32 (or 16 f16 super-block scales and 16 bytes), and
+    // 16 f16 minimums when the weight has them.
+    unsafe {
+        let d = if sub {
+            let ls = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.high.as_ptr().cast()));
+            _mm512_mul_ps(
+                _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast())),
+                _mm512_cvtepi32_ps(ls),
+            )
+        } else if !blk.d16.is_empty() {
+            _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
+        } else {
+            _mm512_loadu_ps(blk.d.as_ptr())
+        };
+        let m = if has_min {
+            _mm512_cvtph_ps(_mm256_loadu_si256(blk.m.as_ptr().cast()))
+        } else {
+            _mm512_setzero_ps()
+        };
+        (d, m)
     }
 }

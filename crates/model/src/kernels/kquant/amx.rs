@@ -1,0 +1,198 @@
+//! The Q4_K and Q5_K prefill with AMX: sixteen activation rows at a time, each
+//! sub-block's sixteen-by-sixteen integer sums from one `tdpbssd`, times the lanes'
+//! scales into each super-block's exact integers, then the float step of the parent
+//! module's definition ([`super::q4k_step`], lane by lane) with AVX-512.
+//!
+//! A group's super-blocks are first unpacked once into bytes `q` (0–15, or 0–31 with
+//! Q5_K's fifth bit), sub-block by sub-block in the B tile's layout (value `4t + k` of
+//! lane `l` at byte `64t + 4l + k`), so every sixteen-row tile reads them as they are.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use super::super::amx::{TILE_ROWS, TileConfig};
+use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair};
+
+/// Bytes of one group's super-block unpacked: 256 values of 16 rows.
+pub(super) const UNPACKED: usize = QK_K * LANES;
+/// Bytes of one sub-block of 32 values unpacked.
+const SUB: usize = 32 * LANES;
+
+/// Group `g`'s super-blocks as bytes into `w` (`nb·4096` bytes).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW; `p` must be Q4_K or Q5_K and `w` hold
+/// `p.nb·4096` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(super) unsafe fn unpack(p: &KPacked, g: usize, w: &mut [i8]) {
+    let low = _mm512_set1_epi8(0x0F);
+    let sixteen = _mm512_set1_epi8(16);
+    let five = p.ty == KType::Q5K;
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        let dst = w[b * UNPACKED..(b + 1) * UNPACKED].as_mut_ptr();
+        for i in 0..4 {
+            for t in 0..8 {
+                // SAFETY: step (i, t)'s 64 bytes of the block's 2048, its two 8-byte
+                // masks of the 512 bytes of fifth bits (Q5_K), and 64 bytes of each of
+                // sub-blocks 2i and 2i + 1 in `dst`.
+                unsafe {
+                    let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
+                    let mut wl = _mm512_and_si512(x, low);
+                    let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
+                    if five {
+                        let mask = |half: usize| {
+                            blk.high
+                                .as_ptr()
+                                .add(((i * 8 + t) * 2 + half) * 8)
+                                .cast::<u64>()
+                                .read_unaligned()
+                        };
+                        wl = _mm512_mask_add_epi8(wl, mask(0), wl, sixteen);
+                        wh = _mm512_mask_add_epi8(wh, mask(1), wh, sixteen);
+                    }
+                    _mm512_storeu_si512(dst.add(2 * i * SUB + t * 64).cast(), wl);
+                    _mm512_storeu_si512(dst.add((2 * i + 1) * SUB + t * 64).cast(), wh);
+                }
+            }
+        }
+    }
+}
+
+/// Sub-block sums into `c`: `a` at the sub-block's activations (rows `k` bytes apart),
+/// `w` at its unpacked weights. `P` picks the tiles (0: 0–2, 1: 3–5), so that one
+/// sub-block's product runs while the integer steps of the one before do.
+///
+/// # Safety
+/// Tiles configured as [`tile`] does; 16 rows of 32 bytes at `a` (stride `k`), 512
+/// bytes at `w` and 1024 at `c`.
+#[inline(always)]
+unsafe fn sub_sums<const P: usize>(a: *const i8, k: usize, w: *const i8, c: *mut i32) {
+    // SAFETY: as the function requires.
+    unsafe {
+        if P == 0 {
+            asm!(
+                "tilezero tmm0",
+                "tileloadd tmm1, [{a} + {k} * 1]",
+                "tileloadd tmm2, [{w} + {s} * 1]",
+                "tdpbssd tmm0, tmm1, tmm2",
+                "tilestored [{c} + {s} * 1], tmm0",
+                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
+                options(nostack),
+            );
+        } else {
+            asm!(
+                "tilezero tmm3",
+                "tileloadd tmm4, [{a} + {k} * 1]",
+                "tileloadd tmm5, [{w} + {s} * 1]",
+                "tdpbssd tmm3, tmm4, tmm5",
+                "tilestored [{c} + {s} * 1], tmm3",
+                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
+                options(nostack),
+            );
+        }
+    }
+}
+
+/// Sixteen activation rows times Q4_K/Q5_K group `g` unpacked in `w`: `out[r·16 +
+/// lane]`. `a` holds the rows' quants one after another (`p.nb·256` bytes each).
+/// `ahead` (the next group's quants, or nothing) is fetched into the L2 cache a
+/// super-block's share at a time.
+///
+/// # Safety
+/// AMX must be [`available`](super::super::amx::available) and the CPU must support
+/// AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `w` must hold the group unpacked
+/// ([`unpack`]), `a` `16·p.nb·256` bytes, `rows` 16 rows of `p.nb` super-blocks (quants,
+/// scales and sums) and `out` 256 values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn tile(
+    p: &KPacked,
+    g: usize,
+    (w, a): (&[i8], &[i8]),
+    rows: &[ActRow],
+    out: &mut [f32],
+    ahead: &[u8],
+) {
+    #[repr(C, align(64))]
+    struct Sums([[i32; TILE_ROWS * LANES]; 2]);
+    let config = TileConfig::new(&[(16, 64), (16, 32), (8, 64), (16, 64), (16, 32), (8, 64)]);
+    let (nb, k) = (p.nb, p.nb * QK_K);
+    let da: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].d.as_ptr());
+    let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
+    let c = sums.0.as_mut_ptr().cast::<i32>();
+    let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+    let per_block = ahead.len().div_ceil(64 * nb);
+    // The sub-blocks in order, `s = 8b + j`; sub-block 0's product first.
+    let subs = nb * 8;
+    // SAFETY: a valid configuration (AMX is available); sub-block 0's operands.
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
+        sub_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
+    }
+    for b in 0..nb {
+        for line in ahead.chunks(64).skip(b * per_block).take(per_block) {
+            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+        }
+        let blk = p.block(g, b);
+        let small = blk.small.as_ptr();
+        let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
+        for j in 0..8 {
+            let (s, next) = (8 * b + j, 8 * b + j + 1);
+            if next < subs {
+                // SAFETY: sub-block `next`'s operands, into the other sums buffer (the
+                // activations of sub-block j of super-block b lie at 256b + 32j).
+                unsafe {
+                    let (a, w) = (a.as_ptr().add(next * 32), w.as_ptr().add(next * SUB));
+                    if s % 2 == 0 {
+                        sub_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
+                    } else {
+                        sub_sums::<0>(a, k, w, c);
+                    }
+                }
+            }
+            // SAFETY: scale j, 16 bytes within the 256.
+            let sc = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(small.add(j * LANES).cast())) };
+            let sums = &sums.0[s % 2];
+            for (r, isum) in isum.iter_mut().enumerate() {
+                // SAFETY: 16 sums of row r.
+                let v = unsafe { _mm512_load_si512(sums.as_ptr().add(r * LANES).cast()) };
+                *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(v, sc));
+            }
+        }
+        // SAFETY: 16 f32 values each.
+        let (d, dmin) = unsafe {
+            (
+                _mm512_loadu_ps(blk.d.as_ptr()),
+                _mm512_loadu_ps(blk.dmin.as_ptr()),
+            )
+        };
+        // SAFETY: the minimum pairs, 32 bytes at 128 + 32·pr within the 256.
+        let mins: [__m512i; 4] = std::array::from_fn(|pr| unsafe {
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
+        });
+        for r in 0..TILE_ROWS {
+            let s = &rows[r].sums[b * K_SUMS..];
+            let mut msum = _mm512_setzero_si512();
+            for (pr, &m) in mins.iter().enumerate() {
+                let two = pair(
+                    i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                    i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                );
+                msum = _mm512_add_epi32(msum, _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
+            }
+            // q4k_step, lane by lane.
+            // SAFETY: row r's scale of super-block b.
+            let da = _mm512_set1_ps(unsafe { *da[r].add(b) });
+            let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+            let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum));
+            acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
+        }
+    }
+    // SAFETY: the tiles are this thread's; releasing them ends their use.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 256 values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}

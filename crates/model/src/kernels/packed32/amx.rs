@@ -1,0 +1,188 @@
+//! The blocks-of-32 prefill with AMX: sixteen activation rows at a time, each block's
+//! sixteen-by-sixteen integer sums from one `tdpbssd`, then the float steps of the
+//! parent module's definition with AVX-512, row by row.
+//!
+//! A group's blocks are first unpacked once into signed bytes `q − offset` (the B
+//! tile's layout is the packed one: value `4t + k` of lane `l` at byte `64t + 4l + k`),
+//! so the products of every sixteen-row tile of the prefill read them as they are.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use super::super::amx::{TILE_ROWS, TileConfig};
+use super::avx512::block_scales;
+use super::{ActRow, CODEBOOK, Form, LANES, Packed32, QK};
+
+/// Bytes of one group's block unpacked: 32 values of 16 rows.
+pub(super) const UNPACKED: usize = QK * LANES;
+
+/// Group `g`'s blocks as signed bytes `q − offset` into `w` (`nb·512` bytes).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW; `w` must hold `p.nb·512` bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [i8]) {
+    let low = _mm512_set1_epi8(0x0F);
+    // SAFETY: 16 readable bytes.
+    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
+    let (offset, five) = match p.form {
+        Form::Nibbles { offset, five } => (offset, five),
+        Form::Codebook | Form::Bytes => (0, false),
+    };
+    let offset = _mm512_set1_epi8(offset as i8);
+    let sixteen = _mm512_set1_epi8(16);
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let q = blk.quants.as_ptr();
+        let dst = w[b * UNPACKED..(b + 1) * UNPACKED].as_mut_ptr();
+        // SAFETY: the block's 256 (nibbles, codebook) or 512 (bytes) bytes of quants,
+        // its 64 bytes of fifth bits, and 512 bytes of `dst`.
+        unsafe {
+            if p.form == Form::Bytes {
+                // Held as q + 128.
+                let flip = _mm512_set1_epi8(-128);
+                for t in 0..8 {
+                    let x = _mm512_loadu_si512(q.add(t * 64).cast());
+                    _mm512_storeu_si512(dst.add(t * 64).cast(), _mm512_xor_si512(x, flip));
+                }
+                continue;
+            }
+            for t in 0..4 {
+                let x = _mm512_loadu_si512(q.add(t * 64).cast());
+                let mut wl = _mm512_and_si512(x, low);
+                let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
+                if p.form == Form::Codebook {
+                    wl = _mm512_shuffle_epi8(table, wl);
+                    wh = _mm512_shuffle_epi8(table, wh);
+                } else {
+                    if five {
+                        let mask = |half: usize| {
+                            blk.high
+                                .as_ptr()
+                                .add((t * 2 + half) * 8)
+                                .cast::<u64>()
+                                .read_unaligned()
+                        };
+                        wl = _mm512_mask_add_epi8(wl, mask(0), wl, sixteen);
+                        wh = _mm512_mask_add_epi8(wh, mask(1), wh, sixteen);
+                    }
+                    wl = _mm512_sub_epi8(wl, offset);
+                    wh = _mm512_sub_epi8(wh, offset);
+                }
+                _mm512_storeu_si512(dst.add(t * 64).cast(), wl);
+                _mm512_storeu_si512(dst.add((4 + t) * 64).cast(), wh);
+            }
+        }
+    }
+}
+
+/// Block `b`'s sixteen-by-sixteen sums into `c`: `a` at the block's activations (rows
+/// `k` bytes apart), `w` at its unpacked weights. `P` picks the tiles (0: 0–2, 1: 3–5),
+/// so that the product of one block runs while the float steps of the one before do.
+///
+/// # Safety
+/// Tiles configured as [`tile`] does; 16 rows of 32 bytes at `a` (stride `k`), 512
+/// bytes at `w` and 1024 at `c`.
+#[inline(always)]
+unsafe fn block_sums<const P: usize>(a: *const i8, k: usize, w: *const i8, c: *mut i32) {
+    // SAFETY: as the function requires.
+    unsafe {
+        if P == 0 {
+            asm!(
+                "tilezero tmm0",
+                "tileloadd tmm1, [{a} + {k} * 1]",
+                "tileloadd tmm2, [{w} + {s} * 1]",
+                "tdpbssd tmm0, tmm1, tmm2",
+                "tilestored [{c} + {s} * 1], tmm0",
+                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
+                options(nostack),
+            );
+        } else {
+            asm!(
+                "tilezero tmm3",
+                "tileloadd tmm4, [{a} + {k} * 1]",
+                "tileloadd tmm5, [{w} + {s} * 1]",
+                "tdpbssd tmm3, tmm4, tmm5",
+                "tilestored [{c} + {s} * 1], tmm3",
+                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
+                options(nostack),
+            );
+        }
+    }
+}
+
+/// Sixteen activation rows times group `g` unpacked in `w`: `out[r·16 + lane]`. `a`
+/// holds the rows' quants one after another (`p.nb·32` bytes each).
+///
+/// # Safety
+/// AMX must be [`available`](super::super::amx::available) and the CPU must support
+/// AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `w` must hold the group unpacked
+/// ([`unpack`]), `a` `16·p.nb·32` bytes, `rows` 16 rows of `p.nb` blocks and `out`
+/// 256 values. `ahead` (the next group's quants, or nothing) is fetched into the L2
+/// cache a block's share at a time, so that its unpacking does not wait on memory.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn tile(
+    p: &Packed32,
+    g: usize,
+    (w, a): (&[i8], &[i8]),
+    rows: &[ActRow],
+    out: &mut [f32],
+    ahead: &[u8],
+) {
+    #[repr(C, align(64))]
+    struct Sums([[i32; TILE_ROWS * LANES]; 2]);
+    // Tiles 0 and 3: the sums (16 rows of 16 i32); 1 and 4: the activations (16 rows
+    // of a block's 32 bytes); 2 and 5: the weights (8 rows of four values of 16 lanes).
+    let config = TileConfig::new(&[(16, 64), (16, 32), (8, 64), (16, 64), (16, 32), (8, 64)]);
+    let (nb, k) = (p.nb, p.nb * QK);
+    let has_min = p.has_min();
+    let da: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].d.as_ptr());
+    let sa: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].s.as_ptr());
+    let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
+    let c = sums.0.as_mut_ptr().cast::<i32>();
+    let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+    let per_block = ahead.len().div_ceil(64 * nb);
+    // SAFETY: a valid configuration (AMX is available); block 0's operands.
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
+        block_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
+    }
+    for b in 0..nb {
+        let (even, next) = (b % 2 == 0, b + 1);
+        if next < nb {
+            // SAFETY: block b + 1's operands, into the other sums buffer.
+            unsafe {
+                let (a, w) = (a.as_ptr().add(next * QK), w.as_ptr().add(next * UNPACKED));
+                if even {
+                    block_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
+                } else {
+                    block_sums::<0>(a, k, w, c);
+                }
+            }
+        }
+        for line in ahead.chunks(64).skip(b * per_block).take(per_block) {
+            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+        }
+        let blk = p.block(g, b);
+        // SAFETY: the block's scales (and minimums).
+        let (d, m) = unsafe { block_scales(&blk, blk.sub, has_min) };
+        let sums = &sums.0[b % 2];
+        for r in 0..TILE_ROWS {
+            // SAFETY: 16 sums of row r; block b of the row's scales (and sums).
+            unsafe {
+                let total = _mm512_load_si512(sums.as_ptr().add(r * LANES).cast());
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(*da[r].add(b)));
+                acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[r]);
+                if has_min {
+                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sa[r].add(b)), acc[r]);
+                }
+            }
+        }
+    }
+    // SAFETY: the tiles are this thread's; releasing them ends their use.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 256 values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}
