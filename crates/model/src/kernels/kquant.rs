@@ -476,10 +476,10 @@ impl KPacked {
         self.group_scalar(g, rows, out);
     }
 
-    /// Whether [`Self::amx_tile`] takes this type (Q4_K, Q5_K).
+    /// Whether [`Self::amx_tile`] takes this type (Q4_K, Q5_K, Q6_K).
     #[cfg(target_arch = "x86_64")]
     pub(super) fn has_amx(&self) -> bool {
-        matches!(self.ty, KType::Q4K | KType::Q5K)
+        matches!(self.ty, KType::Q4K | KType::Q5K | KType::Q6K)
     }
 
     /// Group `g`'s super-blocks unpacked for [`Self::amx_tile`] (`nb·4096` bytes), into
@@ -492,15 +492,16 @@ impl KPacked {
             unsafe_code,
             reason = "AVX-512 over buffers whose lengths are set first"
         )]
-        // SAFETY: AMX is only available with the AVX-512 kernels; Q4_K or Q5_K; `w`
-        // was sized.
+        // SAFETY: AMX is only available with the AVX-512 kernels; Q4_K, Q5_K or Q6_K;
+        // `w` was sized.
         unsafe {
             amx::unpack(self, g, w);
         }
     }
 
-    /// [`Self::group`] for sixteen rows with AMX: `w` is group `g` from
-    /// [`Self::amx_unpack`], `a` the rows' quants one after another (`nb·256` each).
+    /// [`Self::group`] for sixteen rows with AMX (Q4_K, Q5_K, Q6_K): `w` is group `g`
+    /// from [`Self::amx_unpack`], `a` the rows' quants one after another (`nb·256`
+    /// each).
     /// With `ahead`, the next group's quants are fetched meanwhile (give it for one
     /// tile per group).
     #[cfg(target_arch = "x86_64")]
@@ -534,9 +535,14 @@ impl KPacked {
             unsafe_code,
             reason = "AMX and AVX-512 over buffers whose lengths are asserted first"
         )]
-        // SAFETY: AMX is available (and with it AVX-512); Q4_K or Q5_K; buffers checked.
+        // SAFETY: AMX is available (and with it AVX-512); Q4_K, Q5_K or Q6_K; buffers
+        // checked.
         unsafe {
-            amx::tile(self, g, (w, a), rows, out, ahead);
+            if self.ty == KType::Q6K {
+                amx::tile6(self, g, (w, a), rows, out, ahead);
+            } else {
+                amx::tile(self, g, (w, a), rows, out, ahead);
+            }
         }
     }
 
@@ -769,7 +775,7 @@ mod tests {
             return;
         }
         let tile = super::super::amx::TILE_ROWS;
-        for ty in [KType::Q4K, KType::Q5K] {
+        for ty in [KType::Q4K, KType::Q5K, KType::Q6K] {
             for nb in [1, 3] {
                 let out = 20;
                 let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);

@@ -24,7 +24,7 @@
 //! scalar, AVX2 and AVX-512 kernels, so all give the same bits.
 //!
 //! Prefill on CPUs with AMX (`amx.rs`, where the process may use the tiles): the blocks
-//! of 32, Q4_K and Q5_K take sixteen activation rows at a time through AMX tiles
+//! of 32, Q4_K, Q5_K and Q6_K take sixteen activation rows at a time through AMX tiles
 //! (`packed32/amx.rs`, `kquant/amx.rs`), each group's weights unpacked once per product
 //! into signed bytes. The tile sums are the same exact integers, and the float steps the
 //! same, so the outputs keep their bits.
@@ -826,7 +826,7 @@ impl FastLinear {
 
 /// The activation rows' quants one after another (the first whole tiles' rows), when
 /// AMX runs the product: with AMX available, a weight it takes (blocks of 32, Q4_K,
-/// Q5_K) and at least one tile of rows.
+/// Q5_K, Q6_K) and at least one tile of rows.
 #[cfg(target_arch = "x86_64")]
 fn amx_operands(p: &Packing, rows: &[ActRow]) -> Option<Vec<i8>> {
     let k = match p {

@@ -1,7 +1,8 @@
-//! The Q4_K and Q5_K prefill with AMX: sixteen activation rows at a time, each
-//! sub-block's sixteen-by-sixteen integer sums from one `tdpbssd`, times the lanes'
-//! scales into each super-block's exact integers, then the float step of the parent
-//! module's definition ([`super::q4k_step`], lane by lane) with AVX-512.
+//! The Q4_K, Q5_K and Q6_K prefill with AMX: sixteen activation rows at a time, each
+//! sub-block's (Q6_K: group of 16's) sixteen-by-sixteen integer sums from one
+//! `tdpbssd`, times the lanes' scales into each super-block's exact integers, then the
+//! float step of the parent module's definition ([`super::q4k_step`],
+//! [`super::q6k_step`], lane by lane) with AVX-512.
 //!
 //! A group's super-blocks are first unpacked once into bytes `q` (0–15, or 0–31 with
 //! Q5_K's fifth bit), sub-block by sub-block in the B tile's layout (value `4t + k` of
@@ -18,13 +19,19 @@ pub(super) const UNPACKED: usize = QK_K * LANES;
 /// Bytes of one sub-block of 32 values unpacked.
 const SUB: usize = 32 * LANES;
 
-/// Group `g`'s super-blocks as bytes into `w` (`nb·4096` bytes).
+/// Group `g`'s super-blocks as bytes into `w` (`nb·4096` bytes): Q4_K's and Q5_K's
+/// by sub-blocks of 32 values, Q6_K's by groups of 16 ([`unpack6`]).
 ///
 /// # Safety
-/// The CPU must support AVX-512 F and BW; `p` must be Q4_K or Q5_K and `w` hold
+/// The CPU must support AVX-512 F and BW; `p` must be Q4_K, Q5_K or Q6_K and `w` hold
 /// `p.nb·4096` bytes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 pub(super) unsafe fn unpack(p: &KPacked, g: usize, w: &mut [i8]) {
+    if p.ty == KType::Q6K {
+        // SAFETY: as this function requires.
+        unsafe { unpack6(p, g, w) };
+        return;
+    }
     let low = _mm512_set1_epi8(0x0F);
     let sixteen = _mm512_set1_epi8(16);
     let five = p.ty == KType::Q5K;
@@ -60,13 +67,55 @@ pub(super) unsafe fn unpack(p: &KPacked, g: usize, w: &mut [i8]) {
     }
 }
 
+/// Q6_K's super-blocks as signed bytes `q − 32` into `w`, group of 16 values `gi` at
+/// `256·gi` (four B-tile rows of 64 bytes).
+///
+/// # Safety
+/// As [`unpack`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn unpack6(p: &KPacked, g: usize, w: &mut [i8]) {
+    let low = _mm512_set1_epi8(0x0F);
+    let bits45 = _mm512_set1_epi8(0x30);
+    let offset = _mm512_set1_epi8(32);
+    for b in 0..p.nb {
+        let blk = p.block(g, b);
+        let (q, hp) = (blk.quants.as_ptr(), blk.high.as_ptr());
+        let dst = w[b * UNPACKED..(b + 1) * UNPACKED].as_mut_ptr();
+        for step in 0..32 {
+            let (g8, t) = (step / 4, step % 4);
+            // SAFETY: the step's 64 of the block's 2048 nibble bytes and its pair's 64
+            // of its 1024 top-bit bytes; row t of groups g8 and g8 + 8 in `dst`.
+            unsafe {
+                let x = _mm512_loadu_si512(q.add(step * 64).cast());
+                let top = _mm512_loadu_si512(hp.add((step / 2) * 64).cast());
+                // As the AVX-512 kernel: the step's top bits at bits 4-5, or-ed on.
+                let (tl, th) = if step % 2 == 0 {
+                    (_mm512_slli_epi16::<4>(top), _mm512_slli_epi16::<2>(top))
+                } else {
+                    (top, _mm512_srli_epi16::<2>(top))
+                };
+                let wl = _mm512_ternarylogic_epi32::<0xF8>(_mm512_and_si512(x, low), tl, bits45);
+                let wh = _mm512_ternarylogic_epi32::<0xF8>(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(x), low),
+                    th,
+                    bits45,
+                );
+                let at = |gi: usize| dst.add(gi * 256 + t * 64).cast();
+                _mm512_storeu_si512(at(g8), _mm512_sub_epi8(wl, offset));
+                _mm512_storeu_si512(at(g8 + 8), _mm512_sub_epi8(wh, offset));
+            }
+        }
+    }
+}
+
 /// Sub-block sums into `c`: `a` at the sub-block's activations (rows `k` bytes apart),
 /// `w` at its unpacked weights. `P` picks the tiles (0: 0–2, 1: 3–5), so that one
 /// sub-block's product runs while the integer steps of the one before do.
 ///
 /// # Safety
-/// Tiles configured as [`tile`] does; 16 rows of 32 bytes at `a` (stride `k`), 512
-/// bytes at `w` and 1024 at `c`.
+/// Tiles configured as [`tile`] (sub-blocks of 32) or [`tile6`] (of 16) does; 16 rows
+/// of a sub-block's bytes at `a` (stride `k`), its unpacked bytes at `w` and 1024
+/// bytes at `c`.
 #[inline(always)]
 unsafe fn sub_sums<const P: usize>(a: *const i8, k: usize, w: *const i8, c: *mut i32) {
     // SAFETY: as the function requires.
@@ -187,6 +236,85 @@ pub(super) unsafe fn tile(
             let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
             let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum));
             acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
+        }
+    }
+    // SAFETY: the tiles are this thread's; releasing them ends their use.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    for (r, &v) in acc.iter().enumerate() {
+        // SAFETY: `out` holds 256 values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}
+
+/// [`tile`] for Q6_K: groups of 16 values, each one `tdpbssd` of 16-byte activation
+/// rows with four B-tile rows, times the lanes' signed scales; then
+/// [`super::q6k_step`], lane by lane.
+///
+/// # Safety
+/// As [`tile`], with `p` Q6_K.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn tile6(
+    p: &KPacked,
+    g: usize,
+    (w, a): (&[i8], &[i8]),
+    rows: &[ActRow],
+    out: &mut [f32],
+    ahead: &[u8],
+) {
+    #[repr(C, align(64))]
+    struct Sums([[i32; TILE_ROWS * LANES]; 2]);
+    let config = TileConfig::new(&[(16, 64), (16, 16), (4, 64), (16, 64), (16, 16), (4, 64)]);
+    let (nb, k) = (p.nb, p.nb * QK_K);
+    let da: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].d.as_ptr());
+    let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
+    let c = sums.0.as_mut_ptr().cast::<i32>();
+    let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+    let per_block = ahead.len().div_ceil(64 * nb);
+    // The groups in order, `s = 16b + gi`; group 0's product first.
+    let groups = nb * 16;
+    // SAFETY: a valid configuration (AMX is available); group 0's operands.
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
+        sub_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
+    }
+    for b in 0..nb {
+        for line in ahead.chunks(64).skip(b * per_block).take(per_block) {
+            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
+        }
+        let blk = p.block(g, b);
+        let small = blk.small.as_ptr();
+        let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
+        for gi in 0..16 {
+            let (s, next) = (16 * b + gi, 16 * b + gi + 1);
+            if next < groups {
+                // SAFETY: group `next`'s operands (activations at 16·next, 256 bytes
+                // of weights each), into the other sums buffer.
+                unsafe {
+                    let (a, w) = (a.as_ptr().add(next * 16), w.as_ptr().add(next * 256));
+                    if s % 2 == 0 {
+                        sub_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
+                    } else {
+                        sub_sums::<0>(a, k, w, c);
+                    }
+                }
+            }
+            // SAFETY: scale gi, 16 bytes within the 256.
+            let sc = unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(gi * LANES).cast())) };
+            let sums = &sums.0[s % 2];
+            for (r, isum) in isum.iter_mut().enumerate() {
+                // SAFETY: 16 sums of row r.
+                let v = unsafe { _mm512_load_si512(sums.as_ptr().add(r * LANES).cast()) };
+                *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(v, sc));
+            }
+        }
+        // SAFETY: 16 f32 values.
+        let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
+        for r in 0..TILE_ROWS {
+            // q6k_step, lane by lane.
+            // SAFETY: row r's scale of super-block b.
+            let da = _mm512_set1_ps(unsafe { *da[r].add(b) });
+            let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+            acc[r] = _mm512_add_ps(acc[r], i);
         }
     }
     // SAFETY: the tiles are this thread's; releasing them ends their use.
