@@ -95,3 +95,41 @@ impl TileConfig {
         c
     }
 }
+
+/// One product's sums into `c`: tile `T + 1` loaded from `a` (16 rows, `k` bytes apart),
+/// tile `T + 2` from `w` (rows 64 bytes apart), tile `T` zeroed, `tdpbssd`, then tile `T`
+/// stored at `c` (rows 64 bytes apart). `P` picks the tiles: 0 for 0–2, 1 for 3–5, so that
+/// one product runs while the vector steps of the one before do.
+///
+/// # Safety
+/// AMX must be [`available`] and the tiles configured (`ldtilecfg`) with tiles 0–2 and
+/// 3–5 as the caller's products need them; `a`, `w` and `c` must hold what those shapes
+/// read and write.
+#[inline(always)]
+#[expect(unsafe_code, reason = "AMX instructions as inline assembly")]
+pub(super) unsafe fn tile_sums<const P: usize>(a: *const i8, k: usize, w: *const i8, c: *mut i32) {
+    // SAFETY: as the function requires.
+    unsafe {
+        if P == 0 {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tileloadd tmm1, [{a} + {k} * 1]",
+                "tileloadd tmm2, [{w} + {s} * 1]",
+                "tdpbssd tmm0, tmm1, tmm2",
+                "tilestored [{c} + {s} * 1], tmm0",
+                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
+                options(nostack),
+            );
+        } else {
+            std::arch::asm!(
+                "tilezero tmm3",
+                "tileloadd tmm4, [{a} + {k} * 1]",
+                "tileloadd tmm5, [{w} + {s} * 1]",
+                "tdpbssd tmm3, tmm4, tmm5",
+                "tilestored [{c} + {s} * 1], tmm3",
+                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
+                options(nostack),
+            );
+        }
+    }
+}

@@ -11,7 +11,7 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use super::super::amx::{TILE_ROWS, TileConfig};
+use super::super::amx::{TILE_ROWS, TileConfig, tile_sums};
 use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair};
 
 /// Bytes of one group's super-block unpacked: 256 values of 16 rows.
@@ -108,42 +108,6 @@ unsafe fn unpack6(p: &KPacked, g: usize, w: &mut [i8]) {
     }
 }
 
-/// Sub-block sums into `c`: `a` at the sub-block's activations (rows `k` bytes apart),
-/// `w` at its unpacked weights. `P` picks the tiles (0: 0–2, 1: 3–5), so that one
-/// sub-block's product runs while the integer steps of the one before do.
-///
-/// # Safety
-/// Tiles configured as [`tile`] (sub-blocks of 32) or [`tile6`] (of 16) does; 16 rows
-/// of a sub-block's bytes at `a` (stride `k`), its unpacked bytes at `w` and 1024
-/// bytes at `c`.
-#[inline(always)]
-unsafe fn sub_sums<const P: usize>(a: *const i8, k: usize, w: *const i8, c: *mut i32) {
-    // SAFETY: as the function requires.
-    unsafe {
-        if P == 0 {
-            asm!(
-                "tilezero tmm0",
-                "tileloadd tmm1, [{a} + {k} * 1]",
-                "tileloadd tmm2, [{w} + {s} * 1]",
-                "tdpbssd tmm0, tmm1, tmm2",
-                "tilestored [{c} + {s} * 1], tmm0",
-                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
-                options(nostack),
-            );
-        } else {
-            asm!(
-                "tilezero tmm3",
-                "tileloadd tmm4, [{a} + {k} * 1]",
-                "tileloadd tmm5, [{w} + {s} * 1]",
-                "tdpbssd tmm3, tmm4, tmm5",
-                "tilestored [{c} + {s} * 1], tmm3",
-                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
-                options(nostack),
-            );
-        }
-    }
-}
-
 /// Sixteen activation rows times Q4_K/Q5_K group `g` unpacked in `w`: `out[r·16 +
 /// lane]`. `a` holds the rows' quants one after another (`p.nb·256` bytes each).
 /// `ahead` (the next group's quants, or nothing) is fetched into the L2 cache a
@@ -177,7 +141,7 @@ pub(super) unsafe fn tile(
     // SAFETY: a valid configuration (AMX is available); sub-block 0's operands.
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
-        sub_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
+        tile_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
     }
     for b in 0..nb {
         for line in ahead.chunks(64).skip(b * per_block).take(per_block) {
@@ -194,9 +158,9 @@ pub(super) unsafe fn tile(
                 unsafe {
                     let (a, w) = (a.as_ptr().add(next * 32), w.as_ptr().add(next * SUB));
                     if s % 2 == 0 {
-                        sub_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
+                        tile_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
                     } else {
-                        sub_sums::<0>(a, k, w, c);
+                        tile_sums::<0>(a, k, w, c);
                     }
                 }
             }
@@ -275,7 +239,7 @@ pub(super) unsafe fn tile6(
     // SAFETY: a valid configuration (AMX is available); group 0's operands.
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
-        sub_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
+        tile_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
     }
     for b in 0..nb {
         for line in ahead.chunks(64).skip(b * per_block).take(per_block) {
@@ -292,9 +256,9 @@ pub(super) unsafe fn tile6(
                 unsafe {
                     let (a, w) = (a.as_ptr().add(next * 16), w.as_ptr().add(next * 256));
                     if s % 2 == 0 {
-                        sub_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
+                        tile_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
                     } else {
-                        sub_sums::<0>(a, k, w, c);
+                        tile_sums::<0>(a, k, w, c);
                     }
                 }
             }

@@ -9,7 +9,7 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use super::super::amx::{TILE_ROWS, TileConfig};
+use super::super::amx::{TILE_ROWS, TileConfig, tile_sums};
 use super::avx512::block_scales;
 use super::{ActRow, CODEBOOK, Form, LANES, Packed32, QK};
 
@@ -76,41 +76,6 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [i8]) {
     }
 }
 
-/// Block `b`'s sixteen-by-sixteen sums into `c`: `a` at the block's activations (rows
-/// `k` bytes apart), `w` at its unpacked weights. `P` picks the tiles (0: 0–2, 1: 3–5),
-/// so that the product of one block runs while the float steps of the one before do.
-///
-/// # Safety
-/// Tiles configured as [`tile`] does; 16 rows of 32 bytes at `a` (stride `k`), 512
-/// bytes at `w` and 1024 at `c`.
-#[inline(always)]
-unsafe fn block_sums<const P: usize>(a: *const i8, k: usize, w: *const i8, c: *mut i32) {
-    // SAFETY: as the function requires.
-    unsafe {
-        if P == 0 {
-            asm!(
-                "tilezero tmm0",
-                "tileloadd tmm1, [{a} + {k} * 1]",
-                "tileloadd tmm2, [{w} + {s} * 1]",
-                "tdpbssd tmm0, tmm1, tmm2",
-                "tilestored [{c} + {s} * 1], tmm0",
-                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
-                options(nostack),
-            );
-        } else {
-            asm!(
-                "tilezero tmm3",
-                "tileloadd tmm4, [{a} + {k} * 1]",
-                "tileloadd tmm5, [{w} + {s} * 1]",
-                "tdpbssd tmm3, tmm4, tmm5",
-                "tilestored [{c} + {s} * 1], tmm3",
-                a = in(reg) a, k = in(reg) k, w = in(reg) w, s = in(reg) 64usize, c = in(reg) c,
-                options(nostack),
-            );
-        }
-    }
-}
-
 /// Sixteen activation rows times group `g` unpacked in `w`: `out[r·16 + lane]`. `a`
 /// holds the rows' quants one after another (`p.nb·32` bytes each).
 ///
@@ -145,7 +110,7 @@ pub(super) unsafe fn tile(
     // SAFETY: a valid configuration (AMX is available); block 0's operands.
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
-        block_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
+        tile_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
     }
     for b in 0..nb {
         let (even, next) = (b % 2 == 0, b + 1);
@@ -154,9 +119,9 @@ pub(super) unsafe fn tile(
             unsafe {
                 let (a, w) = (a.as_ptr().add(next * QK), w.as_ptr().add(next * UNPACKED));
                 if even {
-                    block_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
+                    tile_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
                 } else {
-                    block_sums::<0>(a, k, w, c);
+                    tile_sums::<0>(a, k, w, c);
                 }
             }
         }
