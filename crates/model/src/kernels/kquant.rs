@@ -539,9 +539,9 @@ impl KPacked {
         // checked.
         unsafe {
             if self.ty == KType::Q6K {
-                amx::tile6(self, g, (w, a), rows, out, ahead);
+                amx::tile::<true>(self, g, (w, a), rows, out, ahead);
             } else {
-                amx::tile(self, g, (w, a), rows, out, ahead);
+                amx::tile::<false>(self, g, (w, a), rows, out, ahead);
             }
         }
     }
@@ -764,9 +764,7 @@ mod tests {
         }
     }
 
-    /// The scalar group kernel is the per-row definition: exact integer sums per
-    /// super-block (checked here in i64 from the file's bytes, against nothing packed),
-    /// then the shared float step.
+    /// The AMX tiles (sixteen rows) give the scalar kernel's bits.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn amx_tiles_equal_the_scalar_kernel() {
@@ -812,6 +810,9 @@ mod tests {
         }
     }
 
+    /// The scalar group kernel is the per-row definition: exact integer sums per
+    /// super-block (checked here in i64 from the file's bytes, against nothing packed),
+    /// then the shared float step.
     #[test]
     fn scalar_group_kernel_is_the_definition() {
         for ty in TYPES {

@@ -326,6 +326,39 @@ impl Packing {
             Self::B32(p) => p.dequantize_block(o, b, out),
         }
     }
+
+    /// The values per activation row of an AMX product, if AMX takes this weight (the
+    /// blocks of 32, Q4_K, Q5_K, Q6_K).
+    #[cfg(target_arch = "x86_64")]
+    fn amx_row_len(&self) -> Option<usize> {
+        match self {
+            Self::B32(p) => Some(p.nb * QK),
+            Self::K(p) => p.has_amx().then_some(p.nb * QK_K),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn amx_unpack(&self, g: usize, w: &mut Vec<i8>) {
+        match self {
+            Self::K(p) => p.amx_unpack(g, w),
+            Self::B32(p) => p.amx_unpack(g, w),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn amx_tile(
+        &self,
+        g: usize,
+        wa: (&[i8], &[i8]),
+        rows: &[ActRow],
+        out: &mut [f32],
+        ahead: bool,
+    ) {
+        match self {
+            Self::K(p) => p.amx_tile(g, wa, rows, out, ahead),
+            Self::B32(p) => p.amx_tile(g, wa, rows, out, ahead),
+        }
+    }
 }
 
 /// A weight's five arrays' bytes, each with its offset in an arena's file if it was
@@ -829,11 +862,7 @@ impl FastLinear {
 /// Q5_K, Q6_K) and at least one tile of rows.
 #[cfg(target_arch = "x86_64")]
 fn amx_operands(p: &Packing, rows: &[ActRow]) -> Option<Vec<i8>> {
-    let k = match p {
-        Packing::B32(b) => b.nb * QK,
-        Packing::K(kp) if kp.has_amx() => kp.nb * QK_K,
-        Packing::K(_) => return None,
-    };
+    let k = p.amx_row_len()?;
     if rows.len() < amx::TILE_ROWS || !amx::available() {
         return None;
     }
@@ -855,10 +884,7 @@ fn amx_groups(p: &Packing, a: &[i8], rows: &[ActRow], g0: usize, dst: &mut [f32]
     let k = a.len() / full;
     let mut w = Vec::new();
     for (g, dst) in (g0..).zip(dst.chunks_exact_mut(rows.len() * LANES)) {
-        match p {
-            Packing::B32(b) => b.amx_unpack(g, &mut w),
-            Packing::K(kp) => kp.amx_unpack(g, &mut w),
-        }
+        p.amx_unpack(g, &mut w);
         let (tiles, rest) = dst.split_at_mut(full * LANES);
         for (i, ((chunk, d), a)) in rows[..full]
             .chunks_exact(tile)
@@ -866,10 +892,7 @@ fn amx_groups(p: &Packing, a: &[i8], rows: &[ActRow], g0: usize, dst: &mut [f32]
             .zip(a.chunks_exact(tile * k))
             .enumerate()
         {
-            match p {
-                Packing::B32(b) => b.amx_tile(g, (&w, a), chunk, d, i == 0),
-                Packing::K(kp) => kp.amx_tile(g, (&w, a), chunk, d, i == 0),
-            }
+            p.amx_tile(g, (&w, a), chunk, d, i == 0);
         }
         for (chunk, d) in rows[full..]
             .chunks(ROW_TILE)

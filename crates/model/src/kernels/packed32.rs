@@ -752,8 +752,7 @@ mod tests {
         }
     }
 
-    /// Every form's packed quants start on a cache line, so a step's 64-byte load never
-    /// straddles two; scales that are f16s are held as f16.
+    /// The AMX tiles (sixteen rows) give the scalar kernel's bits.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn amx_tiles_equal_the_scalar_kernel() {
@@ -801,6 +800,8 @@ mod tests {
         }
     }
 
+    /// Every form's packed quants start on a cache line, so a step's 64-byte load never
+    /// straddles two; scales that are f16s are held as f16.
     #[test]
     fn packed_quants_start_on_a_cache_line() {
         for form in NUMERIC_FORMS.into_iter().chain([Form::Codebook]) {

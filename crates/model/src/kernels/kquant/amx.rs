@@ -108,18 +108,20 @@ unsafe fn unpack6(p: &KPacked, g: usize, w: &mut [i8]) {
     }
 }
 
-/// Sixteen activation rows times Q4_K/Q5_K group `g` unpacked in `w`: `out[r·16 +
-/// lane]`. `a` holds the rows' quants one after another (`p.nb·256` bytes each).
-/// `ahead` (the next group's quants, or nothing) is fetched into the L2 cache a
-/// super-block's share at a time.
+/// Sixteen activation rows times K-quant group `g` unpacked in `w`: `out[r·16 +
+/// lane]`. `SIX`: Q6_K, by groups of 16 values (16-byte activation rows, four B-tile
+/// rows, signed scales, then [`super::q6k_step`]); else Q4_K/Q5_K, by sub-blocks of 32
+/// (unsigned scales, the minimums, then [`super::q4k_step`]). `a` holds the rows' quants
+/// one after another (`p.nb·256` bytes each). `ahead` (the next group's quants, or
+/// nothing) is fetched into the L2 cache a super-block's share at a time.
 ///
 /// # Safety
 /// AMX must be [`available`](super::super::amx::available) and the CPU must support
-/// AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `w` must hold the group unpacked
-/// ([`unpack`]), `a` `16·p.nb·256` bytes, `rows` 16 rows of `p.nb` super-blocks (quants,
-/// scales and sums) and `out` 256 values.
+/// AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `p` must be Q6_K exactly when `SIX`; `w`
+/// must hold the group unpacked ([`unpack`]), `a` `16·p.nb·256` bytes, `rows` 16 rows of
+/// `p.nb` super-blocks (quants, scales and sums) and `out` 256 values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(super) unsafe fn tile(
+pub(super) unsafe fn tile<const SIX: bool>(
     p: &KPacked,
     g: usize,
     (w, a): (&[i8], &[i8]),
@@ -129,16 +131,22 @@ pub(super) unsafe fn tile(
 ) {
     #[repr(C, align(64))]
     struct Sums([[i32; TILE_ROWS * LANES]; 2]);
-    let config = TileConfig::new(&[(16, 64), (16, 32), (8, 64), (16, 64), (16, 32), (8, 64)]);
+    // Parts (sub-blocks or groups) per super-block, values per part.
+    let parts = if SIX { 16 } else { 8 };
+    let width = QK_K / parts;
+    // Tiles 0 and 3: the sums; 1 and 4: a part's activations (16 rows of `width`
+    // bytes); 2 and 5: its weights (`width / 4` rows of four values of 16 lanes).
+    let (aw, wr) = (width as u16, (width / 4) as u8);
+    let config = TileConfig::new(&[(16, 64), (16, aw), (wr, 64), (16, 64), (16, aw), (wr, 64)]);
     let (nb, k) = (p.nb, p.nb * QK_K);
     let da: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].d.as_ptr());
     let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
     let c = sums.0.as_mut_ptr().cast::<i32>();
     let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
     let per_block = ahead.len().div_ceil(64 * nb);
-    // The sub-blocks in order, `s = 8b + j`; sub-block 0's product first.
-    let subs = nb * 8;
-    // SAFETY: a valid configuration (AMX is available); sub-block 0's operands.
+    // The parts in order, `s = parts·b + j`; part 0's product first.
+    let total = nb * parts;
+    // SAFETY: a valid configuration (AMX is available); part 0's operands.
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
         tile_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
@@ -150,13 +158,16 @@ pub(super) unsafe fn tile(
         let blk = p.block(g, b);
         let small = blk.small.as_ptr();
         let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
-        for j in 0..8 {
-            let (s, next) = (8 * b + j, 8 * b + j + 1);
-            if next < subs {
-                // SAFETY: sub-block `next`'s operands, into the other sums buffer (the
-                // activations of sub-block j of super-block b lie at 256b + 32j).
+        for j in 0..parts {
+            let (s, next) = (parts * b + j, parts * b + j + 1);
+            if next < total {
+                // SAFETY: part `next`'s operands (activations at `width·next`, `16·width`
+                // bytes of weights each), into the other sums buffer.
                 unsafe {
-                    let (a, w) = (a.as_ptr().add(next * 32), w.as_ptr().add(next * SUB));
+                    let (a, w) = (
+                        a.as_ptr().add(next * width),
+                        w.as_ptr().add(next * width * LANES),
+                    );
                     if s % 2 == 0 {
                         tile_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
                     } else {
@@ -165,7 +176,14 @@ pub(super) unsafe fn tile(
                 }
             }
             // SAFETY: scale j, 16 bytes within the 256.
-            let sc = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(small.add(j * LANES).cast())) };
+            let sc = unsafe {
+                let bytes = _mm_loadu_si128(small.add(j * LANES).cast());
+                if SIX {
+                    _mm512_cvtepi8_epi32(bytes)
+                } else {
+                    _mm512_cvtepu8_epi32(bytes)
+                }
+            };
             let sums = &sums.0[s % 2];
             for (r, isum) in isum.iter_mut().enumerate() {
                 // SAFETY: 16 sums of row r.
@@ -173,13 +191,20 @@ pub(super) unsafe fn tile(
                 *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(v, sc));
             }
         }
-        // SAFETY: 16 f32 values each.
-        let (d, dmin) = unsafe {
-            (
-                _mm512_loadu_ps(blk.d.as_ptr()),
-                _mm512_loadu_ps(blk.dmin.as_ptr()),
-            )
-        };
+        // SAFETY: 16 f32 values.
+        let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
+        if SIX {
+            for r in 0..TILE_ROWS {
+                // q6k_step, lane by lane.
+                // SAFETY: row r's scale of super-block b.
+                let da = _mm512_set1_ps(unsafe { *da[r].add(b) });
+                let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+                acc[r] = _mm512_add_ps(acc[r], i);
+            }
+            continue;
+        }
+        // SAFETY: 16 f32 values.
+        let dmin = unsafe { _mm512_loadu_ps(blk.dmin.as_ptr()) };
         // SAFETY: the minimum pairs, 32 bytes at 128 + 32·pr within the 256.
         let mins: [__m512i; 4] = std::array::from_fn(|pr| unsafe {
             _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
@@ -200,85 +225,6 @@ pub(super) unsafe fn tile(
             let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
             let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum));
             acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
-        }
-    }
-    // SAFETY: the tiles are this thread's; releasing them ends their use.
-    unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    for (r, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 256 values.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
-    }
-}
-
-/// [`tile`] for Q6_K: groups of 16 values, each one `tdpbssd` of 16-byte activation
-/// rows with four B-tile rows, times the lanes' signed scales; then
-/// [`super::q6k_step`], lane by lane.
-///
-/// # Safety
-/// As [`tile`], with `p` Q6_K.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(super) unsafe fn tile6(
-    p: &KPacked,
-    g: usize,
-    (w, a): (&[i8], &[i8]),
-    rows: &[ActRow],
-    out: &mut [f32],
-    ahead: &[u8],
-) {
-    #[repr(C, align(64))]
-    struct Sums([[i32; TILE_ROWS * LANES]; 2]);
-    let config = TileConfig::new(&[(16, 64), (16, 16), (4, 64), (16, 64), (16, 16), (4, 64)]);
-    let (nb, k) = (p.nb, p.nb * QK_K);
-    let da: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].d.as_ptr());
-    let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
-    let c = sums.0.as_mut_ptr().cast::<i32>();
-    let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
-    let per_block = ahead.len().div_ceil(64 * nb);
-    // The groups in order, `s = 16b + gi`; group 0's product first.
-    let groups = nb * 16;
-    // SAFETY: a valid configuration (AMX is available); group 0's operands.
-    unsafe {
-        asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
-        tile_sums::<0>(a.as_ptr(), k, w.as_ptr(), c);
-    }
-    for b in 0..nb {
-        for line in ahead.chunks(64).skip(b * per_block).take(per_block) {
-            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
-        }
-        let blk = p.block(g, b);
-        let small = blk.small.as_ptr();
-        let mut isum = [_mm512_setzero_si512(); TILE_ROWS];
-        for gi in 0..16 {
-            let (s, next) = (16 * b + gi, 16 * b + gi + 1);
-            if next < groups {
-                // SAFETY: group `next`'s operands (activations at 16·next, 256 bytes
-                // of weights each), into the other sums buffer.
-                unsafe {
-                    let (a, w) = (a.as_ptr().add(next * 16), w.as_ptr().add(next * 256));
-                    if s % 2 == 0 {
-                        tile_sums::<1>(a, k, w, c.add(TILE_ROWS * LANES));
-                    } else {
-                        tile_sums::<0>(a, k, w, c);
-                    }
-                }
-            }
-            // SAFETY: scale gi, 16 bytes within the 256.
-            let sc = unsafe { _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(gi * LANES).cast())) };
-            let sums = &sums.0[s % 2];
-            for (r, isum) in isum.iter_mut().enumerate() {
-                // SAFETY: 16 sums of row r.
-                let v = unsafe { _mm512_load_si512(sums.as_ptr().add(r * LANES).cast()) };
-                *isum = _mm512_add_epi32(*isum, _mm512_mullo_epi32(v, sc));
-            }
-        }
-        // SAFETY: 16 f32 values.
-        let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
-        for r in 0..TILE_ROWS {
-            // q6k_step, lane by lane.
-            // SAFETY: row r's scale of super-block b.
-            let da = _mm512_set1_ps(unsafe { *da[r].add(b) });
-            let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
-            acc[r] = _mm512_add_ps(acc[r], i);
         }
     }
     // SAFETY: the tiles are this thread's; releasing them ends their use.
