@@ -669,6 +669,11 @@ pub struct TrainArgs {
     /// Also push the adapters to this `model serve` after every step (repeatable).
     #[arg(long = "sync-server")]
     pub sync_servers: Vec<String>,
+    /// End the run after the step during which this much wall time has passed
+    /// (e.g. `90s`, `20m`, `2h`), with the held-out evaluation and checkpoint of a last
+    /// step; the same command without it goes on to the configured steps.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub time_limit: Option<std::time::Duration>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,

@@ -409,6 +409,7 @@ mod tests {
                     prompt_ids: Some(vec![1, 2]),
                     completion_ids: Some(vec![7]),
                     logprobs: Some(vec![-0.5]),
+                    weights_versions: None,
                 },
                 prompt_tokens: 2,
                 completion_tokens: 1,

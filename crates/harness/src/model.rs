@@ -136,6 +136,11 @@ pub struct TokenTrace {
     /// The log-probability of each generated token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<f32>>,
+    /// The version of the adapter weights that sampled each generated token, when an
+    /// in-process engine ran them on a named adapter. A weight update during the
+    /// generation (an asynchronous RL rollout) shows as a step up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights_versions: Option<Vec<u64>>,
 }
 
 impl TokenTrace {
@@ -419,9 +424,10 @@ impl EngineModel {
             .engine
             .submit_with(generate, self.adapter.as_deref())
             .map_err(|e| ModelError::Engine(e.to_string()))?;
+        let mut versions = Vec::new();
         while let Some(event) = events.recv().await {
             match event {
-                Event::Token(_) => {}
+                Event::Token(token) => versions.extend(token.weights_version),
                 Event::Error(e) => return Err(ModelError::Engine(e.to_string())),
                 Event::Done(out) => {
                     let (calls, text) = if request.tools.is_empty() {
@@ -451,6 +457,9 @@ impl EngineModel {
                         prompt_tokens: prompt.len(),
                         completion_tokens: out.tokens.len(),
                         tokens: TokenTrace {
+                            weights_versions: (!versions.is_empty()
+                                && versions.len() == out.tokens.len())
+                            .then_some(versions),
                             prompt_ids: Some(prompt),
                             completion_ids: Some(out.tokens),
                             logprobs: Some(out.logprobs),
@@ -567,6 +576,7 @@ fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
             prompt_ids: ids(reply.get("prompt_token_ids")),
             completion_ids: ids(choice.get("token_ids")),
             logprobs,
+            weights_versions: None,
         },
         prompt_tokens: usage("prompt_tokens"),
         completion_tokens: usage("completion_tokens"),

@@ -138,9 +138,11 @@ struct Slot {
 }
 
 impl Slot {
+    /// The weights and their version, read together (the version changes only under
+    /// the write lock, so a pair never mixes two updates).
     fn current(&self) -> (Arc<Model>, u64) {
-        let model = self.model.read().expect("adapter slot lock").clone();
-        (model, self.version.load(Ordering::Acquire))
+        let model = self.model.read().expect("adapter slot lock");
+        (model.clone(), self.version.load(Ordering::Acquire))
     }
 }
 
@@ -224,7 +226,8 @@ impl Engine {
         let mut adapters = self.adapters.lock().expect("adapters lock");
         match adapters.get(name) {
             Some(slot) => {
-                *slot.model.write().expect("adapter slot lock") = Arc::new(model);
+                let mut weights = slot.model.write().expect("adapter slot lock");
+                *weights = Arc::new(model);
                 slot.version.fetch_add(1, Ordering::AcqRel) + 1
             }
             None => {
@@ -592,10 +595,11 @@ fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Re
             None => groups.push((slot.clone(), vec![(i, take)])),
         }
     }
-    let mut results: Vec<((usize, usize), Tensor)> = Vec::with_capacity(chosen.len());
+    let mut results: Vec<((usize, usize), Tensor, Option<u64>)> = Vec::with_capacity(chosen.len());
     for (slot, members) in groups {
-        let adapted = slot.as_ref().map(|s| s.current().0);
-        let model = adapted.as_deref().unwrap_or(lm.model());
+        let current = slot.as_ref().map(|s| s.current());
+        let version = current.as_ref().map(|(_, v)| *v);
+        let model = current.as_ref().map_or(lm.model(), |(m, _)| m.as_ref());
         let mut inputs = Vec::with_capacity(members.len());
         let mut taken = Vec::with_capacity(members.len());
         let mut next = members.iter().peekable();
@@ -611,16 +615,22 @@ fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Re
         }
         let logits = model.forward(&mut inputs)?;
         drop(inputs);
-        results.extend(taken.into_iter().zip(logits));
+        results.extend(
+            taken
+                .into_iter()
+                .zip(logits)
+                .map(|(taken, row)| (taken, row, version)),
+        );
     }
-    for ((i, n), row) in results {
+    for ((i, n), row, version) in results {
         let r = &mut running[i];
         if !r.seq.consumed(n) {
             continue;
         }
         let row: Vec<f32> = row.squeeze(0)?.to_vec1()?;
         match r.seq.sample(lm, &row) {
-            Ok(event) => {
+            Ok(mut event) => {
+                event.weights_version = version;
                 let done = event.finish.is_some();
                 if r.events.send(Event::Token(event)).is_err() {
                     r.seq.cancel();

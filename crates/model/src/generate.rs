@@ -97,6 +97,10 @@ pub struct TokenEvent {
     pub text: String,
     /// Set on the last token.
     pub finish: Option<FinishReason>,
+    /// The version of the engine's adapter slot whose weights sampled this token
+    /// (`None` on the base weights or outside the engine). A slot replaced while a
+    /// sequence runs (a weight update during an RL rollout) changes it mid-sequence.
+    pub weights_version: Option<u64>,
 }
 
 /// The result of a whole generation.
@@ -293,6 +297,7 @@ impl Sequence {
             top: Vec::new(),
             text: String::new(),
             finish: Some(FinishReason::Cancelled),
+            weights_version: None,
         }
     }
 
@@ -368,6 +373,7 @@ impl Sequence {
             top: sampled.top,
             text: self.release(),
             finish,
+            weights_version: None,
         })
     }
 

@@ -133,9 +133,28 @@ pub struct RolloutSection {
     pub concurrency: usize,
     /// Quantized or f32 rollout weights.
     pub weights: RolloutWeights,
-    /// 0: synchronous (rollout, then learn). 1: the rollouts of step k+1 run while
-    /// step k learns, on the weights from before step k.
+    /// `sync` (the default): each step plays its own batch, then learns (one step
+    /// ahead with `max_staleness = 1`). `async`: rollouts are played continuously into
+    /// a bounded buffer and each step learns from the first groups to finish, at most
+    /// `max_staleness` weight updates old.
+    pub mode: RolloutMode,
+    /// Sync mode: 0 (rollout, then learn) or 1 (the rollouts of step k+1 run while
+    /// step k learns, on the weights from before step k). Async mode: k ≥ 1, how many
+    /// updates behind the learner a group may start and a token may be sampled (older
+    /// tokens are masked out of the loss).
     pub max_staleness: usize,
+}
+
+/// How rollouts and learning take turns (`rollout.mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutMode {
+    /// A step's batch, then its learning (optionally one step ahead).
+    #[default]
+    Sync,
+    /// Continuous rollouts into a bounded buffer; partial rollouts continue on new
+    /// weights; importance correction and staleness masking in the loss.
+    Async,
 }
 
 impl Default for RolloutSection {
@@ -150,6 +169,7 @@ impl Default for RolloutSection {
             split: Some("train".into()),
             concurrency: 16,
             weights: RolloutWeights::Quantized,
+            mode: RolloutMode::Sync,
             max_staleness: 0,
         }
     }
@@ -201,6 +221,11 @@ pub struct LossSection {
     pub kl_in: String,
     /// Truncated importance sampling cap (none: no TIS).
     pub tis_cap: Option<f64>,
+    /// Masked importance sampling: tokens whose ratio `π_old / μ` to the rollout
+    /// policy falls outside `[low, high]` get no gradient (e.g. `[0.5, 2.0]`; none:
+    /// no masking). Catches tokens an asynchronous rollout sampled from weights too
+    /// far from the learner's.
+    pub is_mask: Option<(f64, f64)>,
     /// Drop groups whose rewards are all equal (DAPO's dynamic sampling).
     pub dynamic_sampling: bool,
     /// `none`, `filter` (mask truncated samples) or `penalty` (DAPO's soft penalty).
@@ -221,6 +246,7 @@ impl Default for LossSection {
             kl_coef: 0.0,
             kl_in: "loss".into(),
             tis_cap: Some(2.0),
+            is_mask: None,
             dynamic_sampling: false,
             overlong: "none".into(),
             overlong_cache: 8,
@@ -448,11 +474,19 @@ impl TrainConfig {
                 return Err(ConfigError(format!("{key} must be at least 1")));
             }
         }
-        if self.rollout.max_staleness > 1 {
-            return Err(ConfigError(format!(
-                "rollout.max_staleness = {} is not supported; use 0 (synchronous) or 1 (rollouts one step ahead)",
-                self.rollout.max_staleness
-            )));
+        match self.rollout.mode {
+            RolloutMode::Sync if self.rollout.max_staleness > 1 => {
+                return Err(ConfigError(format!(
+                    "rollout.max_staleness = {} needs rollout.mode = \"async\"; in sync mode use 0 (synchronous) or 1 (rollouts one step ahead)",
+                    self.rollout.max_staleness
+                )));
+            }
+            RolloutMode::Async if self.rollout.max_staleness == 0 => {
+                return Err(ConfigError(
+                    "rollout.mode = \"async\" needs rollout.max_staleness of at least 1 (2 is usual)".into(),
+                ));
+            }
+            _ => {}
         }
         if self.rollout.temperature.is_nan() || self.rollout.temperature <= 0.0 {
             return Err(ConfigError(
@@ -556,6 +590,14 @@ impl TrainConfig {
                 .filter(|_| l.kl_in == "loss" && l.kl_coef > 0.0)
                 .map(|k| (k, l.kl_coef)),
             tis_cap: l.tis_cap,
+            is_mask: match l.is_mask {
+                Some((low, high)) if !((0.0..1.0).contains(&low) && high > 1.0) => {
+                    return Err(ConfigError(format!(
+                        "loss.is_mask = [{low}, {high}] must hold 1 inside, as [low, high] with 0 <= low < 1 < high (e.g. [0.5, 2.0])"
+                    )));
+                }
+                other => other,
+            },
         })
     }
 

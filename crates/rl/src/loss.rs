@@ -76,6 +76,10 @@ pub struct LossConfig {
     /// Truncated importance sampling: each token is weighted by
     /// `min(π_old / μ, cap)` when rollout log-probabilities are given.
     pub tis_cap: Option<f64>,
+    /// Masked importance sampling: tokens whose `π_old / μ` falls outside
+    /// `[low, high]` are weighted 0 (they still count in the token-mean's
+    /// denominator, as a rejected token does), when rollout log-probabilities are given.
+    pub is_mask: Option<(f64, f64)>,
 }
 
 impl Default for LossConfig {
@@ -87,6 +91,7 @@ impl Default for LossConfig {
             aggregation: Aggregation::TokenMean,
             kl: None,
             tis_cap: None,
+            is_mask: None,
         }
     }
 }
@@ -120,6 +125,8 @@ pub struct LossMetrics {
     pub kl: f64,
     /// Mean `|log π_old − log μ|` over trained tokens: the train/rollout mismatch.
     pub rollout_mismatch: f64,
+    /// Fraction of trained tokens that masked importance sampling weighted 0.
+    pub is_masked: f64,
     /// Trained tokens.
     pub tokens: usize,
 }
@@ -156,6 +163,7 @@ pub fn policy_loss(samples: &[SampleTerms], config: &LossConfig) -> Result<(Tens
     let mut token_sums: Vec<(Tensor, f64)> = Vec::with_capacity(samples.len());
     let mut sequence_terms: Vec<Tensor> = Vec::new();
     let (mut clipped, mut kl_sum, mut mismatch_sum, mut total_tokens) = (0.0, 0.0, 0.0, 0.0);
+    let mut masked_sum = 0.0;
     let scalar =
         |t: &Tensor| -> Result<f64> { t.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>() };
     for s in samples {
@@ -173,15 +181,26 @@ pub fn policy_loss(samples: &[SampleTerms], config: &LossConfig) -> Result<(Tens
         };
         let log_ratio = (&s.logp - &old)?;
         let advantages = vector(&s.advantages, &s.logp)?;
-        // TIS weights min(π_old / μ, cap): constants.
+        // TIS weights min(π_old / μ, cap), times 0 outside the MIS interval: constants.
         let tis = match &s.rollout_logp {
             Some(mu) => {
                 let diff = (&old - vector(mu, &s.logp)?)?;
                 mismatch_sum += scalar(&(diff.abs()? * &mask)?)?;
-                match config.tis_cap {
-                    Some(cap) => Some(diff.exp()?.clamp(0.0, cap)?.detach()),
+                let ratio = diff.exp()?.detach();
+                let mut weight = match config.tis_cap {
+                    Some(cap) => Some(ratio.clamp(0.0, cap)?),
                     None => None,
+                };
+                if let Some((low, high)) = config.is_mask {
+                    let keep = (ratio.ge(low)?.to_dtype(ratio.dtype())?
+                        * ratio.le(high)?.to_dtype(ratio.dtype())?)?;
+                    masked_sum += n_tokens - scalar(&(&keep * &mask)?)?;
+                    weight = Some(match weight {
+                        Some(w) => (w * keep)?,
+                        None => keep,
+                    });
                 }
+                weight
             }
             None => None,
         };
@@ -258,6 +277,7 @@ pub fn policy_loss(samples: &[SampleTerms], config: &LossConfig) -> Result<(Tens
         },
         kl: kl_sum / denominator,
         rollout_mismatch: mismatch_sum / denominator,
+        is_masked: masked_sum / denominator,
         tokens: total_tokens as usize,
     };
     Ok((loss, metrics))
@@ -437,9 +457,13 @@ mod tests {
         for (lp, t) in values.iter().zip(terms) {
             let f = |v: &Option<Vec<f32>>, j: usize| f64::from(v.as_ref().unwrap()[j]);
             let count: f64 = t.mask.iter().map(|&m| f64::from(m)).sum();
-            let tis = |j: usize| match config.tis_cap {
-                Some(cap) => (f(&t.old_logp, j) - f(&t.rollout_logp, j)).exp().min(cap),
-                None => 1.0,
+            let tis = |j: usize| {
+                let w = (f(&t.old_logp, j) - f(&t.rollout_logp, j)).exp();
+                let kept = match config.is_mask {
+                    Some((low, high)) if w < low || w > high => 0.0,
+                    _ => 1.0,
+                };
+                kept * config.tis_cap.map_or(1.0, |cap| w.min(cap))
             };
             let mut sum = 0.0;
             for (j, &lp_j) in lp.iter().enumerate() {
@@ -542,7 +566,14 @@ mod tests {
                     Some((KlEstimator::K2, 0.1)),
                     Some((KlEstimator::K3, 0.1)),
                 ] {
-                    for tis_cap in [None, Some(2.0)] {
+                    for (tis_cap, is_mask) in [
+                        (None, None),
+                        (Some(2.0), None),
+                        // The test's ratios π_old / μ span about 0.90–1.30: some
+                        // tokens fall outside.
+                        (None, Some((0.95, 1.2))),
+                        (Some(1.1), Some((0.95, 1.2))),
+                    ] {
                         check_gradients(&LossConfig {
                             ratio,
                             eps_low: 0.2,
@@ -550,11 +581,31 @@ mod tests {
                             aggregation,
                             kl,
                             tis_cap,
+                            is_mask,
                         });
                     }
                 }
             }
         }
+    }
+
+    /// Masked importance sampling reports the share of trained tokens it zeroed: some
+    /// of the test batch's, not all, and none without the interval.
+    #[test]
+    fn masked_importance_sampling_counts_the_tokens_it_masks() {
+        let values = vec![vec![-1.2, -0.4, -2.3, -0.9, -1.7], vec![-0.3, -2.2, -1.1]];
+        let (_, terms) = samples(&values, false);
+        let masked = |is_mask| {
+            let config = LossConfig {
+                is_mask,
+                ..LossConfig::default()
+            };
+            policy_loss(&terms, &config).unwrap().1.is_masked
+        };
+        let share = masked(Some((0.95, 1.2)));
+        assert!(share > 0.0 && share < 1.0, "{share}");
+        assert_eq!(masked(None), 0.0);
+        assert_eq!(masked(Some((0.0, 100.0))), 0.0);
     }
 
     #[test]

@@ -613,6 +613,7 @@ fn chat_stream(
                     top,
                     text,
                     finish,
+                    ..
                 }) => {
                     completion_tokens += 1;
                     let lp = if logprobs {

@@ -579,6 +579,92 @@ async fn named_adapters_load_replace_and_serve() {
     ));
 }
 
+/// A partial rollout (issue 23): an adapter replaced while a sequence generates on it
+/// takes over from the next token, and every token names the version that sampled it.
+/// The tokens before the swap are those of a run never swapped, the versions never go
+/// back, and the base weights' tokens name none. (The engine runs on its own thread, so
+/// a try whose sequence finished before the swap landed is made again.)
+#[tokio::test]
+async fn a_sequence_continues_on_replaced_weights_and_its_tokens_name_them() {
+    use agentstack_model::engine::Event;
+    let f = fixture();
+    let lm = Arc::new(LanguageModel::load(&f.gguf, WeightForm::Quantized).unwrap());
+    let adapter = random_adapter(lm.model());
+    let mut other = adapter.clone();
+    for w in &mut other.weights {
+        w.b = (&w.b * 3.0).unwrap();
+    }
+    let (first, second) = (
+        adapter.apply(lm.model()).unwrap(),
+        other.apply(lm.model()).unwrap(),
+    );
+    let request = GenerateRequest {
+        sampling: SamplingParams {
+            temperature: 1.0,
+            seed: Some(11),
+            ..SamplingParams::default()
+        },
+        ignore_eos: true,
+        ..GenerateRequest::greedy(vec![1, 2, 3, 4], CONTEXT - 8)
+    };
+    let mut swapped_mid_sequence = false;
+    for _ in 0..5 {
+        let engine = Engine::start(lm.clone(), EngineConfig::default());
+        assert_eq!(engine.set_adapter("policy", first.clone()), 1);
+        let unswapped = engine
+            .generate_with(request.clone(), Some("policy"))
+            .await
+            .unwrap();
+        let mut events = engine.submit_with(request.clone(), Some("policy")).unwrap();
+        let (mut tokens, mut versions) = (Vec::new(), Vec::new());
+        let mut swapped_after = None;
+        while let Some(event) = events.recv().await {
+            match event {
+                Event::Token(t) => {
+                    tokens.push(t.token.id);
+                    versions.push(
+                        t.weights_version
+                            .expect("an adapter's token names its version"),
+                    );
+                    if swapped_after.is_none() {
+                        assert_eq!(engine.set_adapter("policy", second.clone()), 2);
+                        swapped_after = Some(tokens.len());
+                    }
+                }
+                Event::Done(_) => break,
+                Event::Error(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(tokens.len(), CONTEXT - 8);
+        assert!(versions.windows(2).all(|w| w[0] <= w[1]), "{versions:?}");
+        assert_eq!(versions[0], 1);
+        let old = versions.iter().filter(|&&v| v == 1).count();
+        assert_eq!(
+            tokens[..old],
+            unswapped.tokens[..old],
+            "before the swap, the same run"
+        );
+        if old < tokens.len() {
+            swapped_mid_sequence = true;
+            break;
+        }
+    }
+    assert!(
+        swapped_mid_sequence,
+        "the swap never landed mid-sequence in 5 tries"
+    );
+
+    let engine = Engine::start(lm.clone(), EngineConfig::default());
+    let mut events = engine.submit_with(request, None).unwrap();
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Token(t) => assert_eq!(t.weights_version, None),
+            Event::Done(_) => break,
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+}
+
 /// What the server answers to `request`: the status, the headers and the JSON body.
 async fn send(
     state: &AppState,

@@ -33,6 +33,7 @@ pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> V
                 prompt: prompt.to_vec(),
                 completion: completion.to_vec(),
                 logprobs: logprobs.to_vec(),
+                versions: turn.tokens.weights_versions.clone().unwrap_or_default(),
                 reward: episode.reward,
                 truncated: turn.finish_reason == "length",
             });

@@ -25,6 +25,8 @@ pub(super) struct Start {
     pub(super) optim: Optim,
     /// The adapters that sampled the next step's batch (runs one step ahead).
     pub(super) next_sampler: Option<Lora>,
+    /// Where an asynchronous run's rollouts go on in its task sequence.
+    pub(super) next_position: Option<u64>,
 }
 
 /// Where a run in `dir` starts: from the fresh `lora` and `optim`, or from the newest
@@ -42,6 +44,7 @@ pub(super) fn start(
             lora,
             optim,
             next_sampler: None,
+            next_position: None,
         });
     };
     let adapter = path.join("adapter.safetensors");
@@ -72,7 +75,18 @@ pub(super) fn start(
         lora,
         optim,
         next_sampler,
+        next_position: state.next_position,
     })
+}
+
+/// What a checkpoint holds besides the adapters and the optimizer.
+pub(super) struct Extra<'a> {
+    /// Lines of `metrics.jsonl` that belong to the steps done.
+    pub(super) metrics_lines: usize,
+    /// The adapters that sampled the next step's batch (one step ahead).
+    pub(super) next_sampler: Option<&'a Lora>,
+    /// Where an asynchronous run's rollouts go on.
+    pub(super) next_position: Option<u64>,
 }
 
 /// Writes the checkpoint of `step`: the adapters, the optimizer's moments, the
@@ -80,11 +94,15 @@ pub(super) fn start(
 pub(super) fn write(
     dir: &Path,
     step: usize,
-    metrics_lines: usize,
     lora: &Lora,
     optim: &Optim,
-    next_sampler: Option<&Lora>,
+    extra: Extra<'_>,
 ) -> Result<(), TrainError> {
+    let Extra {
+        metrics_lines,
+        next_sampler,
+        next_position,
+    } = extra;
     let target = checkpoint_dir(dir, step);
     let partial = target.with_extension("partial");
     let _ = fs::remove_dir_all(&partial);
@@ -102,6 +120,7 @@ pub(super) fn write(
         &serde_json::to_vec(&CheckpointState {
             step,
             metrics_lines,
+            next_position,
         })
         .unwrap_or_default(),
     )?;
@@ -116,6 +135,9 @@ struct CheckpointState {
     step: usize,
     /// Lines of `metrics.jsonl` that belong to those steps.
     metrics_lines: usize,
+    /// Where an asynchronous run's rollouts go on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    next_position: Option<u64>,
 }
 
 fn checkpoint_dir(dir: &Path, step: usize) -> PathBuf {

@@ -26,6 +26,8 @@ pub(super) struct Learned {
     pub(super) clip_fraction: f64,
     pub(super) kl: f64,
     pub(super) mismatch: f64,
+    /// Fraction of trained tokens masked by MIS.
+    pub(super) is_masked: f64,
     pub(super) tokens: usize,
     pub(super) grad_norm: f64,
     pub(super) lr: f64,
@@ -52,7 +54,7 @@ impl Learner {
             .max(1.0);
         let n = samples.len() as f64;
         let mut out = Learned::default();
-        let (mut clipped, mut kl, mut mismatch) = (0.0, 0.0, 0.0);
+        let (mut clipped, mut kl, mut mismatch, mut masked) = (0.0, 0.0, 0.0, 0.0);
         // Backward passes over runs of samples that share a prompt (a GRPO group): the
         // prompt runs once for all of them.
         let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
@@ -117,6 +119,7 @@ impl Learner {
                 clipped += metrics.clip_fraction * share;
                 kl += metrics.kl * share;
                 mismatch += metrics.rollout_mismatch * chunk_tokens / total_tokens;
+                masked += metrics.is_masked * chunk_tokens / total_tokens;
                 (loss, share)
             };
             let loss = (loss * weight)?;
@@ -128,6 +131,7 @@ impl Learner {
         out.clip_fraction = clipped;
         out.kl = kl;
         out.mismatch = mismatch;
+        out.is_masked = masked;
         out.tokens = total_tokens as usize;
         out.grad_norm = report.grad_norm;
         out.lr = report.lr;

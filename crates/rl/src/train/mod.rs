@@ -14,7 +14,9 @@
 //!
 //! [`train`] reads as a step's phases, each a method of a `Trainer` opened from the
 //! run's [`Setup`]: the step's batch (`rollout` and `batch`; one step ahead or not as
-//! `schedule`'s `RolloutScheduler`, which owns that state, decides), learning
+//! `schedule`'s `RolloutScheduler`, which owns that state, decides; or, with
+//! `rollout.mode = "async"`, the first groups `producer`'s continuous rollouts
+//! finish), learning
 //! (`learner`), the push to model servers (`sync`), evaluation (`eval`), the metrics
 //! line and curves (`metrics`), and the checkpoint (`checkpoint`).
 
@@ -24,6 +26,7 @@ mod error;
 mod eval;
 mod learner;
 mod metrics;
+mod producer;
 mod rollout;
 mod schedule;
 mod sync;
@@ -31,9 +34,9 @@ mod sync;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use agentstack_harness::prompt::Presenter;
 use agentstack_harness::{EnvHandle, ModelClient, Profile};
@@ -49,10 +52,11 @@ pub use self::error::TrainError;
 use self::error::{io, join, tensor};
 use self::learner::Learner;
 use self::metrics::MetricsLog;
+use self::producer::{Producer, ProducerSetup};
 use self::rollout::{RolloutSide, RolloutTask};
 use self::schedule::RolloutScheduler;
 use self::sync::RemoteSync;
-use crate::config::{Algorithm, RolloutWeights, TrainConfig};
+use crate::config::{Algorithm, RolloutMode, RolloutWeights, TrainConfig};
 use crate::lora::Lora;
 use crate::optim::Optim;
 
@@ -74,6 +78,10 @@ pub struct Sample {
     pub completion: Vec<u32>,
     /// The rollout engine's log-probability of each completion token.
     pub logprobs: Vec<f32>,
+    /// The policy slot's version that sampled each completion token (asynchronous
+    /// runs; empty when the model side does not say).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub versions: Vec<u64>,
     /// The episode's reward.
     pub reward: f64,
     /// Whether the completion hit the token limit.
@@ -106,6 +114,23 @@ pub struct StepMetrics {
     pub kl: f64,
     /// Mean |log π_learner − log π_rollout| over trained tokens.
     pub rollout_mismatch: f64,
+    /// Fraction of trained tokens masked by `loss.is_mask` (when set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub is_masked: Option<f64>,
+    /// Asynchronous runs: mean updates between the weights that sampled a trained
+    /// token and the learner's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_mean: Option<f64>,
+    /// Asynchronous runs: the most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staleness_max: Option<u64>,
+    /// Asynchronous runs: tokens masked for being more than `max_staleness` updates old.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stale_masked: Option<usize>,
+    /// Asynchronous runs: samples whose tokens came from more than one weight version
+    /// (generations that went on across an update).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_samples: Option<usize>,
     /// Seconds the teacher took to score the step's samples (distillation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub teacher_s: Option<f64>,
@@ -122,7 +147,7 @@ pub struct StepMetrics {
     /// Its 95% confidence interval.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_ci95: Option<(f64, f64)>,
-    /// Seconds generating the step's rollouts.
+    /// Seconds generating the step's rollouts (asynchronous runs: waiting for them).
     pub generate_s: f64,
     /// Seconds learning.
     pub learn_s: f64,
@@ -131,6 +156,10 @@ pub struct StepMetrics {
     /// Milliseconds pushing them to `model serve` processes (when configured).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_sync_ms: Option<f64>,
+    /// Seconds from the end of the last step (or the run's start) to the end of this
+    /// one's learning and pushes: what throughput is measured by.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_s: Option<f64>,
 }
 
 /// What a finished run reports.
@@ -144,6 +173,9 @@ pub struct Report {
     pub resumed_from: usize,
     /// Whether it stopped early (asked to), with a checkpoint of the last step.
     pub stopped_at: Option<usize>,
+    /// The step after which the time limit ended the run (evaluated and checkpointed
+    /// as a last step; the same command goes on).
+    pub time_limit_at: Option<usize>,
     /// Held-out reward before training, and after.
     pub eval_before: Option<(f64, (f64, f64))>,
     /// After the last step.
@@ -164,6 +196,9 @@ pub struct Setup {
     pub fresh: bool,
     /// Set (e.g. on SIGTERM) to stop after the current step with a checkpoint.
     pub stop: Arc<AtomicBool>,
+    /// End the run after the step during which this much time has passed since its
+    /// first step began (the held-out evaluation and checkpoint of a last step follow).
+    pub time_limit: Option<Duration>,
 }
 
 /// Trains as `setup` says, resuming from the newest checkpoint in its directory;
@@ -173,12 +208,16 @@ pub async fn train(
     mut on_step: impl FnMut(&StepMetrics),
 ) -> Result<Report, TrainError> {
     let stop = setup.stop.clone();
+    let time_limit = setup.time_limit;
     let mut trainer = Trainer::open(setup).await?;
     trainer.evaluate_before().await?;
+    trainer.start_producer()?;
     let steps = trainer.config.steps;
-    let mut stopped_at = None;
+    let (mut stopped_at, mut time_limit_at) = (None, None);
+    let started = Instant::now();
+    let mut step_start = Instant::now();
     for step in trainer.resumed_from..steps {
-        let (done, last) = (step + 1, step + 1 == steps);
+        let done = step + 1;
         let mut m = StepMetrics {
             step: done,
             ..StepMetrics::default()
@@ -186,8 +225,14 @@ pub async fn train(
         let batch = trainer.batch(step, &mut m).await?;
         trainer.learn(batch, &mut m).await?;
         trainer.push_to_servers(&mut m).await?;
+        m.step_s = Some(step_start.elapsed().as_secs_f64());
+        let out_of_time = time_limit.is_some_and(|limit| started.elapsed() >= limit);
+        let last = done == steps || out_of_time;
+        if out_of_time && done < steps {
+            time_limit_at = Some(done);
+        }
         let stopping = stop.load(Ordering::SeqCst);
-        if trainer.evaluates_after(done) {
+        if trainer.evaluates_after(done, last) {
             let (mean, ci) = trainer.evaluate(done).await?;
             (m.eval_reward, m.eval_ci95) = (Some(mean), Some(ci));
         }
@@ -203,8 +248,12 @@ pub async fn train(
             stopped_at = Some(done);
             break;
         }
+        if last {
+            break;
+        }
+        step_start = Instant::now();
     }
-    Ok(trainer.finish(stopped_at))
+    Ok(trainer.finish(stopped_at, time_limit_at))
 }
 
 /// A run in progress: what [`train`]'s phases share.
@@ -220,8 +269,16 @@ struct Trainer {
     rollouts: RolloutSide,
     /// The engine under the evaluation slot.
     eval_client: ModelClient,
-    /// Which adapters sample which step's batch.
+    /// Which adapters sample which step's batch (synchronous runs).
     scheduler: RolloutScheduler<Lora, RolloutTask>,
+    /// The continuous rollouts (asynchronous runs, once started).
+    producer: Option<Producer>,
+    /// The policy slot's version: which weights the newest rollout tokens come from.
+    policy_version: Arc<AtomicU64>,
+    /// Updates the learner has published to the producer since it started.
+    updates: u64,
+    /// Where an asynchronous run's rollouts go on in its task sequence.
+    next_position: u64,
     /// The current adapters (their variables are the learner's own).
     lora: Lora,
     learner: Arc<Mutex<Learner>>,
@@ -250,6 +307,7 @@ impl Trainer {
             env,
             fresh,
             stop: _,
+            time_limit: _,
         } = setup;
         config.check()?;
         // The adapter pushes' key, from the trainer's environment (never the file).
@@ -296,6 +354,7 @@ impl Trainer {
             micro_batch: config.optim.micro_batch,
         }));
         let normalization = config.normalization()?;
+        let per_step = config.rollout.prompts_per_step;
         // SFT data, from eval runs.
         let sft = match algorithm {
             Algorithm::Sft => Some(sft_data(&config)?),
@@ -343,9 +402,43 @@ impl Trainer {
             remote,
             metrics,
             evals,
+            producer: None,
+            policy_version: Arc::default(),
+            updates: 0,
+            next_position: start
+                .next_position
+                .unwrap_or((start.step * per_step) as u64),
             resumed_from: start.step,
             eval_before: None,
         })
+    }
+
+    /// Whether the rollouts are asynchronous.
+    fn is_async(&self) -> bool {
+        self.sft.is_none() && self.config.rollout.mode == RolloutMode::Async
+    }
+
+    /// Asynchronous runs: puts the current adapters in the policy slot and starts the
+    /// continuous rollouts.
+    fn start_producer(&mut self) -> Result<(), TrainError> {
+        if !self.is_async() || self.resumed_from >= self.config.steps {
+            return Ok(());
+        }
+        let (_, version) = self.rollouts.sync_version(POLICY_ADAPTER, &self.lora)?;
+        self.policy_version.store(version, Ordering::Release);
+        let (env, presenter) = self
+            .rollouts
+            .env_and_presenter()
+            .expect("training on rollouts has an environment");
+        self.producer = Some(Producer::start(ProducerSetup {
+            config: self.config.clone(),
+            policy: self.rollouts.policy().clone(),
+            env,
+            presenter,
+            first_position: self.next_position,
+            version: self.policy_version.clone(),
+        }));
+        Ok(())
     }
 
     /// The held-out evaluation before the first step (on a fresh start, when the run
@@ -374,6 +467,9 @@ impl Trainer {
             m.reward_mean = f64::NAN;
             return Ok((batch, masks.clone(), masks));
         }
+        if self.is_async() {
+            return self.async_batch(m).await;
+        }
         let Self {
             scheduler,
             rollouts,
@@ -390,10 +486,62 @@ impl Trainer {
         scheduler.start_next(step, lora, |step, sampler| {
             rollouts.start(step, sampler, &mut m.sync_ms)
         })?;
-        let samples = samples_of(&episodes);
+        self.shape_episodes(&episodes, m).await
+    }
+
+    /// An asynchronous step's batch: the first `prompts_per_step` groups to finish,
+    /// shaped, with tokens sampled more than `max_staleness` updates ago masked out.
+    async fn async_batch(&mut self, m: &mut StepMetrics) -> Result<Shaped, TrainError> {
+        let per_step = self.config.rollout.prompts_per_step;
+        let producer = self
+            .producer
+            .as_mut()
+            .expect("an asynchronous run's producer starts before its first step");
+        let t = Instant::now();
+        let mut groups = Vec::with_capacity(per_step);
+        while groups.len() < per_step {
+            groups.push(producer.next().await?);
+        }
+        m.generate_s = t.elapsed().as_secs_f64();
+        if let Some(last) = groups.iter().map(|g| g.position + 1).max() {
+            self.next_position = self.next_position.max(last);
+        }
+        tracing::debug!(
+            positions = ?groups.iter().map(|g| g.position).collect::<Vec<_>>(),
+            started = ?groups.iter().map(|g| g.started_version).collect::<Vec<_>>(),
+            seconds = ?groups.iter().map(|g| g.seconds).collect::<Vec<_>>(),
+            "asynchronous groups taken"
+        );
+        let episodes: Vec<(usize, agentstack_harness::Episode)> = groups
+            .into_iter()
+            .enumerate()
+            .flat_map(|(i, g)| g.episodes.into_iter().map(move |e| (i, e)))
+            .collect();
+        let (samples, advantages, mut masks) = self.shape_episodes(&episodes, m).await?;
+        let current = self.policy_version.load(Ordering::Acquire);
+        let staleness = mask_stale_tokens(
+            &samples,
+            &mut masks,
+            current,
+            self.config.rollout.max_staleness as u64,
+        );
+        m.staleness_mean = Some(staleness.mean());
+        m.staleness_max = Some(staleness.max);
+        m.stale_masked = Some(staleness.masked);
+        m.partial_samples = Some(staleness.partial_samples);
+        Ok((samples, advantages, masks))
+    }
+
+    /// Episodes → the samples a step learns from, their advantages and masks (with a
+    /// teacher, shaping scores every sample, off the async runtime).
+    async fn shape_episodes(
+        &self,
+        episodes: &[(usize, agentstack_harness::Episode)],
+        m: &mut StepMetrics,
+    ) -> Result<Shaped, TrainError> {
+        let samples = samples_of(episodes);
         let rewards: Vec<f64> = episodes.iter().map(|(_, e)| e.reward).collect();
         (m.reward_mean, m.reward_std) = mean_std(&rewards);
-        // Off the async runtime: with a teacher, shaping scores every sample.
         let (config, teacher, normalization) = (
             self.config.clone(),
             self.teacher.clone(),
@@ -430,12 +578,17 @@ impl Trainer {
             samples.iter().map(|s| s.completion.len()).sum::<usize>() as f64 / samples.len() as f64
         };
         // A copy of the values: `lora`'s variables are the learner's own, which the
-        // optimizer step below changes in place.
-        let before_learning = self
-            .lora
-            .snapshot()
-            .and_then(|adapter| Lora::from_adapter(&adapter))
-            .map_err(tensor("copying the adapters"))?;
+        // optimizer step below changes in place. (Asynchronous runs keep no sampler.)
+        let before_learning = if self.is_async() {
+            None
+        } else {
+            Some(
+                self.lora
+                    .snapshot()
+                    .and_then(|adapter| Lora::from_adapter(&adapter))
+                    .map_err(tensor("copying the adapters"))?,
+            )
+        };
         if !samples.is_empty() {
             let t = Instant::now();
             let learner = self.learner.clone();
@@ -454,12 +607,30 @@ impl Trainer {
             m.clip_fraction = learned.clip_fraction;
             m.kl = learned.kl;
             m.rollout_mismatch = learned.mismatch;
+            m.is_masked = self.config.loss.is_mask.map(|_| learned.is_masked);
             m.tokens = learned.tokens;
             m.grad_norm = learned.grad_norm;
             m.lr = learned.lr;
         }
         self.lora = self.learner.lock().expect("learner lock").lora.clone();
-        self.scheduler.learned(before_learning);
+        match before_learning {
+            Some(before) => self.scheduler.learned(before),
+            None => self.publish(m)?,
+        }
+        Ok(())
+    }
+
+    /// Asynchronous runs: the new adapters go into the policy slot (generations in
+    /// flight go on with them from their next token), and more groups may start.
+    fn publish(&mut self, m: &mut StepMetrics) -> Result<(), TrainError> {
+        let Some(producer) = &self.producer else {
+            return Ok(());
+        };
+        let (ms, version) = self.rollouts.sync_version(POLICY_ADAPTER, &self.lora)?;
+        m.sync_ms += ms;
+        self.policy_version.store(version, Ordering::Release);
+        self.updates += 1;
+        producer.learned(self.updates);
         Ok(())
     }
 
@@ -472,10 +643,10 @@ impl Trainer {
     }
 
     /// Whether a held-out evaluation follows step `done` (every `eval.every` steps and
-    /// after the last, when the run evaluates).
-    fn evaluates_after(&self, done: usize) -> bool {
+    /// after the `last`, when the run evaluates).
+    fn evaluates_after(&self, done: usize, last: bool) -> bool {
         let every = self.config.eval.every;
-        every > 0 && self.env.is_some() && (done.is_multiple_of(every) || done == self.config.steps)
+        every > 0 && self.env.is_some() && (done.is_multiple_of(every) || last)
     }
 
     /// Evaluates the current adapters on the held-out tasks, as of step `done`.
@@ -507,25 +678,31 @@ impl Trainer {
             checkpoint::write(
                 &self.dir,
                 done,
-                self.metrics.lines(),
                 &learner.lora,
                 &learner.optim,
-                self.scheduler.checkpoint_sampler(),
+                checkpoint::Extra {
+                    metrics_lines: self.metrics.lines(),
+                    next_sampler: self.scheduler.checkpoint_sampler(),
+                    next_position: self.is_async().then_some(self.next_position),
+                },
             )?;
         }
         checkpoint::prune(&self.dir, self.config.checkpoint.keep.max(1))
     }
 
-    /// Drops a batch started ahead of a stopped run, and reports.
-    fn finish(mut self, stopped_at: Option<usize>) -> Report {
+    /// Drops a batch started ahead of a stopped run (and an asynchronous run's
+    /// rollouts in flight), and reports.
+    fn finish(mut self, stopped_at: Option<usize>, time_limit_at: Option<usize>) -> Report {
         if let Some(task) = self.scheduler.take_pending() {
             task.abort();
         }
+        self.producer = None;
         Report {
             dir: self.dir,
             steps: self.config.steps,
             resumed_from: self.resumed_from,
             stopped_at,
+            time_limit_at,
             eval_before: self.eval_before,
             eval_after: self.evals.range(1..).next_back().map(|(_, v)| *v),
         }
@@ -638,4 +815,120 @@ async fn load_teacher(
         }
         _ => None,
     })
+}
+
+/// The staleness of a step's trained tokens.
+#[derive(Debug, Default, PartialEq)]
+struct Staleness {
+    /// Sum and count of the trained tokens' staleness, for the mean.
+    sum: u64,
+    tokens: u64,
+    /// The most.
+    max: u64,
+    /// Tokens masked for being more than `max_staleness` updates old.
+    masked: usize,
+    /// Samples sampled by more than one weight version.
+    partial_samples: usize,
+}
+
+impl Staleness {
+    fn mean(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.sum as f64 / self.tokens as f64
+        }
+    }
+}
+
+/// Masks out of `masks` the tokens sampled more than `max_staleness` updates before
+/// `current` (the policy slot's version the learner's weights hold), and measures the
+/// staleness of the tokens it keeps. Samples without versions are left as they are.
+fn mask_stale_tokens(
+    samples: &[Sample],
+    masks: &mut [Vec<f32>],
+    current: u64,
+    max_staleness: u64,
+) -> Staleness {
+    let mut out = Staleness::default();
+    for (sample, mask) in samples.iter().zip(masks) {
+        if sample.versions.len() != mask.len() {
+            continue;
+        }
+        if sample.versions.first() != sample.versions.last() {
+            out.partial_samples += 1;
+        }
+        for (m, &version) in mask.iter_mut().zip(&sample.versions) {
+            if *m == 0.0 {
+                continue;
+            }
+            let age = current.saturating_sub(version);
+            if age > max_staleness {
+                *m = 0.0;
+                out.masked += 1;
+            } else {
+                out.sum += age;
+                out.tokens += 1;
+                out.max = out.max.max(age);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(versions: Vec<u64>) -> Sample {
+        Sample {
+            group: 0,
+            prompt: vec![1],
+            completion: vec![2; versions.len()],
+            logprobs: vec![-1.0; versions.len()],
+            versions,
+            reward: 1.0,
+            truncated: false,
+        }
+    }
+
+    /// Tokens more than `max_staleness` updates old lose their gradient; the rest are
+    /// measured; a generation that went on across an update counts as partial; tokens
+    /// already masked and samples without versions are left alone.
+    #[test]
+    fn too_stale_tokens_are_masked_and_the_rest_measured() {
+        let samples = [
+            sample(vec![3, 3, 4, 5]),
+            sample(vec![5, 5]),
+            sample(vec![2, 2, 2]),
+            sample(Vec::new()),
+        ];
+        let mut masks = vec![
+            vec![1.0, 1.0, 1.0, 1.0],
+            vec![1.0, 0.0],
+            vec![0.0, 1.0, 1.0],
+            vec![1.0, 1.0],
+        ];
+        let got = mask_stale_tokens(&samples, &mut masks, 5, 2);
+        assert_eq!(
+            masks,
+            [
+                vec![1.0, 1.0, 1.0, 1.0],
+                vec![1.0, 0.0],
+                vec![0.0, 0.0, 0.0],
+                vec![1.0, 1.0],
+            ]
+        );
+        assert_eq!(
+            got,
+            Staleness {
+                sum: 2 + 2 + 1,
+                tokens: 5,
+                max: 2,
+                masked: 2,
+                partial_samples: 1,
+            }
+        );
+        assert!((got.mean() - 1.0).abs() < 1e-12);
+    }
 }

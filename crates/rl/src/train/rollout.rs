@@ -59,6 +59,12 @@ impl RolloutSide {
     /// Puts `lora` on the rollout weights in the engine's `slot`; the milliseconds
     /// that took.
     pub(super) fn sync(&self, slot: &str, lora: &Lora) -> Result<f64, TrainError> {
+        self.sync_version(slot, lora).map(|(ms, _)| ms)
+    }
+
+    /// [`Self::sync`], also returning the slot's new version (which tokens sampled
+    /// from these weights name).
+    pub(super) fn sync_version(&self, slot: &str, lora: &Lora) -> Result<(f64, u64), TrainError> {
         let t = Instant::now();
         let adapter = lora.snapshot().map_err(tensor("copying the adapters"))?;
         let adapted = adapter
@@ -67,8 +73,18 @@ impl RolloutSide {
                 what: "applying the adapters to the rollout model",
                 source: Box::new(source),
             })?;
-        self.engine.set_adapter(slot, adapted);
-        Ok(t.elapsed().as_secs_f64() * 1e3)
+        let version = self.engine.set_adapter(slot, adapted);
+        Ok((t.elapsed().as_secs_f64() * 1e3, version))
+    }
+
+    /// The engine under the policy slot.
+    pub(super) fn policy(&self) -> &ModelClient {
+        &self.policy
+    }
+
+    /// The environment and how its episodes are presented (training on rollouts).
+    pub(super) fn env_and_presenter(&self) -> Option<(Arc<EnvHandle>, Arc<Presenter>)> {
+        Some((self.env.clone()?, self.presenter.clone()?))
     }
 
     /// Puts `sampler` in the policy slot (adding the milliseconds to `sync_ms`) and
@@ -141,33 +157,59 @@ pub(super) fn step_resets(
     step: usize,
 ) -> Result<Vec<ResetRequest>, TrainError> {
     let per_step = config.rollout.prompts_per_step;
-    let mut resets = Vec::with_capacity(per_step);
-    for j in 0..per_step {
-        let position = (step * per_step + j) as u64;
-        let mut options = config.env_options.clone();
-        let mut seed = Some(mix(&[config.seed, 0x7a5c, position]) >> 1);
-        if let Some(split) = config.rollout.split.as_deref().filter(|s| !s.is_empty()) {
-            let tasks = env.tasks().ok_or_else(|| {
-                TrainError::Config(format!(
-                    "{} publishes no task list; set rollout.split = \"\" to train on seeded resets",
-                    env.name()
-                ))
-            })?;
-            let n = tasks.num_tasks(split).map_err(task_list(env, split))? as u64;
-            if n == 0 {
-                return Err(TrainError::Config(format!("split `{split}` has no tasks")));
-            }
-            let index = shuffled(&[config.seed], n as usize, position);
-            let args = tasks.task(split, index).map_err(task_list(env, split))?;
-            agentstack_harness::run::apply_task(args, &mut options, &mut seed);
+    (0..per_step)
+        .map(|j| {
+            let position = (step * per_step + j) as u64;
+            reset_at(config, env, position, format!("train-{step}-{j}"))
+        })
+        .collect()
+}
+
+/// The reset of the run's task at `position` of its endless task sequence: a task
+/// from a seeded permutation of the split (a new one each pass over it), or a seeded
+/// problem without a split.
+pub(super) fn reset_at(
+    config: &TrainConfig,
+    env: &EnvHandle,
+    position: u64,
+    episode_id: String,
+) -> Result<ResetRequest, TrainError> {
+    let mut options = config.env_options.clone();
+    let mut seed = Some(mix(&[config.seed, 0x7a5c, position]) >> 1);
+    if let Some(split) = config.rollout.split.as_deref().filter(|s| !s.is_empty()) {
+        let tasks = env.tasks().ok_or_else(|| {
+            TrainError::Config(format!(
+                "{} publishes no task list; set rollout.split = \"\" to train on seeded resets",
+                env.name()
+            ))
+        })?;
+        let n = tasks.num_tasks(split).map_err(task_list(env, split))? as u64;
+        if n == 0 {
+            return Err(TrainError::Config(format!("split `{split}` has no tasks")));
         }
-        resets.push(ResetRequest {
-            seed,
-            episode_id: Some(format!("train-{step}-{j}")),
-            options,
-        });
+        let index = shuffled(&[config.seed], n as usize, position);
+        let args = tasks.task(split, index).map_err(task_list(env, split))?;
+        agentstack_harness::run::apply_task(args, &mut options, &mut seed);
     }
-    Ok(resets)
+    Ok(ResetRequest {
+        seed,
+        episode_id: Some(episode_id),
+        options,
+    })
+}
+
+/// How a training episode is played: the rollout section's sampling and turns.
+pub(super) fn loop_config(config: &TrainConfig) -> LoopConfig {
+    LoopConfig {
+        max_turns: config.rollout.max_turns,
+        sampling: Sampling {
+            temperature: config.rollout.temperature,
+            top_p: config.rollout.top_p,
+            max_tokens: config.rollout.max_tokens,
+        },
+        context: ContextPolicy::default(),
+        constrain: false,
+    }
 }
 
 /// Plays the step's episodes: `group_size` per reset, each seeded from the run's seed,
@@ -180,16 +222,7 @@ pub(super) async fn rollouts(
     step: usize,
     resets: Vec<ResetRequest>,
 ) -> Result<Vec<(usize, agentstack_harness::Episode)>, TrainError> {
-    let play_config = LoopConfig {
-        max_turns: config.rollout.max_turns,
-        sampling: Sampling {
-            temperature: config.rollout.temperature,
-            top_p: config.rollout.top_p,
-            max_tokens: config.rollout.max_tokens,
-        },
-        context: ContextPolicy::default(),
-        constrain: false,
-    };
+    let play_config = loop_config(config);
     let group = config.rollout.group_size;
     let jobs: Vec<(usize, usize, ResetRequest)> = resets
         .into_iter()

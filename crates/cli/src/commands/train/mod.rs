@@ -36,6 +36,8 @@ pub struct TrainSettings {
     pub python: String,
     /// Compute threads (`None`: all cores).
     pub threads: Option<usize>,
+    /// `--time-limit`: end the run after the step during which this much time passed.
+    pub time_limit: Option<Duration>,
     /// Report as JSON.
     pub json: bool,
 }
@@ -119,6 +121,7 @@ impl TrainSettings {
             fresh: args.fresh,
             python: settings::python(args.python.as_deref()),
             threads: args.threads,
+            time_limit: args.time_limit,
             json: args.json,
         })
     }
@@ -138,6 +141,7 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
         fresh,
         python,
         threads: _,
+        time_limit,
         json,
     } = resolved;
     if !config.model.exists() {
@@ -204,6 +208,7 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
             env: env.as_ref().map(|e| e.handle.clone()),
             fresh,
             stop,
+            time_limit,
         },
         |m: &StepMetrics| {
             bar.set_position(m.step as u64);
@@ -242,7 +247,12 @@ pub async fn run(args: TrainArgs, algorithm: Algorithm) -> Result<(), Exit> {
         println!("stopped after step {step} with a checkpoint; run the same command to continue");
         return Err(Exit::quiet(143));
     }
-    println!("steps: {steps}");
+    match report.time_limit_at {
+        Some(step) => println!(
+            "steps: {step} of {steps} (the time limit ended the run; the same command without --time-limit goes on)"
+        ),
+        None => println!("steps: {steps}"),
+    }
     println!("held-out reward before: {}", fmt(report.eval_before));
     println!("held-out reward after:  {}", fmt(report.eval_after));
     println!(

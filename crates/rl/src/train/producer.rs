@@ -1,0 +1,234 @@
+//! Asynchronous rollouts (`rollout.mode = "async"`): groups of episodes play
+//! continuously on the engine's policy slot, into a bounded buffer, while the learner
+//! learns from the groups that finished first.
+//!
+//! - **Staleness control** (as AReaL's): the g-th group this producer starts (from 0)
+//!   waits until the learner has published `g / prompts_per_step − max_staleness`
+//!   updates, so at most `max_staleness + 1` steps' worth of groups are in flight or
+//!   buffered, and a group taken in the order it started is at most `max_staleness`
+//!   updates old. Groups finish out of order (a long answer holds its group back), so
+//!   the trainer also checks each token: one sampled more than `max_staleness` updates
+//!   before the learner's weights is masked out of the loss, and the rest are
+//!   corrected by TIS (and MIS, when configured).
+//! - **Partial rollouts:** weight updates go into the policy slot while groups play; a
+//!   generation in progress continues on the new weights from its next token, and
+//!   every token records the slot version that sampled it (with its log-probability
+//!   under those weights).
+//! - **Continuous batching:** a new group starts whenever the running episodes leave
+//!   room under `rollout.concurrency`, so the engine stays busy while a long answer
+//!   finishes, instead of waiting for the slowest sample of each step.
+//!
+//! Which groups finish first depends on timing, so an asynchronous run is not
+//! reproducible bit for bit (a synchronous one is). Each group's task and sampling
+//! seed come from its position in the run's task sequence; a checkpoint records where
+//! the producer should go on, and groups in flight when a run stops are not replayed.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use agentstack_harness::episode::play;
+use agentstack_harness::prompt::Presenter;
+use agentstack_harness::{EnvHandle, Episode, ModelClient};
+use tokio::sync::{mpsc, watch};
+use tokio::task::{JoinHandle, JoinSet};
+
+use super::TrainError;
+use super::rollout::{loop_config, mix, reset_at};
+use crate::config::TrainConfig;
+
+/// One finished group: `group_size` episodes of the task at `position`.
+#[derive(Debug)]
+pub(super) struct Group {
+    /// Its place in the run's task sequence.
+    pub(super) position: u64,
+    /// Its episodes, in sample order.
+    pub(super) episodes: Vec<Episode>,
+    /// The policy slot's version when it started.
+    pub(super) started_version: u64,
+    /// Seconds from its start to its last episode's end.
+    pub(super) seconds: f64,
+}
+
+/// The producer of a run's groups. Dropping it stops the rollouts in flight.
+pub(super) struct Producer {
+    groups: mpsc::Receiver<Result<Group, TrainError>>,
+    learned: watch::Sender<u64>,
+    task: JoinHandle<()>,
+}
+
+/// What the producer's loop needs.
+pub(super) struct ProducerSetup {
+    pub(super) config: Arc<TrainConfig>,
+    pub(super) policy: ModelClient,
+    pub(super) env: Arc<EnvHandle>,
+    pub(super) presenter: Arc<Presenter>,
+    /// The first position to play.
+    pub(super) first_position: u64,
+    /// The policy slot's current version, which the trainer updates on every push.
+    pub(super) version: Arc<AtomicU64>,
+}
+
+impl Producer {
+    /// Starts playing groups from `setup.first_position` on.
+    pub(super) fn start(setup: ProducerSetup) -> Self {
+        let per_step = setup.config.rollout.prompts_per_step;
+        let k = setup.config.rollout.max_staleness;
+        // Never more than the staleness window holds, so sends rarely wait.
+        let (sender, groups) = mpsc::channel(per_step * (k + 1));
+        let (learned, updates) = watch::channel(0);
+        let task = tokio::spawn(produce(setup, sender, updates));
+        Self {
+            groups,
+            learned,
+            task,
+        }
+    }
+
+    /// The next group to finish (waiting for one when none is buffered).
+    pub(super) async fn next(&mut self) -> Result<Group, TrainError> {
+        match self.groups.recv().await {
+            Some(group) => group,
+            None => Err(TrainError::Config(
+                "the asynchronous rollouts stopped unexpectedly".into(),
+            )),
+        }
+    }
+
+    /// The learner has published `updates` updates since this producer started,
+    /// which lets more groups start.
+    pub(super) fn learned(&self, updates: u64) {
+        self.learned.send_replace(updates);
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Whether group number `started` (from 0) may start after `updates` published
+/// updates: see the [module docs](self).
+fn may_start(started: u64, updates: u64, per_step: u64, max_staleness: u64) -> bool {
+    started < per_step * (updates + max_staleness + 1)
+}
+
+/// The producer's loop: start groups while the staleness window and the concurrency
+/// allow, hand finished ones to the learner in the order they finish.
+async fn produce(
+    setup: ProducerSetup,
+    sender: mpsc::Sender<Result<Group, TrainError>>,
+    mut updates: watch::Receiver<u64>,
+) {
+    let config = setup.config.clone();
+    let rollout = &config.rollout;
+    let (per_step, k) = (
+        rollout.prompts_per_step as u64,
+        rollout.max_staleness as u64,
+    );
+    let group_size = rollout.group_size;
+    let setup = Arc::new(setup);
+    let mut running: JoinSet<Result<Group, TrainError>> = JoinSet::new();
+    let (mut started, mut position) = (0u64, setup.first_position);
+    loop {
+        loop {
+            let room =
+                running.is_empty() || (running.len() + 1) * group_size <= rollout.concurrency;
+            if !room || !may_start(started, *updates.borrow(), per_step, k) {
+                break;
+            }
+            running.spawn(play_group(setup.clone(), position));
+            started += 1;
+            position += 1;
+        }
+        tokio::select! {
+            Some(done) = running.join_next(), if !running.is_empty() => {
+                let group = done.unwrap_or_else(|e| {
+                    Err(TrainError::Config(format!("a rollout group's task failed: {e}")))
+                });
+                let failed = group.is_err();
+                if sender.send(group).await.is_err() || failed {
+                    return;
+                }
+            }
+            changed = updates.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Plays the `group_size` episodes of the task at `position`, at once.
+async fn play_group(setup: Arc<ProducerSetup>, position: u64) -> Result<Group, TrainError> {
+    let config = &setup.config;
+    let started_version = setup.version.load(Ordering::Acquire);
+    let t = Instant::now();
+    let reset = reset_at(
+        config,
+        &setup.env,
+        position,
+        format!("train-async-{position}"),
+    )?;
+    let play_config = loop_config(config);
+    let episodes = futures_util::future::join_all((0..config.rollout.group_size).map(|i| {
+        let (reset, play_config) = (reset.clone(), &play_config);
+        let seed = mix(&[config.seed, 0xa5c0, position, i as u64]);
+        let setup = setup.clone();
+        async move {
+            play(
+                &setup.policy,
+                &setup.env,
+                &setup.presenter,
+                reset,
+                seed,
+                play_config,
+            )
+            .await
+        }
+    }))
+    .await;
+    let episodes = episodes
+        .into_iter()
+        .map(|played| {
+            played
+                .map(|(episode, _)| episode)
+                .map_err(|e| TrainError::Episode(Box::new(e)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Group {
+        position,
+        episodes,
+        started_version,
+        seconds: t.elapsed().as_secs_f64(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::may_start;
+
+    /// With groups taken in the order they start, none is more than `max_staleness`
+    /// updates old when the learner takes it, and the window holds `k + 1` steps.
+    #[test]
+    fn the_window_bounds_the_staleness_of_groups_taken_in_order() {
+        for (per_step, k) in [(1u64, 1u64), (2, 1), (3, 2), (4, 3)] {
+            // Group g starts after the fewest updates that allow it.
+            let start_updates = |g: u64| (0..).find(|&u| may_start(g, u, per_step, k)).unwrap();
+            for g in 0..40 {
+                // Step s (after s updates) takes groups s·per_step .. (s+1)·per_step.
+                let taken_at = g / per_step;
+                let staleness = taken_at - start_updates(g).min(taken_at);
+                assert!(staleness <= k, "per_step {per_step}, k {k}, group {g}");
+                assert!(
+                    start_updates(g) <= taken_at,
+                    "a group starts before it is needed"
+                );
+            }
+            assert!(may_start(per_step * (k + 1) - 1, 0, per_step, k));
+            assert!(!may_start(per_step * (k + 1), 0, per_step, k));
+        }
+    }
+}
