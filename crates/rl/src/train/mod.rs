@@ -232,6 +232,10 @@ pub async fn train(
             time_limit_at = Some(done);
         }
         let stopping = stop.load(Ordering::SeqCst);
+        if last || stopping {
+            // No rollouts past the run's end (an asynchronous run's producer).
+            trainer.producer = None;
+        }
         if trainer.evaluates_after(done, last) {
             let (mean, ci) = trainer.evaluate(done).await?;
             (m.eval_reward, m.eval_ci95) = (Some(mean), Some(ci));
