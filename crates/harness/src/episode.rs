@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::context::{self, ContextPolicy, Overflow};
 use crate::env::{EnvError, EnvHandle, StepOutcome};
-use crate::model::{ChatRequest, ModelClient, ModelError, Sampling, TokenTrace};
+use crate::model::{ChatRequest, Continuation, ModelClient, ModelError, Sampling, TokenTrace};
 use crate::prompt::{ActionFormat, Presenter};
 
 /// How episodes are played. Recorded with every result.
@@ -241,6 +241,8 @@ async fn act(
         None
     };
     let mut calls = 0;
+    // The last call, which the next one's prompt continues token for token.
+    let mut earlier = None;
     for _ in 0..config.max_turns {
         // Fit the conversation into the budget.
         if !fit(model, presenter, seed, config, episode, timing, &mut calls).await? {
@@ -253,11 +255,13 @@ async fn act(
             sampling: config.sampling.clone(),
             seed: turn_seed(seed, calls),
             json_schema: json_schema.clone(),
+            continues: earlier.take(),
         };
         calls += 1;
         let t = Instant::now();
         let reply = model.chat(&request).await?;
         timing.model_ms.push(ms(t));
+        earlier = Continuation::after(&request, &reply);
         let mut assistant = Message::new("assistant", reply.text.clone());
         if !reply.tool_calls.is_empty() {
             assistant.tool_calls = Some(reply.tool_calls.clone());
@@ -365,6 +369,7 @@ async fn fit(
                     sampling: config.sampling.clone(),
                     seed: turn_seed(seed, *calls),
                     json_schema: None,
+                    continues: None,
                 };
                 *calls += 1;
                 let t = Instant::now();

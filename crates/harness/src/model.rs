@@ -96,6 +96,36 @@ pub struct ChatRequest {
     /// A JSON Schema the answer must match (constrained decoding), when the model side
     /// supports it.
     pub json_schema: Option<Value>,
+    /// The conversation's previous call, whose token ids this call's prompt continues
+    /// exactly when the in-process engine runs it (multi-turn RL trains on the ids the
+    /// policy sampled, never tokenized again). Other model sides render the whole
+    /// conversation.
+    pub continues: Option<Continuation>,
+}
+
+/// A model call a later call of the same conversation continues (see
+/// [`ChatRequest::continues`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Continuation {
+    /// The messages of that call.
+    pub messages: Vec<Message>,
+    /// Its prompt's token ids.
+    pub prompt_ids: Vec<u32>,
+    /// The token ids it generated.
+    pub completion_ids: Vec<u32>,
+}
+
+impl Continuation {
+    /// What a later call continues after `request` was answered with `reply`, when the
+    /// reply carries its token ids.
+    pub fn after(request: &ChatRequest, reply: &ChatResponse) -> Option<Self> {
+        let (prompt, completion, _) = reply.tokens.complete()?;
+        Some(Self {
+            messages: request.messages.clone(),
+            prompt_ids: prompt.to_vec(),
+            completion_ids: completion.to_vec(),
+        })
+    }
 }
 
 /// What the model answered.
@@ -398,7 +428,18 @@ impl EngineModel {
 
     async fn chat(&self, request: &ChatRequest) -> Result<ChatResponse, ModelError> {
         let lm = self.engine.model();
-        let prompt = lm.chat_prompt(request.messages.clone(), &request.tools)?;
+        let prompt = match &request.continues {
+            Some(earlier) => {
+                let earlier = agentstack_model::EarlierTurn {
+                    messages: &earlier.messages,
+                    prompt: &earlier.prompt_ids,
+                    completion: &earlier.completion_ids,
+                };
+                lm.chat_prompt_continuing(&earlier, request.messages.clone(), &request.tools)?
+                    .0
+            }
+            None => lm.chat_prompt(request.messages.clone(), &request.tools)?,
+        };
         let constraint = match (&request.json_schema, &self.compiler) {
             (Some(schema), Some(compiler)) => Some(self.constraint_for(compiler, schema)?),
             _ => None,
@@ -636,6 +677,7 @@ mod tests {
             json_schema: None,
             sampling: Sampling::default(),
             seed: 0,
+            continues: None,
         }
     }
 

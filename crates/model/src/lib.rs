@@ -49,6 +49,18 @@ pub use crate::repack_cache::RepackCache;
 pub use crate::sampling::{SamplingParams, TokenLogprob};
 pub use crate::tokenizer::Tokenizer;
 
+/// The earlier turn a chat prompt continues (see
+/// [`LanguageModel::chat_prompt_continuing`]).
+#[derive(Debug, Clone, Copy)]
+pub struct EarlierTurn<'a> {
+    /// The messages that turn's prompt was made from.
+    pub messages: &'a [Message],
+    /// Its prompt's token ids.
+    pub prompt: &'a [u32],
+    /// The token ids it generated, as sampled.
+    pub completion: &'a [u32],
+}
+
 /// A model ready to use: weights, tokenizer and chat template.
 #[derive(Debug, Clone)]
 pub struct LanguageModel {
@@ -239,6 +251,48 @@ impl LanguageModel {
         messages: Vec<Message>,
         tools: &[serde_json::Value],
     ) -> Result<Vec<u32>> {
+        let text = self.chat_text(messages, tools)?;
+        self.tokenizer.encode(&text, true)
+    }
+
+    /// The prompt of the next turn of a conversation whose earlier turn had the token
+    /// ids `earlier.prompt` and `earlier.completion` (as sampled): those ids exactly,
+    /// then the rest of `messages` rendered and tokenized on its own, so no earlier
+    /// token is tokenized again (a sampled token sequence is often not what the
+    /// tokenizer would make of its text, and a multi-turn RL sample must keep the ids
+    /// the policy produced). The second value says whether it continued; it does not
+    /// when `messages` does not render as the earlier conversation, its completion's
+    /// text and more (the history was truncated or compacted, or the template rewrites
+    /// earlier replies), and the prompt is then [`Self::chat_prompt`]'s.
+    pub fn chat_prompt_continuing(
+        &self,
+        earlier: &EarlierTurn<'_>,
+        messages: Vec<Message>,
+        tools: &[serde_json::Value],
+    ) -> Result<(Vec<u32>, bool)> {
+        let text = self.chat_text(messages, tools)?;
+        let before = self.chat_text(earlier.messages.to_vec(), tools)?;
+        let generated = self.tokenizer.decode(earlier.completion, false);
+        let rest = text
+            .strip_prefix(before.as_str())
+            .and_then(|after| after.strip_prefix(generated.as_str()));
+        match rest {
+            Some(rest) => {
+                let mut ids = Vec::with_capacity(
+                    earlier.prompt.len() + earlier.completion.len() + rest.len() / 2,
+                );
+                ids.extend_from_slice(earlier.prompt);
+                ids.extend_from_slice(earlier.completion);
+                ids.extend(self.tokenizer.encode_without_bos(rest, true)?);
+                Ok((ids, true))
+            }
+            None => Ok((self.tokenizer.encode(&text, true)?, false)),
+        }
+    }
+
+    /// A chat rendered with the template and its generation prompt (see
+    /// [`Self::chat_prompt`]), before tokenization.
+    fn chat_text(&self, messages: Vec<Message>, tools: &[serde_json::Value]) -> Result<String> {
         let template = &self.template;
         let native_tools = template.handles_tools() && !template.is_fallback();
         let messages = if native_tools {
@@ -248,8 +302,7 @@ impl LanguageModel {
         };
         let tools_arg =
             (!tools.is_empty() && (native_tools || template.is_fallback())).then_some(tools);
-        let text = template.render(&messages, tools_arg, true)?;
-        self.tokenizer.encode(&text, true)
+        template.render(&messages, tools_arg, true)
     }
 
     /// The file's description.

@@ -431,6 +431,16 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// [`Self::encode`] without the beginning-of-sequence token: the tokens of text
+    /// that follows others (the next turn of a conversation).
+    pub fn encode_without_bos(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {
+        let mut ids = self.encode(text, parse_special)?;
+        if self.add_bos && self.bos.is_some() && !ids.is_empty() {
+            ids.remove(0);
+        }
+        Ok(ids)
+    }
+
     /// The bytes token `id` stands for (special tokens: their text).
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
         self.bytes.get(id as usize).map(Vec::as_slice)

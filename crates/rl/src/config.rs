@@ -138,6 +138,13 @@ pub struct RolloutSection {
     /// a bounded buffer and each step learns from the first groups to finish, at most
     /// `max_staleness` weight updates old.
     pub mode: RolloutMode,
+    /// Base URLs of `agentstack model serve` processes (`http://host:port`) to play the
+    /// episodes on instead of the in-process engine: each episode goes to the least
+    /// busy one that is up; a server that dies has its episodes played again on the
+    /// others and gets the current adapters when it is back. They get the adapters
+    /// after every step (with `[sync]`'s key, name and wait), so their `--adapter-dir`
+    /// must hold the runs directory.
+    pub servers: Vec<String>,
     /// Sync mode: 0 (rollout, then learn) or 1 (the rollouts of step k+1 run while
     /// step k learns, on the weights from before step k). Async mode: k ≥ 1, how many
     /// updates behind the learner a group may start and a token may be sampled (older
@@ -170,6 +177,7 @@ impl Default for RolloutSection {
             concurrency: 16,
             weights: RolloutWeights::Quantized,
             mode: RolloutMode::Sync,
+            servers: Vec::new(),
             max_staleness: 0,
         }
     }
@@ -480,6 +488,13 @@ impl TrainConfig {
                     "rollout.max_staleness = {} needs rollout.mode = \"async\"; in sync mode use 0 (synchronous) or 1 (rollouts one step ahead)",
                     self.rollout.max_staleness
                 )));
+            }
+            RolloutMode::Sync
+                if self.rollout.max_staleness == 1 && !self.rollout.servers.is_empty() =>
+            {
+                return Err(ConfigError(
+                    "rollout.servers with rollout.max_staleness = 1 is not supported (the servers get each step's adapters while the next batch plays); use 0, or rollout.mode = \"async\"".into(),
+                ));
             }
             RolloutMode::Async if self.rollout.max_staleness == 0 => {
                 return Err(ConfigError(

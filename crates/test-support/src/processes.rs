@@ -203,6 +203,17 @@ impl Server {
         server
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kills the server with SIGKILL (no shutdown of its own) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// The command and everything the server printed so far, for failure messages.
     pub fn report(&mut self) -> String {
         let state = match self.child.try_wait() {

@@ -42,6 +42,30 @@ pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> V
     samples
 }
 
+/// Multi-turn episodes' later turns, and how many of them do not continue the
+/// previous turn's token ids (their prompt does not begin with the previous turn's
+/// prompt and completion: the history was tokenized again, or cut).
+pub(super) fn continuations(episodes: &[(usize, agentstack_harness::Episode)]) -> (usize, usize) {
+    let (mut later, mut broken) = (0, 0);
+    for (_, episode) in episodes {
+        for pair in episode.turns.windows(2) {
+            let (Some((prompt, completion, _)), Some((next, _, _))) =
+                (pair[0].tokens.complete(), pair[1].tokens.complete())
+            else {
+                continue;
+            };
+            later += 1;
+            let kept = next.len() >= prompt.len() + completion.len()
+                && next[..prompt.len()] == *prompt
+                && next[prompt.len()..prompt.len() + completion.len()] == *completion;
+            if !kept {
+                broken += 1;
+            }
+        }
+    }
+    (later, broken)
+}
+
 pub(super) fn mean_std(xs: &[f64]) -> (f64, f64) {
     if xs.is_empty() {
         return (f64::NAN, f64::NAN);
@@ -202,4 +226,51 @@ pub(super) fn sft_batch(data: &[Sample], config: &TrainConfig, step: usize) -> V
     (0..size)
         .map(|j| data[shuffled(&[config.seed, 0x5f7], n, (step * size + j) as u64)].clone())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// An episode of turns with these (prompt, completion) ids, as the harness writes it.
+    fn episode(turns: &[(&[u32], &[u32])]) -> agentstack_harness::Episode {
+        let turns: Vec<_> = turns
+            .iter()
+            .map(|(prompt, completion)| {
+                json!({"kind": "act", "prompt_ids": prompt, "completion_ids": completion,
+                       "logprobs": vec![-1.0; completion.len()], "text": "", "finish_reason": "stop",
+                       "prompt_tokens": prompt.len(), "completion_tokens": completion.len()})
+            })
+            .collect();
+        serde_json::from_value(
+            json!({"reset": {}, "reward": 1.0, "finish": "done", "steps": 1,
+            "parse_errors": 0, "invalid_actions": 0, "turns": turns, "messages": []}),
+        )
+        .unwrap()
+    }
+
+    /// A later turn counts as continued when its prompt begins with the previous turn's
+    /// prompt and completion ids, and as tokenized again otherwise; single turns do not
+    /// count.
+    #[test]
+    fn later_turns_that_do_not_continue_the_ids_are_counted() {
+        let episodes = [
+            (
+                0,
+                episode(&[
+                    (&[1, 2], &[3, 4]),
+                    (&[1, 2, 3, 4, 5], &[6]),
+                    (&[1, 2, 3, 4, 5, 6, 7], &[8]),
+                ]),
+            ),
+            // The history tokenized again: 3 4 became 9.
+            (0, episode(&[(&[1, 2], &[3, 4]), (&[1, 2, 9, 5], &[6])])),
+            // Shorter than what it should continue.
+            (1, episode(&[(&[1, 2], &[3, 4]), (&[1, 2], &[6])])),
+            (1, episode(&[(&[1, 2], &[3])])),
+        ];
+        assert_eq!(continuations(&episodes), (4, 2));
+    }
 }

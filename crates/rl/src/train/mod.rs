@@ -29,6 +29,7 @@ mod metrics;
 mod producer;
 mod rollout;
 mod schedule;
+mod servers;
 mod sync;
 
 use std::collections::BTreeMap;
@@ -46,15 +47,16 @@ use candle_core::DType;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use self::batch::{Shaped, mean_std, samples_of, sft_batch, sft_data, shape};
+use self::batch::{Shaped, continuations, mean_std, samples_of, sft_batch, sft_data, shape};
 use self::checkpoint::write_atomic;
 pub use self::error::TrainError;
 use self::error::{io, join, tensor};
 use self::learner::Learner;
 use self::metrics::MetricsLog;
 use self::producer::{Producer, ProducerSetup};
-use self::rollout::{RolloutSide, RolloutTask};
+use self::rollout::{Player, RolloutSide, RolloutTask};
 use self::schedule::RolloutScheduler;
+use self::servers::ServerPool;
 use self::sync::RemoteSync;
 use crate::config::{Algorithm, RolloutMode, RolloutWeights, TrainConfig};
 use crate::lora::Lora;
@@ -117,6 +119,14 @@ pub struct StepMetrics {
     /// Fraction of trained tokens masked by `loss.is_mask` (when set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub is_masked: Option<f64>,
+    /// Multi-turn episodes: turns after the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub later_turns: Option<usize>,
+    /// Of those, turns whose prompt does not continue the previous turn's token ids
+    /// exactly (the history tokenized again): 0 on the in-process engine unless the
+    /// context policy cut the history.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retokenized_turns: Option<usize>,
     /// Asynchronous runs: mean updates between the weights that sampled a trained
     /// token and the learner's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -156,6 +166,17 @@ pub struct StepMetrics {
     /// Milliseconds pushing them to `model serve` processes (when configured).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_sync_ms: Option<f64>,
+    /// Rollouts on `rollout.servers`: episodes played again because their server
+    /// failed during the step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replayed_episodes: Option<usize>,
+    /// Rollouts on `rollout.servers`: servers up after the step's adapter push.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub servers_up: Option<usize>,
+    /// Rollouts on `rollout.servers`: the longest time from a server's failure to its
+    /// return with the current adapters, among those back during the step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_recovery_s: Option<f64>,
     /// Seconds from the end of the last step (or the run's start) to the end of this
     /// one's learning and pushes: what throughput is measured by.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -211,7 +232,7 @@ pub async fn train(
     let time_limit = setup.time_limit;
     let mut trainer = Trainer::open(setup).await?;
     trainer.evaluate_before().await?;
-    trainer.start_producer()?;
+    trainer.start_rollouts().await?;
     let steps = trainer.config.steps;
     let (mut stopped_at, mut time_limit_at) = (None, None);
     let started = Instant::now();
@@ -292,6 +313,8 @@ struct Trainer {
     sft: Option<Vec<Sample>>,
     /// Pushes to `model serve` processes, when any are configured.
     remote: Option<RemoteSync>,
+    /// The rollout servers, when the episodes play on them.
+    pool: Option<Arc<ServerPool>>,
     metrics: MetricsLog,
     /// Held-out rewards by step (0: before training).
     evals: BTreeMap<usize, (f64, (f64, f64))>,
@@ -315,7 +338,7 @@ impl Trainer {
         } = setup;
         config.check()?;
         // The adapter pushes' key, from the trainer's environment (never the file).
-        let sync_key = if config.sync.servers.is_empty() {
+        let sync_key = if config.sync.servers.is_empty() && config.rollout.servers.is_empty() {
             None
         } else {
             config.sync.api_key()?
@@ -336,6 +359,19 @@ impl Trainer {
             .unwrap_or_else(|| "run".into());
         let policy_client =
             ModelClient::engine_adapter(engine.clone(), &run_id, Some(POLICY_ADAPTER));
+        let pool = (!config.rollout.servers.is_empty()).then(|| {
+            ServerPool::new(
+                &config.rollout.servers,
+                sync_key.clone(),
+                config.sync.name.clone().unwrap_or_else(|| run_id.clone()),
+                dir.join("rollout-adapter.safetensors"),
+                Duration::from_secs(config.sync.wait_seconds),
+            )
+        });
+        let player = match &pool {
+            Some(pool) => Player::Servers(pool.clone()),
+            None => Player::Engine(policy_client),
+        };
         let eval_client = ModelClient::engine_adapter(engine.clone(), &run_id, Some(EVAL_ADAPTER));
 
         let base = learner_lm.model().clone();
@@ -388,7 +424,7 @@ impl Trainer {
                 config.clone(),
                 engine,
                 rollout_base,
-                policy_client,
+                player,
                 env.clone(),
                 presenter,
             ),
@@ -404,6 +440,7 @@ impl Trainer {
             teacher,
             sft,
             remote,
+            pool,
             metrics,
             evals,
             producer: None,
@@ -422,10 +459,17 @@ impl Trainer {
         self.sft.is_none() && self.config.rollout.mode == RolloutMode::Async
     }
 
-    /// Asynchronous runs: puts the current adapters in the policy slot and starts the
-    /// continuous rollouts.
-    fn start_producer(&mut self) -> Result<(), TrainError> {
-        if !self.is_async() || self.resumed_from >= self.config.steps {
+    /// Before the first step: the rollout servers get the current adapters, and an
+    /// asynchronous run puts them in the policy slot and starts its continuous
+    /// rollouts.
+    async fn start_rollouts(&mut self) -> Result<(), TrainError> {
+        if self.sft.is_some() || self.resumed_from >= self.config.steps {
+            return Ok(());
+        }
+        if let Some(pool) = &self.pool {
+            pool.push(&self.lora).await?;
+        }
+        if !self.is_async() {
             return Ok(());
         }
         let (_, version) = self.rollouts.sync_version(POLICY_ADAPTER, &self.lora)?;
@@ -436,7 +480,7 @@ impl Trainer {
             .expect("training on rollouts has an environment");
         self.producer = Some(Producer::start(ProducerSetup {
             config: self.config.clone(),
-            policy: self.rollouts.policy().clone(),
+            player: self.rollouts.player().clone(),
             env,
             presenter,
             first_position: self.next_position,
@@ -516,12 +560,20 @@ impl Trainer {
             seconds = ?groups.iter().map(|g| g.seconds).collect::<Vec<_>>(),
             "asynchronous groups taken"
         );
+        let started: Vec<u64> = groups.iter().map(|g| g.started_version).collect();
         let episodes: Vec<(usize, agentstack_harness::Episode)> = groups
             .into_iter()
             .enumerate()
             .flat_map(|(i, g)| g.episodes.into_iter().map(move |e| (i, e)))
             .collect();
-        let (samples, advantages, mut masks) = self.shape_episodes(&episodes, m).await?;
+        let (mut samples, advantages, mut masks) = self.shape_episodes(&episodes, m).await?;
+        // Tokens whose server did not say which weights sampled them count at the
+        // version their group started under (the oldest they can be).
+        for sample in &mut samples {
+            if sample.versions.is_empty() {
+                sample.versions = vec![started[sample.group]; sample.completion.len()];
+            }
+        }
         let current = self.policy_version.load(Ordering::Acquire);
         let staleness = mask_stale_tokens(
             &samples,
@@ -544,6 +596,10 @@ impl Trainer {
         m: &mut StepMetrics,
     ) -> Result<Shaped, TrainError> {
         let samples = samples_of(episodes);
+        let (later, broken) = continuations(episodes);
+        if later > 0 {
+            (m.later_turns, m.retokenized_turns) = (Some(later), Some(broken));
+        }
         let rewards: Vec<f64> = episodes.iter().map(|(_, e)| e.reward).collect();
         (m.reward_mean, m.reward_std) = mean_std(&rewards);
         let (config, teacher, normalization) = (
@@ -638,10 +694,19 @@ impl Trainer {
         Ok(())
     }
 
-    /// Pushes the new adapters to the `model serve` processes, if any.
+    /// Pushes the new adapters to the `model serve` processes and the rollout servers,
+    /// if any.
     async fn push_to_servers(&self, m: &mut StepMetrics) -> Result<(), TrainError> {
         if let Some(remote) = &self.remote {
             m.remote_sync_ms = Some(remote.push(&self.lora).await?);
+        }
+        if let Some(pool) = &self.pool {
+            let ms = pool.push(&self.lora).await?;
+            m.remote_sync_ms = Some(m.remote_sync_ms.unwrap_or(0.0) + ms);
+            let (replayed, recoveries) = pool.take_counts();
+            m.replayed_episodes = Some(replayed);
+            m.servers_up = Some(pool.up());
+            m.server_recovery_s = recoveries.into_iter().reduce(f64::max);
         }
         Ok(())
     }

@@ -27,14 +27,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use agentstack_harness::episode::play;
 use agentstack_harness::prompt::Presenter;
-use agentstack_harness::{EnvHandle, Episode, ModelClient};
+use agentstack_harness::{EnvHandle, Episode};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::TrainError;
-use super::rollout::{loop_config, mix, reset_at};
+use super::rollout::{Player, loop_config, mix, reset_at};
 use crate::config::TrainConfig;
 
 /// One finished group: `group_size` episodes of the task at `position`.
@@ -60,7 +59,8 @@ pub(super) struct Producer {
 /// What the producer's loop needs.
 pub(super) struct ProducerSetup {
     pub(super) config: Arc<TrainConfig>,
-    pub(super) policy: ModelClient,
+    /// Where the episodes play.
+    pub(super) player: Player,
     pub(super) env: Arc<EnvHandle>,
     pub(super) presenter: Arc<Presenter>,
     /// The first position to play.
@@ -178,26 +178,14 @@ async fn play_group(setup: Arc<ProducerSetup>, position: u64) -> Result<Group, T
         let seed = mix(&[config.seed, 0xa5c0, position, i as u64]);
         let setup = setup.clone();
         async move {
-            play(
-                &setup.policy,
-                &setup.env,
-                &setup.presenter,
-                reset,
-                seed,
-                play_config,
-            )
-            .await
+            setup
+                .player
+                .play(&setup.env, &setup.presenter, reset, seed, play_config)
+                .await
         }
     }))
     .await;
-    let episodes = episodes
-        .into_iter()
-        .map(|played| {
-            played
-                .map(|(episode, _)| episode)
-                .map_err(|e| TrainError::Episode(Box::new(e)))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let episodes = episodes.into_iter().collect::<Result<Vec<_>, _>>()?;
     Ok(Group {
         position,
         episodes,

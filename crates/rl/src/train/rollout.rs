@@ -14,6 +14,7 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
 use super::error::tensor;
+use super::servers::ServerPool;
 use super::{POLICY_ADAPTER, TrainError};
 use crate::config::TrainConfig;
 use crate::lora::Lora;
@@ -24,6 +25,36 @@ pub(super) type Rollout = (Vec<(usize, agentstack_harness::Episode)>, f64);
 /// A step's episodes being played.
 pub(super) type RolloutTask = tokio::task::JoinHandle<Result<Rollout, TrainError>>;
 
+/// Where a run's episodes play: the in-process engine's policy slot, or the rollout
+/// servers.
+#[derive(Clone)]
+pub(super) enum Player {
+    /// The in-process engine, through this client.
+    Engine(ModelClient),
+    /// `rollout.servers`.
+    Servers(Arc<ServerPool>),
+}
+
+impl Player {
+    /// Plays one episode.
+    pub(super) async fn play(
+        &self,
+        env: &EnvHandle,
+        presenter: &Presenter,
+        reset: ResetRequest,
+        seed: u64,
+        config: &LoopConfig,
+    ) -> Result<agentstack_harness::Episode, TrainError> {
+        match self {
+            Self::Engine(model) => play(model, env, presenter, reset, seed, config)
+                .await
+                .map(|(episode, _)| episode)
+                .map_err(|e| TrainError::Episode(Box::new(e))),
+            Self::Servers(pool) => pool.play(env, presenter, reset, seed, config).await,
+        }
+    }
+}
+
 /// The rollout side of a run: the engine on the rollout weights, and what a step's
 /// episodes need.
 pub(super) struct RolloutSide {
@@ -31,8 +62,8 @@ pub(super) struct RolloutSide {
     engine: Engine,
     /// The rollout weights the adapters go on.
     base: Model,
-    /// The engine under the policy slot.
-    policy: ModelClient,
+    /// Where the episodes play.
+    player: Player,
     env: Option<Arc<EnvHandle>>,
     presenter: Option<Arc<Presenter>>,
 }
@@ -42,7 +73,7 @@ impl RolloutSide {
         config: Arc<TrainConfig>,
         engine: Engine,
         base: Model,
-        policy: ModelClient,
+        player: Player,
         env: Option<Arc<EnvHandle>>,
         presenter: Option<Arc<Presenter>>,
     ) -> Self {
@@ -50,7 +81,7 @@ impl RolloutSide {
             config,
             engine,
             base,
-            policy,
+            player,
             env,
             presenter,
         }
@@ -77,9 +108,9 @@ impl RolloutSide {
         Ok((t.elapsed().as_secs_f64() * 1e3, version))
     }
 
-    /// The engine under the policy slot.
-    pub(super) fn policy(&self) -> &ModelClient {
-        &self.policy
+    /// Where the episodes play.
+    pub(super) fn player(&self) -> &Player {
+        &self.player
     }
 
     /// The environment and how its episodes are presented (training on rollouts).
@@ -96,7 +127,7 @@ impl RolloutSide {
         sync_ms: &mut f64,
     ) -> Result<RolloutTask, TrainError> {
         *sync_ms += self.sync(POLICY_ADAPTER, sampler)?;
-        let (config, model) = (self.config.clone(), self.policy.clone());
+        let (config, player) = (self.config.clone(), self.player.clone());
         let (env, presenter) = (self.env.clone(), self.presenter.clone());
         Ok(tokio::spawn(async move {
             let (env, presenter) = (
@@ -105,7 +136,7 @@ impl RolloutSide {
             );
             let t = Instant::now();
             let resets = step_resets(&config, &env, step)?;
-            let episodes = rollouts(&config, &model, &env, &presenter, step, resets).await?;
+            let episodes = rollouts(&config, &player, &env, &presenter, step, resets).await?;
             Ok((episodes, t.elapsed().as_secs_f64()))
         }))
     }
@@ -216,7 +247,7 @@ pub(super) fn loop_config(config: &TrainConfig) -> LoopConfig {
 /// the step and its place, so the same step always samples the same way.
 pub(super) async fn rollouts(
     config: &TrainConfig,
-    model: &ModelClient,
+    player: &Player,
     env: &EnvHandle,
     presenter: &Presenter,
     step: usize,
@@ -234,14 +265,13 @@ pub(super) async fn rollouts(
     let mut stream = futures_util::stream::iter(jobs.into_iter().enumerate().map(
         |(index, (j, i, reset))| async move {
             let seed = mix(&[config.seed, step as u64, j as u64, i as u64]);
-            let played = play(model, env, presenter, reset, seed, play_config).await;
+            let played = player.play(env, presenter, reset, seed, play_config).await;
             (index, j, played)
         },
     ))
     .buffer_unordered(config.rollout.concurrency);
     while let Some((index, j, played)) = stream.next().await {
-        let (episode, _) = played.map_err(|e| TrainError::Episode(Box::new(e)))?;
-        results[index] = Some((j, episode));
+        results[index] = Some((j, played?));
     }
     Ok(results.into_iter().flatten().collect())
 }

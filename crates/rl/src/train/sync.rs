@@ -54,7 +54,7 @@ impl RemoteSync {
 /// that cannot be reached or answers 5xx (still starting, or being replaced by its
 /// supervisor) is retried, backing off from 0.25 s to 4 s, for up to `wait`; any other
 /// failure, or the last one, ends the run with the server's answer.
-async fn push_adapter(
+pub(super) async fn push_adapter(
     http: &reqwest::Client,
     server: &str,
     key: Option<&ApiKey>,
