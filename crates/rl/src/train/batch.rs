@@ -18,28 +18,79 @@ use crate::config::TrainConfig;
 /// Samples with their per-token advantages and loss masks.
 pub(super) type Shaped = (Vec<Sample>, Vec<Vec<f32>>, Vec<Vec<f32>>);
 
+/// The samples of played episodes: one per episode, whose completion runs from its
+/// first model turn to its last. A later turn whose prompt continues the previous
+/// turn's prompt and completion ids (the in-process engine keeps them) adds the ids in
+/// between (the environment's reply, the chat template's markers; masked out, with
+/// log-probability 0) and its own completion: the episode is learned from end to end,
+/// on the ids the policy saw and sampled, and counts once in its group. A turn that
+/// does not continue (the history was tokenized again or cut) starts a sample of its
+/// own.
 pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> Vec<Sample> {
     let mut samples = Vec::new();
     for (group, episode) in episodes {
+        let mut current: Option<Sample> = None;
         for turn in &episode.turns {
             let Some((prompt, completion, logprobs)) = turn.tokens.complete() else {
+                samples.extend(current.take());
                 continue;
             };
+            let versions = turn.tokens.weights_versions.clone().unwrap_or_default();
+            let truncated = turn.finish_reason == "length";
+            if let Some(s) = &mut current
+                && let Some(between) = continued(s, prompt)
+            {
+                let between = between.to_vec();
+                let last_version = s.versions.last().copied();
+                if !s.versions.is_empty() && versions.len() == completion.len() {
+                    s.versions.extend(std::iter::repeat_n(
+                        last_version.unwrap_or(0),
+                        between.len(),
+                    ));
+                    s.versions.extend(&versions);
+                } else {
+                    s.versions.clear();
+                }
+                if s.mask.is_empty() {
+                    s.mask = vec![1.0; s.completion.len()];
+                }
+                s.mask.extend(std::iter::repeat_n(0.0, between.len()));
+                s.mask.extend(std::iter::repeat_n(1.0, completion.len()));
+                s.logprobs.extend(std::iter::repeat_n(0.0, between.len()));
+                s.logprobs.extend_from_slice(logprobs);
+                s.completion.extend(between);
+                s.completion.extend_from_slice(completion);
+                s.truncated = truncated;
+                continue;
+            }
+            samples.extend(current.take());
             if completion.is_empty() {
                 continue;
             }
-            samples.push(Sample {
+            current = Some(Sample {
                 group: *group,
                 prompt: prompt.to_vec(),
                 completion: completion.to_vec(),
                 logprobs: logprobs.to_vec(),
-                versions: turn.tokens.weights_versions.clone().unwrap_or_default(),
+                versions,
+                mask: Vec::new(),
                 reward: episode.reward,
-                truncated: turn.finish_reason == "length",
+                truncated,
             });
         }
+        samples.extend(current);
     }
     samples
+}
+
+/// The ids between `sample` (a prompt and completion so far) and `next_prompt`, when
+/// `next_prompt` begins with all of them.
+fn continued<'a>(sample: &Sample, next_prompt: &'a [u32]) -> Option<&'a [u32]> {
+    let (p, c) = (sample.prompt.len(), sample.completion.len());
+    (next_prompt.len() >= p + c
+        && next_prompt[..p] == sample.prompt[..]
+        && next_prompt[p..p + c] == sample.completion[..])
+        .then(|| &next_prompt[p + c..])
 }
 
 /// Multi-turn episodes' later turns, and how many of them do not continue the
@@ -136,10 +187,15 @@ pub(super) fn shape(
                 }
                 add_reverse_kl(&mut adv, &s.logprobs, teacher_logp, d.kl_coef as f32);
             }
-            let mask = match config.loss.overlong.as_str() {
+            let mut mask = match config.loss.overlong.as_str() {
                 "filter" => overlong_mask(s.truncated, s.completion.len()),
                 _ => vec![1.0; s.completion.len()],
             };
+            if s.mask.len() == mask.len() {
+                for (m, own) in mask.iter_mut().zip(&s.mask) {
+                    *m *= own;
+                }
+            }
             kept.push(s.clone());
             advantages.push(adv);
             masks.push(mask);
@@ -272,5 +328,38 @@ mod tests {
             (1, episode(&[(&[1, 2], &[3])])),
         ];
         assert_eq!(continuations(&episodes), (4, 2));
+    }
+
+    /// A multi-turn episode whose turns continue each other is one sample: the ids in
+    /// between are masked, with log-probability 0; a turn that does not continue starts
+    /// a sample of its own; each sample keeps its group and reward.
+    #[test]
+    fn an_episode_of_continued_turns_is_one_sample() {
+        let episodes = [
+            (
+                0,
+                episode(&[
+                    (&[1, 2], &[3, 4]),
+                    (&[1, 2, 3, 4, 5], &[6]),
+                    (&[1, 2, 3, 4, 5, 6, 7], &[8]),
+                ]),
+            ),
+            (1, episode(&[(&[1, 2], &[3, 4]), (&[1, 2, 9, 5], &[6])])),
+        ];
+        let samples = samples_of(&episodes);
+        assert_eq!(samples.len(), 3);
+        let whole = &samples[0];
+        assert_eq!((whole.group, whole.prompt.as_slice()), (0, &[1, 2][..]));
+        assert_eq!(whole.completion, [3, 4, 5, 6, 7, 8]);
+        assert_eq!(whole.mask, [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
+        assert_eq!(whole.logprobs, [-1.0, -1.0, 0.0, -1.0, 0.0, -1.0]);
+        assert_eq!(
+            (samples[1].completion.as_slice(), samples[1].mask.as_slice()),
+            (&[3, 4][..], &[][..])
+        );
+        assert_eq!(
+            (samples[2].group, samples[2].prompt.as_slice()),
+            (1, &[1, 2, 9, 5][..])
+        );
     }
 }

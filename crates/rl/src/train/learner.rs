@@ -55,6 +55,8 @@ impl Learner {
         let n = samples.len() as f64;
         let mut out = Learned::default();
         let (mut clipped, mut kl, mut mismatch, mut masked) = (0.0, 0.0, 0.0, 0.0);
+        // Tokens of the chunks run through the model (the rollout mismatch's).
+        let mut scored_tokens = 0.0;
         // Backward passes over runs of samples that share a prompt (a GRPO group): the
         // prompt runs once for all of them.
         let mut chunks: Vec<std::ops::Range<usize>> = Vec::new();
@@ -70,6 +72,18 @@ impl Learner {
             }
         }
         for range in chunks {
+            // A chunk whose every advantage is 0 and that has no KL term adds exactly
+            // nothing to the loss or its gradient (a GRPO group whose rewards are all
+            // equal): it is not run.
+            if !sft
+                && self.reference.is_none()
+                && advantages[range.clone()]
+                    .iter()
+                    .flatten()
+                    .all(|&a| a == 0.0)
+            {
+                continue;
+            }
             let offset = range.start;
             let chunk = &samples[range];
             let prompt = chunk[0].prompt.as_slice();
@@ -118,8 +132,9 @@ impl Learner {
                 };
                 clipped += metrics.clip_fraction * share;
                 kl += metrics.kl * share;
-                mismatch += metrics.rollout_mismatch * chunk_tokens / total_tokens;
-                masked += metrics.is_masked * chunk_tokens / total_tokens;
+                mismatch += metrics.rollout_mismatch * chunk_tokens;
+                masked += metrics.is_masked * chunk_tokens;
+                scored_tokens += chunk_tokens;
                 (loss, share)
             };
             let loss = (loss * weight)?;
@@ -130,8 +145,8 @@ impl Learner {
         let report = self.optim.apply(&sum)?;
         out.clip_fraction = clipped;
         out.kl = kl;
-        out.mismatch = mismatch;
-        out.is_masked = masked;
+        out.mismatch = mismatch / scored_tokens.max(1.0);
+        out.is_masked = masked / scored_tokens.max(1.0);
         out.tokens = total_tokens as usize;
         out.grad_norm = report.grad_norm;
         out.lr = report.lr;

@@ -84,6 +84,10 @@ pub struct Sample {
     /// runs; empty when the model side does not say).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub versions: Vec<u64>,
+    /// Which completion tokens are the model's (1) and which came from elsewhere (0:
+    /// a multi-turn episode's observations between its turns); empty: all the model's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mask: Vec<f32>,
     /// The episode's reward.
     pub reward: f64,
     /// Whether the completion hit the token limit.
@@ -956,6 +960,7 @@ mod tests {
             completion: vec![2; versions.len()],
             logprobs: vec![-1.0; versions.len()],
             versions,
+            mask: Vec::new(),
             reward: 1.0,
             truncated: false,
         }
