@@ -144,6 +144,26 @@ fn adapter(runs: &Path, id: &str, step: usize) -> Vec<u8> {
     .expect("the last checkpoint's adapters")
 }
 
+/// Waits until `done` holds, for at most [`TRAIN_LIMIT`]; `running` says whether the
+/// run being watched is still going (it must be, until `done`).
+fn wait_until(what: &str, mut running: impl FnMut() -> bool, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(running(), "the run ended before {what}");
+        assert!(started.elapsed() < TRAIN_LIMIT, "no {what} in time");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether the metrics at `path` have a step that `matches`.
+fn has_step(path: &Path, matches: impl Fn(&Value) -> bool) -> bool {
+    std::fs::read_to_string(path).is_ok_and(|text| {
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .any(|step| matches(&step))
+    })
+}
+
 #[test]
 #[ignore = "needs the SmolLM2 model from scripts/install-peers"]
 fn a_killed_run_resumes_exactly_as_an_uninterrupted_run() {
@@ -167,15 +187,11 @@ fn a_killed_run_resumes_exactly_as_an_uninterrupted_run() {
         let marker = runs
             .join(&killed)
             .join("checkpoints/step-000002/state.json");
-        let started = Instant::now();
-        while !marker.exists() {
-            assert!(
-                child.try_wait().unwrap().is_none(),
-                "the run ended before the kill"
-            );
-            assert!(started.elapsed() < TRAIN_LIMIT, "no checkpoint in time");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_until(
+            "the second checkpoint",
+            || child.try_wait().unwrap().is_none(),
+            || marker.exists(),
+        );
         std::thread::sleep(Duration::from_millis(700));
         child.kill().expect("SIGKILL");
         child.wait().unwrap();
@@ -229,15 +245,11 @@ fn asynchronous_rollouts_bound_staleness_and_resume() {
         .spawn()
         .unwrap();
     let marker = runs.join("async/checkpoints/step-000002/state.json");
-    let started = Instant::now();
-    while !marker.exists() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before the kill"
-        );
-        assert!(started.elapsed() < TRAIN_LIMIT, "no checkpoint in time");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(
+        "the second checkpoint",
+        || child.try_wait().unwrap().is_none(),
+        || marker.exists(),
+    );
     child.kill().expect("SIGKILL");
     child.wait().unwrap();
     let state: Value = serde_json::from_str(&std::fs::read_to_string(&marker).unwrap()).unwrap();
@@ -360,28 +372,18 @@ fn a_killed_rollout_server_is_replaced_and_training_goes_on() {
         .env("ROLLOUT_TEST_KEY", SYNC_KEY)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    let child = trainer.spawn().unwrap();
+    let mut child = trainer.spawn().unwrap();
     let metrics_path = runs.join("pool/metrics.jsonl");
-    let started = Instant::now();
-    while std::fs::read_to_string(&metrics_path).map_or(true, |t| t.is_empty()) {
-        assert!(started.elapsed() < TRAIN_LIMIT, "no step in time");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let mut running = || child.try_wait().unwrap().is_none();
+    wait_until("the first step", &mut running, || {
+        has_step(&metrics_path, |_| true)
+    });
     first.kill();
     // The restart waits until the trainer has seen the failure (an episode failing
     // there, or the next adapter push), as a supervisor's restart takes a while.
-    let seen_down = |text: &str| {
-        text.lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .any(|s| s["servers_up"] == 1)
-    };
-    while !std::fs::read_to_string(&metrics_path).is_ok_and(|t| seen_down(&t)) {
-        assert!(
-            started.elapsed() < TRAIN_LIMIT,
-            "the failure was never seen"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until("the failure was seen", &mut running, || {
+        has_step(&metrics_path, |step| step["servers_up"] == 1)
+    });
     let restarted = serve(ports[0]);
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -645,12 +647,11 @@ fn sigterm_checkpoints_the_step_and_the_same_command_resumes() {
         .spawn()
         .unwrap();
     let metrics_path = runs.join("term/metrics.jsonl");
-    let started = Instant::now();
-    while std::fs::read_to_string(&metrics_path).map_or(true, |t| t.is_empty()) {
-        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
-        assert!(started.elapsed() < TRAIN_LIMIT, "no step in time");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(
+        "the first step",
+        || child.try_wait().unwrap().is_none(),
+        || has_step(&metrics_path, |_| true),
+    );
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
