@@ -669,6 +669,11 @@ pub struct TrainArgs {
     /// Also push the adapters to this `model serve` after every step (repeatable).
     #[arg(long = "sync-server")]
     pub sync_servers: Vec<String>,
+    /// Play the episodes on this `model serve` (`http://host:port`; repeatable, or
+    /// comma-separated, e.g. a job group's `AGENTSTACK_MODEL_SERVER_ADDRS` with
+    /// `http://` before each): added to `[rollout] servers`.
+    #[arg(long = "rollout-server", value_delimiter = ',')]
+    pub rollout_servers: Vec<String>,
     /// End the run after the step during which this much wall time has passed
     /// (e.g. `90s`, `20m`, `2h`), with the held-out evaluation and checkpoint of a last
     /// step; the same command without it goes on to the configured steps.

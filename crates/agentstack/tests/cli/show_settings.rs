@@ -51,6 +51,9 @@ fn train_shows_the_config_with_the_flags_applied() {
             "3",
             "--sync-server",
             "http://127.0.0.1:9",
+            // A job group's address list: comma-separated, `http://` added.
+            "--rollout-server",
+            "127.0.0.1:10,http://127.0.0.1:11",
         ],
         // Empty is unset: python3.
         &[("AGENTSTACK_PYTHON", "")],

@@ -431,12 +431,24 @@ fn a_killed_rollout_server_is_replaced_and_training_goes_on() {
     );
     assert_eq!(status, 200, "{listed}");
     assert_eq!(listed["data"][0]["name"], "pool", "{listed}");
-    assert!(
-        runs.join(format!(
-            "pool/checkpoints/step-{STEPS:06}/adapter.safetensors"
-        ))
-        .is_file()
-    );
+    // The last adapters have the shapes of the first: nothing was lost or doubled.
+    let shapes = |step: usize| {
+        let path = runs.join(format!(
+            "pool/checkpoints/step-{step:06}/adapter.safetensors"
+        ));
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let tensors = header.as_object_mut().unwrap();
+        tensors.remove("__metadata__");
+        tensors
+            .iter()
+            .map(|(name, t)| (name.clone(), t["dtype"].clone(), t["shape"].clone()))
+            .collect::<Vec<_>>()
+    };
+    let last = shapes(STEPS);
+    assert!(!last.is_empty());
+    assert_eq!(last, shapes(1));
     drop(second);
     // Resumable: the same command finds the run done at its last checkpoint.
     let mut again = train(&cfg, &runs, "pool");

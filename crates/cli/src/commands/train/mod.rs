@@ -74,6 +74,19 @@ impl TrainSettings {
             .sync
             .servers
             .extend(args.sync_servers.iter().cloned());
+        config.rollout.servers.extend(
+            args.rollout_servers
+                .iter()
+                .map(|s| s.trim())
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    if s.contains("://") {
+                        s.to_owned()
+                    } else {
+                        format!("http://{s}")
+                    }
+                }),
+        );
         // Paths in the file are relative to the file.
         let base = args
             .config
