@@ -257,42 +257,92 @@ impl LanguageModel {
 
     /// The prompt of the next turn of a conversation whose earlier turn had the token
     /// ids `earlier.prompt` and `earlier.completion` (as sampled): those ids exactly,
-    /// then the rest of `messages` rendered and tokenized on its own, so no earlier
-    /// token is tokenized again (a sampled token sequence is often not what the
-    /// tokenizer would make of its text, and a multi-turn RL sample must keep the ids
-    /// the policy produced). The second value says whether it continued; it does not
-    /// when `messages` does not render as the earlier conversation, its completion's
-    /// text and more (the history was truncated or compacted, or the template rewrites
-    /// earlier replies), and the prompt is then [`Self::chat_prompt`]'s.
+    /// then what the chat template writes after an assistant turn's content (its
+    /// end-of-turn, less an end token the completion already holds), the new messages
+    /// and the generation prompt, tokenized on their own. No earlier token is tokenized
+    /// again: a sampled token sequence is often not what the tokenizer would make of its
+    /// text, and a multi-turn RL sample must keep the ids the policy produced. The
+    /// assistant message in `messages` stands for the completion whatever its text (a
+    /// harness may store it trimmed, or with tool calls taken out).
+    ///
+    /// `messages` must be the earlier turn's messages, that assistant message and more;
+    /// the second value says whether the prompt continued. It does not when `messages`
+    /// is not that (the history was truncated or compacted), or the template renders
+    /// the conversation so that its earlier part changes, and the prompt is then
+    /// [`Self::chat_prompt`]'s.
     pub fn chat_prompt_continuing(
         &self,
         earlier: &EarlierTurn<'_>,
         messages: Vec<Message>,
         tools: &[serde_json::Value],
     ) -> Result<(Vec<u32>, bool)> {
-        let text = self.chat_text(messages, tools)?;
-        let before = self.chat_text(earlier.messages.to_vec(), tools)?;
-        let generated = self.tokenizer.decode(earlier.completion, false);
-        let rest = text
-            .strip_prefix(before.as_str())
-            .and_then(|after| after.strip_prefix(generated.as_str()));
-        match rest {
-            Some(rest) => {
-                let mut ids = Vec::with_capacity(
-                    earlier.prompt.len() + earlier.completion.len() + rest.len() / 2,
-                );
-                ids.extend_from_slice(earlier.prompt);
-                ids.extend_from_slice(earlier.completion);
-                ids.extend(self.tokenizer.encode_without_bos(rest, true)?);
-                Ok((ids, true))
-            }
-            None => Ok((self.tokenizer.encode(&text, true)?, false)),
+        let n = earlier.messages.len();
+        let extends = messages.len() > n + 1
+            && messages[..n] == *earlier.messages
+            && messages[n].role == "assistant";
+        if extends && let Some(rest) = self.after_assistant_turn(earlier, &messages, tools)? {
+            let mut ids = Vec::with_capacity(
+                earlier.prompt.len() + earlier.completion.len() + rest.len() / 2,
+            );
+            ids.extend_from_slice(earlier.prompt);
+            ids.extend_from_slice(earlier.completion);
+            ids.extend(self.tokenizer.encode_without_bos(&rest, true)?);
+            return Ok((ids, true));
         }
+        Ok((self.chat_prompt(messages, tools)?, false))
+    }
+
+    /// The text that follows the earlier turn's completion in a continued prompt (see
+    /// [`Self::chat_prompt_continuing`]): the template's end of an assistant turn after
+    /// its content (without the end token the completion ends with, if it does), then
+    /// the messages after `messages[earlier.messages.len()]` and the generation prompt.
+    /// `None` when the template does not render the conversation that way.
+    fn after_assistant_turn(
+        &self,
+        earlier: &EarlierTurn<'_>,
+        messages: &[Message],
+        tools: &[serde_json::Value],
+    ) -> Result<Option<String>> {
+        const MARK: &str = "agentstack-assistant-content-7f3a";
+        let n = earlier.messages.len();
+        let full = self.render_chat(messages.to_vec(), tools, true)?;
+        let through = self.render_chat(messages[..=n].to_vec(), tools, false)?;
+        let Some(rest) = full.strip_prefix(through.as_str()) else {
+            return Ok(None);
+        };
+        // The end of an assistant turn, as the template writes it after the content.
+        let mut marked = earlier.messages.to_vec();
+        marked.push(Message::new("assistant", MARK));
+        let marked = self.render_chat(marked, tools, false)?;
+        let Some((_, mut closing)) = marked.split_once(MARK) else {
+            return Ok(None);
+        };
+        if let Some(&last) = earlier.completion.last()
+            && self.tokenizer.end_tokens().contains(&last)
+        {
+            let end = self.tokenizer.decode(&[last], false);
+            match closing.strip_prefix(end.as_str()) {
+                Some(after) => closing = after,
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(format!("{closing}{rest}")))
     }
 
     /// A chat rendered with the template and its generation prompt (see
     /// [`Self::chat_prompt`]), before tokenization.
     fn chat_text(&self, messages: Vec<Message>, tools: &[serde_json::Value]) -> Result<String> {
+        self.render_chat(messages, tools, true)
+    }
+
+    /// A chat rendered as [`Self::chat_prompt`] renders it, with or without the
+    /// generation prompt.
+    fn render_chat(
+        &self,
+        messages: Vec<Message>,
+        tools: &[serde_json::Value],
+        generation_prompt: bool,
+    ) -> Result<String> {
         let template = &self.template;
         let native_tools = template.handles_tools() && !template.is_fallback();
         let messages = if native_tools {
@@ -302,7 +352,7 @@ impl LanguageModel {
         };
         let tools_arg =
             (!tools.is_empty() && (native_tools || template.is_fallback())).then_some(tools);
-        template.render(&messages, tools_arg, true)
+        template.render(&messages, tools_arg, generation_prompt)
     }
 
     /// The file's description.

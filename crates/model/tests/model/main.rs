@@ -412,7 +412,7 @@ async fn a_group_of_one_prompt_reads_it_once_without_changing_it() {
 /// The next turn's prompt keeps the earlier turn's token ids as sampled (issue 23):
 /// a reply sampled as pieces the tokenizer would not make (one token per character),
 /// with and without its end token, is followed by the rest of the conversation
-/// tokenized on its own. The text is the whole conversation's, while tokenizing that
+/// tokenized on its own, whatever text the stored assistant message has. The text is the whole conversation's, while tokenizing that
 /// text again would have given other ids. A history that no longer renders as the
 /// earlier conversation (truncated) gets the plain prompt.
 #[test]
@@ -472,6 +472,57 @@ fn a_next_turn_prompt_keeps_the_sampled_ids_of_the_earlier_turn() {
         prompt: &prompt,
         completion: &pieces,
     };
+    // The assistant message stands for the completion whatever its text: a harness
+    // that stored it trimmed, or with tool calls taken out, still continues the ids.
+    let mut edited = next.clone();
+    edited[2] = Message::new("assistant", "5");
+    let (ids, continued) = lm.chat_prompt_continuing(&earlier, edited, &[]).unwrap();
+    assert!(continued);
+    assert_eq!(tok.decode(&ids, false), tok.decode(&plain, false));
+
+    // A turn that called a tool: the stored message has the call and no text; the
+    // tool's result follows as a `tool` message.
+    let tools = [json!({"type": "function", "function": {"name": "echo",
+        "description": "Echoes a message.",
+        "parameters": {"type": "object", "properties": {"message": {"type": "string"}}}}})];
+    let asked = vec![first[0].clone(), Message::new("user", "Echo hi.")];
+    let prompt = lm.chat_prompt(asked.clone(), &tools).unwrap();
+    let mut call: Vec<u32> =
+        "<tool_call>\n{\"name\": \"echo\", \"arguments\": {\"message\": \"hi\"}}\n</tool_call>"
+            .chars()
+            .flat_map(|c| tok.encode_without_bos(&c.to_string(), false).unwrap())
+            .collect();
+    call.push(end);
+    let mut calling = Message::new("assistant", "");
+    calling.content = None;
+    calling.tool_calls = Some(vec![agentstack_model::chat::ToolCall {
+        id: "call_0".into(),
+        kind: "function".into(),
+        function: agentstack_model::chat::FunctionCall {
+            name: "echo".into(),
+            arguments: "{\"message\":\"hi\"}".into(),
+        },
+    }]);
+    let mut result = Message::new("tool", "hi");
+    result.tool_call_id = Some("call_0".into());
+    let mut after = asked.clone();
+    after.extend([calling, result]);
+    let earlier = EarlierTurn {
+        messages: &asked,
+        prompt: &prompt,
+        completion: &call,
+    };
+    let (ids, continued) = lm
+        .chat_prompt_continuing(&earlier, after.clone(), &tools)
+        .unwrap();
+    assert!(continued, "a tool call's turn continues");
+    assert_eq!(
+        ids[..prompt.len() + call.len()],
+        [prompt.clone(), call.clone()].concat()[..]
+    );
+    let whole = tok.decode(&lm.chat_prompt(after, &tools).unwrap(), false);
+    let rest = tok.decode(&ids[prompt.len() + call.len()..], false);
+    assert!(whole.ends_with(&rest), "{rest:?} ends {whole:?}");
     let truncated = vec![next[0].clone(), next[3].clone()];
     let (ids, continued) = lm
         .chat_prompt_continuing(&earlier, truncated.clone(), &[])
