@@ -347,9 +347,6 @@ fn the_example_rl_job_group_trains_against_its_own_servers() {
     let h = home.path();
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/rl-job.yaml");
     let model = test_model();
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_agentstack"))
-        .parent()
-        .unwrap();
     let out = Output::of(
         command_in(h)
             .arg("launch")
@@ -359,14 +356,7 @@ fn the_example_rl_job_group_trains_against_its_own_servers() {
             .args(["--env", "STEPS=2"])
             .current_dir(h)
             .env("AGENTSTACK_LOCAL_CPUS", "6")
-            .env(
-                "PATH",
-                format!(
-                    "{}:{}",
-                    bin_dir.display(),
-                    std::env::var("PATH").unwrap_or_default()
-                ),
-            )
+            .env("PATH", path_with_binary())
             .env_remove("KUBECONFIG"),
     );
     let logs =
@@ -402,6 +392,18 @@ fn the_example_rl_job_group_trains_against_its_own_servers() {
     assert_eq!(metrics.lines().count(), 2, "{metrics}");
     let status = agentstack(h, &["status", "rl-arithmetic"]).stdout;
     assert!(status.contains("on local: succeeded"), "{status}");
+}
+
+/// `PATH` with the test's `agentstack` binary first, for a job group's `run:` lines.
+fn path_with_binary() -> String {
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_agentstack"))
+        .parent()
+        .unwrap();
+    format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
 }
 
 /// `text` without ANSI escape sequences (`ESC [ ... letter`).
@@ -534,23 +536,13 @@ run: >-
             h = h.display()
         ),
     );
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_agentstack"))
-        .parent()
-        .unwrap();
     let stderr = std::fs::File::create(h.join("launch.err")).unwrap();
     let mut launch = command_in(h)
         .arg("launch")
         .arg(h.join("pool.yaml"))
         .current_dir(h)
         .env("AGENTSTACK_LOCAL_CPUS", "4")
-        .env(
-            "PATH",
-            format!(
-                "{}:{}",
-                bin_dir.display(),
-                std::env::var("PATH").unwrap_or_default()
-            ),
-        )
+        .env("PATH", path_with_binary())
         .env_remove("KUBECONFIG")
         .env_remove("AGENTSTACK_API_KEY")
         .stdout(std::process::Stdio::null())
