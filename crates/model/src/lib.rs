@@ -251,7 +251,7 @@ impl LanguageModel {
         messages: Vec<Message>,
         tools: &[serde_json::Value],
     ) -> Result<Vec<u32>> {
-        let text = self.chat_text(messages, tools)?;
+        let text = self.render_chat(messages, tools, true)?;
         self.tokenizer.encode(&text, true)
     }
 
@@ -327,12 +327,6 @@ impl LanguageModel {
             }
         }
         Ok(Some(format!("{closing}{rest}")))
-    }
-
-    /// A chat rendered with the template and its generation prompt (see
-    /// [`Self::chat_prompt`]), before tokenization.
-    fn chat_text(&self, messages: Vec<Message>, tools: &[serde_json::Value]) -> Result<String> {
-        self.render_chat(messages, tools, true)
     }
 
     /// A chat rendered as [`Self::chat_prompt`] renders it, with or without the

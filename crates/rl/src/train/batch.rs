@@ -38,18 +38,14 @@ pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> V
             let versions = turn.tokens.weights_versions.clone().unwrap_or_default();
             let truncated = turn.finish_reason == "length";
             if let Some(s) = &mut current
-                && let Some(between) = continued(s, prompt)
+                && let Some(between) = between(&s.prompt, &s.completion, prompt)
             {
-                let between = between.to_vec();
-                let last_version = s.versions.last().copied();
-                if !s.versions.is_empty() && versions.len() == completion.len() {
-                    s.versions.extend(std::iter::repeat_n(
-                        last_version.unwrap_or(0),
-                        between.len(),
-                    ));
-                    s.versions.extend(&versions);
-                } else {
-                    s.versions.clear();
+                match s.versions.last() {
+                    Some(&last) if versions.len() == completion.len() => {
+                        s.versions.extend(std::iter::repeat_n(last, between.len()));
+                        s.versions.extend(&versions);
+                    }
+                    _ => s.versions.clear(),
                 }
                 if s.mask.is_empty() {
                     s.mask = vec![1.0; s.completion.len()];
@@ -58,7 +54,7 @@ pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> V
                 s.mask.extend(std::iter::repeat_n(1.0, completion.len()));
                 s.logprobs.extend(std::iter::repeat_n(0.0, between.len()));
                 s.logprobs.extend_from_slice(logprobs);
-                s.completion.extend(between);
+                s.completion.extend_from_slice(between);
                 s.completion.extend_from_slice(completion);
                 s.truncated = truncated;
                 continue;
@@ -83,13 +79,13 @@ pub(super) fn samples_of(episodes: &[(usize, agentstack_harness::Episode)]) -> V
     samples
 }
 
-/// The ids between `sample` (a prompt and completion so far) and `next_prompt`, when
-/// `next_prompt` begins with all of them.
-fn continued<'a>(sample: &Sample, next_prompt: &'a [u32]) -> Option<&'a [u32]> {
-    let (p, c) = (sample.prompt.len(), sample.completion.len());
+/// The ids `next_prompt` has after `prompt` and `completion`, when it begins with all
+/// of them (a turn that continues the previous one's token ids).
+fn between<'a>(prompt: &[u32], completion: &[u32], next_prompt: &'a [u32]) -> Option<&'a [u32]> {
+    let (p, c) = (prompt.len(), completion.len());
     (next_prompt.len() >= p + c
-        && next_prompt[..p] == sample.prompt[..]
-        && next_prompt[p..p + c] == sample.completion[..])
+        && next_prompt[..p] == *prompt
+        && next_prompt[p..p + c] == *completion)
         .then(|| &next_prompt[p + c..])
 }
 
@@ -106,10 +102,7 @@ pub(super) fn continuations(episodes: &[(usize, agentstack_harness::Episode)]) -
                 continue;
             };
             later += 1;
-            let kept = next.len() >= prompt.len() + completion.len()
-                && next[..prompt.len()] == *prompt
-                && next[prompt.len()..prompt.len() + completion.len()] == *completion;
-            if !kept {
+            if between(prompt, completion, next).is_none() {
                 broken += 1;
             }
         }

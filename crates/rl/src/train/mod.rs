@@ -304,8 +304,6 @@ struct Trainer {
     producer: Option<Producer>,
     /// The policy slot's version: which weights the newest rollout tokens come from.
     policy_version: Arc<AtomicU64>,
-    /// Updates the learner has published to the producer since it started.
-    updates: u64,
     /// Where an asynchronous run's rollouts go on in its task sequence.
     next_position: u64,
     /// The current adapters (their variables are the learner's own).
@@ -449,7 +447,6 @@ impl Trainer {
             evals,
             producer: None,
             policy_version: Arc::default(),
-            updates: 0,
             next_position: start
                 .next_position
                 .unwrap_or((start.step * per_step) as u64),
@@ -693,8 +690,7 @@ impl Trainer {
         let (ms, version) = self.rollouts.sync_version(POLICY_ADAPTER, &self.lora)?;
         m.sync_ms += ms;
         self.policy_version.store(version, Ordering::Release);
-        self.updates += 1;
-        producer.learned(self.updates);
+        producer.learned();
         Ok(())
     }
 

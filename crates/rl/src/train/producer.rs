@@ -95,10 +95,9 @@ impl Producer {
         }
     }
 
-    /// The learner has published `updates` updates since this producer started,
-    /// which lets more groups start.
-    pub(super) fn learned(&self, updates: u64) {
-        self.learned.send_replace(updates);
+    /// The learner has published one more update, which lets more groups start.
+    pub(super) fn learned(&self) {
+        self.learned.send_modify(|updates| *updates += 1);
     }
 }
 

@@ -29,6 +29,7 @@ use agentstack_harness::prompt::Presenter;
 use agentstack_harness::{EnvHandle, Episode, ModelClient};
 use agentstack_model::server::ApiKey;
 use agentstack_protocol::http::ResetRequest;
+use agentstack_static::with_causes;
 use serde_json::json;
 use tokio::sync::Notify;
 
@@ -149,7 +150,7 @@ impl ServerPool {
             .map(|member| async move { (member, self.push_to(member).await) });
         for (member, result) in futures_util::future::join_all(pushes).await {
             if let Err(e) = result {
-                self.mark_down(member, &e.to_string());
+                self.mark_down(member, &with_causes(&e));
             }
         }
         if self.up() == 0 {
@@ -195,7 +196,7 @@ impl ServerPool {
             match played {
                 Ok((episode, _)) => return Ok(episode),
                 Err(EpisodeError::Model(e)) if server_failed(&e) => {
-                    self.mark_down(&member, &error_chain(&e));
+                    self.mark_down(&member, &with_causes(&e));
                     self.replayed.fetch_add(1, Ordering::AcqRel);
                 }
                 Err(e) => return Err(TrainError::Episode(Box::new(e))),
@@ -286,18 +287,6 @@ fn server_failed(e: &ModelError) -> bool {
         ModelError::Status { status, .. } => *status >= 500,
         _ => false,
     }
-}
-
-/// An error and its causes, on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]
