@@ -704,6 +704,21 @@ mod tests {
         data
     }
 
+    /// `n` activation rows of `nb` super-blocks, quantized: row 0 all +127 in its first
+    /// super-block, row 1 zeros there, row 2 ±127, the rest varied.
+    fn extreme_rows(nb: usize, n: usize) -> Vec<ActRow> {
+        let k = nb * QK_K;
+        let mut x: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
+            .collect();
+        x[..QK_K].fill(2.5);
+        x[k..k + QK_K].fill(0.0);
+        for (i, v) in x[2 * k..2 * k + QK_K].iter_mut().enumerate() {
+            *v = if i % 3 == 0 { -1.0 } else { 1.0 };
+        }
+        x.chunks_exact(k).map(quantize_row_k).collect()
+    }
+
     /// The AVX2 and AVX-512 group kernels give the scalar kernel's bits: both types,
     /// one to five super-blocks, one to four activation rows, a last group with padding
     /// rows, extreme weights (above) and activations (all +127, zeros, ±127).
@@ -722,16 +737,7 @@ mod tests {
             for nb in [1, 2, 3, 5] {
                 let out = 20;
                 let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
-                let k = nb * QK_K;
-                let mut x: Vec<f32> = (0..k * ROW_TILE)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
-                    .collect();
-                x[..QK_K].fill(2.5);
-                x[k..k + QK_K].fill(0.0);
-                for (i, v) in x[2 * k..2 * k + QK_K].iter_mut().enumerate() {
-                    *v = if i % 3 == 0 { -1.0 } else { 1.0 };
-                }
-                let rows: Vec<ActRow> = x.chunks_exact(k).map(quantize_row_k).collect();
+                let rows = extreme_rows(nb, ROW_TILE);
                 assert_eq!(rows[0].qs[..QK_K], [127; QK_K]);
                 for g in 0..packed.groups {
                     for n in 1..=ROW_TILE {
@@ -778,16 +784,7 @@ mod tests {
                 let out = 20;
                 let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
                 let k = nb * QK_K;
-                let mut x: Vec<f32> = (0..k * tile)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0)
-                    .collect();
-                // Row 0 all +127 in its first super-block, row 1 zeros, row 2 ±127.
-                x[..QK_K].fill(2.5);
-                x[k..k + QK_K].fill(0.0);
-                for (i, v) in x[2 * k..2 * k + QK_K].iter_mut().enumerate() {
-                    *v = if i % 3 == 0 { -1.0 } else { 1.0 };
-                }
-                let rows: Vec<ActRow> = x.chunks_exact(k).map(quantize_row_k).collect();
+                let rows = extreme_rows(nb, tile);
                 let a: Vec<i8> = rows.iter().flat_map(|r| r.qs[..k].to_vec()).collect();
                 let mut w = Vec::new();
                 for g in 0..packed.groups {

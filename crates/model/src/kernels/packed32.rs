@@ -533,9 +533,9 @@ impl Packed32 {
 
     /// [`Self::group`] for sixteen rows with AMX: `w` is group `g` from
     /// [`Self::amx_unpack`], `a` the rows' quants one after another (`nb·32` each).
-    #[cfg(target_arch = "x86_64")]
     /// With `ahead`, the next group's quants are fetched meanwhile (give it for one
     /// tile per group).
+    #[cfg(target_arch = "x86_64")]
     pub(super) fn amx_tile(
         &self,
         g: usize,
