@@ -482,6 +482,14 @@ impl TrainConfig {
                 return Err(ConfigError(format!("{key} must be at least 1")));
             }
         }
+        for server in &self.rollout.servers {
+            let url = reqwest::Url::parse(server).ok();
+            if !url.is_some_and(|u| matches!(u.scheme(), "http" | "https") && u.has_host()) {
+                return Err(ConfigError(format!(
+                    "rollout.servers: `{server}` is not a server's base URL; write http://host:port"
+                )));
+            }
+        }
         match self.rollout.mode {
             RolloutMode::Sync if self.rollout.max_staleness > 1 => {
                 return Err(ConfigError(format!(

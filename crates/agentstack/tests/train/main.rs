@@ -620,6 +620,10 @@ fn bad_train_configs_are_refused_with_the_key_named() {
             "rollout.mode = \"async\" needs rollout.max_staleness of at least 1",
         ),
         (
+            "model = \"m.gguf\"\nsteps = 1\n[rollout]\nservers = [\"127.0.0.1:8000\"]\n",
+            "rollout.servers: `127.0.0.1:8000` is not a server's base URL; write http://host:port",
+        ),
+        (
             "model = \"m.gguf\"\nsteps = 1\n[loss]\nis_mask = [2.0, 0.5]\n",
             "loss.is_mask = [2, 0.5] must hold 1 inside",
         ),
