@@ -11,7 +11,9 @@
 //! `job_recovery` becomes the Job's failure policy: `backoffLimit` is
 //! `max_restarts_on_errors`; exits with a code in `recover_on_exit_codes`, and Pods
 //! disrupted by preemption or eviction, are retried without counting (`podFailurePolicy`
-//! `Ignore`). A named Kueue queue adds the `kueue.x-k8s.io/queue-name` label and creates
+//! `Ignore`). In a group with `recovery: group` the Job never retries a Pod
+//! (`backoffLimit: 0`, no `Ignore` rules): a failed Pod fails its Job, and the
+//! supervisor restarts the whole group by the component's `job_recovery`. A named Kueue queue adds the `kueue.x-k8s.io/queue-name` label and creates
 //! the Jobs suspended, for Kueue to admit.
 
 use serde_json::{Map, Value, json};
@@ -279,11 +281,15 @@ fn job(
     }
 
     let recovery = task.resources.job_recovery.clone().unwrap_or_default();
-    let mut rules = vec![json!({
-        "action": "Ignore",
-        "onPodConditions": [{"type": "DisruptionTarget"}],
-    })];
-    if !recovery.recover_on_exit_codes.is_empty() {
+    let by_group = group.recovery == crate::spec::GroupRecovery::Group;
+    let mut rules = Vec::new();
+    if !by_group {
+        rules.push(json!({
+            "action": "Ignore",
+            "onPodConditions": [{"type": "DisruptionTarget"}],
+        }));
+    }
+    if !recovery.recover_on_exit_codes.is_empty() && !by_group {
         rules.push(json!({
             "action": "Ignore",
             "onExitCodes": {
@@ -323,7 +329,7 @@ fn job(
         "completionMode": "Indexed",
         "completions": instances,
         "parallelism": instances,
-        "backoffLimit": recovery.max_restarts_on_errors,
+        "backoffLimit": if by_group { 0 } else { recovery.max_restarts_on_errors },
         "podFailurePolicy": {"rules": rules},
         "template": {
             "metadata": {"labels": labels(group, task)},

@@ -10,8 +10,8 @@
 //!
 //! let group = JobGroup::parse("name: t\nrun: echo hi\nresources: {infra: slurm}\n")?;
 //! let infra = choose_infra(&group, None)?;
-//! assert_eq!(infra, InfraKind::Slurm);
-//! let text = plan(&group, infra, &LaunchOptions::default())?;
+//! assert_eq!(infra, [InfraKind::Slurm]);
+//! let text = plan(&group, infra[0], &LaunchOptions::default())?;
 //! assert!(text.contains("#SBATCH --job-name=t-t"));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -66,17 +66,17 @@ pub struct LaunchOptions {
 pub enum LaunchError {
     /// Components name different infra and the caller chose none.
     #[error(
-        "components ask for different infra: `{first}` for {first_kind}, `{second}` for {second_kind}\nhint: a group runs on one infra: make their `resources.infra` agree, or choose with --infra"
+        "components ask for different infra: `{first}` for {first_kind}, `{second}` for {second_kind}\nhint: a group runs on one infra at a time: make their `resources.infra` agree (the same engines in the same order), or choose with --infra"
     )]
     MixedInfra {
-        /// The component that named the first kind.
+        /// The component that named the first engines.
         first: String,
-        /// Its kind.
-        first_kind: InfraKind,
-        /// A component that named another.
+        /// What it named.
+        first_kind: String,
+        /// A component that named others.
         second: String,
-        /// Its kind.
-        second_kind: InfraKind,
+        /// What it named.
+        second_kind: String,
     },
     /// No kubeconfig to reach Kubernetes with.
     #[error(
@@ -109,31 +109,48 @@ impl LaunchError {
     }
 }
 
-/// The infra: `chosen` (a flag), else what the components name (they must agree), else
-/// local.
-pub fn choose_infra(group: &JobGroup, chosen: Option<InfraKind>) -> Result<InfraKind, LaunchError> {
+/// The engines to try, in order: `chosen` (a flag) alone, else the list the components
+/// name (they must agree), else local.
+pub fn choose_infra(
+    group: &JobGroup,
+    chosen: Option<InfraKind>,
+) -> Result<Vec<InfraKind>, LaunchError> {
     if let Some(kind) = chosen {
-        return Ok(kind);
+        return Ok(vec![kind]);
     }
-    let mut named: Option<(InfraKind, &str)> = None;
+    let mut named: Option<(Vec<InfraKind>, &str)> = None;
     for task in &group.components {
-        let Some(infra) = &task.resources.infra else {
+        if task.resources.infra.is_empty() {
             continue;
-        };
-        let kind = InfraKind::from(infra);
-        match named {
-            Some((other, component)) if other != kind => {
+        }
+        let kinds: Vec<InfraKind> = task.resources.infra.iter().map(InfraKind::from).collect();
+        match &named {
+            Some((other, component)) if *other != kinds => {
                 return Err(LaunchError::MixedInfra {
-                    first: component.to_owned(),
-                    first_kind: other,
+                    first: (*component).to_owned(),
+                    first_kind: list_text(other),
                     second: task.name.clone(),
-                    second_kind: kind,
+                    second_kind: list_text(&kinds),
                 });
             }
-            _ => named = Some((kind, &task.name)),
+            _ => named = Some((kinds, &task.name)),
         }
     }
-    Ok(named.map_or(InfraKind::Local, |(kind, _)| kind))
+    Ok(named.map_or_else(|| vec![InfraKind::Local], |(kinds, _)| kinds))
+}
+
+/// `slurm`, or `[slurm, local]`.
+fn list_text(kinds: &[InfraKind]) -> String {
+    match kinds {
+        [one] => one.to_string(),
+        many => format!(
+            "[{}]",
+            many.iter()
+                .map(|k| k.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
 }
 
 /// The backend for `infra`, with `options`. Kubernetes reads the kubeconfig
@@ -143,7 +160,7 @@ pub fn backend(infra: InfraKind, options: &LaunchOptions) -> Result<AnyBackend, 
         InfraKind::Local => AnyBackend::Local(LocalBackend::new()),
         InfraKind::Slurm => AnyBackend::Slurm(SlurmBackend::new(SlurmSettings {
             time_limit_minutes: options.slurm_time,
-            extra_options: Vec::new(),
+            ..Default::default()
         })),
         InfraKind::Ray => AnyBackend::Ray(RayBackend::new(
             options
@@ -315,13 +332,20 @@ mod tests {
     #[test]
     fn the_choice_wins_then_the_components_then_local() {
         let slurm = group("name: t\nrun: x\nresources: {infra: slurm/hpc}\n");
-        assert_eq!(choose_infra(&slurm, None).unwrap(), InfraKind::Slurm);
+        assert_eq!(choose_infra(&slurm, None).unwrap(), [InfraKind::Slurm]);
         assert_eq!(
             choose_infra(&slurm, Some(InfraKind::Ray)).unwrap(),
-            InfraKind::Ray
+            [InfraKind::Ray]
         );
         let plain = group("name: t\nrun: x\n");
-        assert_eq!(choose_infra(&plain, None).unwrap(), InfraKind::Local);
+        assert_eq!(choose_infra(&plain, None).unwrap(), [InfraKind::Local]);
+        let list = group(
+            "name: g\nexecution: parallel\n---\nname: a\nrun: x\nresources: {infra: [slurm/hpc, ray, local]}\n---\nname: b\nrun: x\n",
+        );
+        assert_eq!(
+            choose_infra(&list, None).unwrap(),
+            [InfraKind::Slurm, InfraKind::Ray, InfraKind::Local]
+        );
     }
 
     #[test]
@@ -334,6 +358,18 @@ mod tests {
         assert_eq!(
             error.to_string().lines().next().unwrap(),
             "components ask for different infra: `a` for ray, `b` for kubernetes"
+        );
+        let order = group(
+            "name: g\nexecution: parallel\n---\nname: a\nrun: x\nresources: {infra: [ray, local]}\n---\nname: b\nrun: x\nresources: {infra: [local, ray]}\n",
+        );
+        assert_eq!(
+            choose_infra(&order, None)
+                .unwrap_err()
+                .to_string()
+                .lines()
+                .next()
+                .unwrap(),
+            "components ask for different infra: `a` for [ray, local], `b` for [local, ray]"
         );
     }
 

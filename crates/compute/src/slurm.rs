@@ -106,7 +106,10 @@ pub fn batch_script(
     if let Some(Infra::Slurm {
         partition: Some(partition),
         ..
-    }) = &resources.infra
+    }) = resources
+        .infra
+        .iter()
+        .find(|i| matches!(i, Infra::Slurm { .. }))
     {
         sbatch(format!("--partition={partition}"));
     }

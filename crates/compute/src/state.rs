@@ -50,7 +50,8 @@ macro_rules! states {
         }
         impl std::fmt::Display for $name {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
+                // `pad`, so that tables can give it a width.
+                f.pad(self.as_str())
             }
         }
     };
@@ -153,6 +154,31 @@ pub struct JobRecord {
     pub ended_ms: Option<i64>,
     /// Launch options for the backend (JSON).
     pub options: String,
+    /// The engines to place it on, in order (`infra` is the current one).
+    pub infra_order: Vec<InfraKind>,
+    /// Where it was placed, and why it moved: one line per engine it left.
+    pub placement: Option<String>,
+    /// When the current gang start began (after a failover or a group recovery), ms;
+    /// `None`: at `created_ms`.
+    pub gang_ms: Option<i64>,
+    /// When the group recovery under way began, ms: every unit is being stopped, to
+    /// start again together.
+    pub recovering_ms: Option<i64>,
+    /// Group recoveries so far.
+    pub recoveries: u32,
+}
+
+impl JobRecord {
+    /// When the current gang start began, ms.
+    pub fn gang_started_ms(&self) -> i64 {
+        self.gang_ms.unwrap_or(self.created_ms)
+    }
+
+    /// The engine after the current one in `infra_order`, if any.
+    pub fn next_infra(&self) -> Option<InfraKind> {
+        let at = self.infra_order.iter().position(|k| *k == self.infra)?;
+        self.infra_order.get(at + 1).copied()
+    }
 }
 
 /// One unit of a launch.
@@ -245,7 +271,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_ms INTEGER NOT NULL,
     running_ms INTEGER,
     ended_ms INTEGER,
-    options TEXT NOT NULL DEFAULT '{}'
+    options TEXT NOT NULL DEFAULT '{}',
+    infra_order TEXT NOT NULL DEFAULT '',
+    placement TEXT,
+    gang_ms INTEGER,
+    recovering_ms INTEGER,
+    recoveries INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_name ON jobs (name, created_ms);
 CREATE TABLE IF NOT EXISTS units (
@@ -272,6 +303,16 @@ CREATE TABLE IF NOT EXISTS units (
 );
 ";
 
+/// Columns added to `jobs` after its first version, with their definitions: a database
+/// made by an earlier version gets them when opened.
+const ADDED_JOB_COLUMNS: &[(&str, &str)] = &[
+    ("infra_order", "TEXT NOT NULL DEFAULT ''"),
+    ("placement", "TEXT"),
+    ("gang_ms", "INTEGER"),
+    ("recovering_ms", "INTEGER"),
+    ("recoveries", "INTEGER NOT NULL DEFAULT 0"),
+];
+
 /// A row's `infra`: a name this version does not know is [`StateError::Unknown`].
 fn infra(row: &sqlx::sqlite::SqliteRow) -> Result<InfraKind, StateError> {
     let text: String = row.try_get("infra")?;
@@ -294,6 +335,16 @@ fn job(row: &sqlx::sqlite::SqliteRow) -> Result<JobRecord, StateError> {
         running_ms: row.try_get("running_ms")?,
         ended_ms: row.try_get("ended_ms")?,
         options: row.try_get("options")?,
+        infra_order: row
+            .try_get::<String, _>("infra_order")?
+            .split(',')
+            .filter(|k| !k.is_empty())
+            .map(|k| k.parse().map_err(|_| StateError::Unknown(k.to_owned())))
+            .collect::<Result<_, _>>()?,
+        placement: row.try_get("placement")?,
+        gang_ms: row.try_get("gang_ms")?,
+        recovering_ms: row.try_get("recovering_ms")?,
+        recoveries: row.try_get::<i64, _>("recoveries")? as u32,
     })
 }
 
@@ -374,13 +425,32 @@ impl Store {
             .connect_with(options)
             .await?;
         sqlx::raw_sql(SCHEMA).execute(&pool).await?;
+        let columns: Vec<String> = sqlx::query("SELECT name FROM pragma_table_info('jobs')")
+            .fetch_all(&pool)
+            .await?
+            .iter()
+            .map(|r| r.try_get("name"))
+            .collect::<Result<_, _>>()?;
+        for (name, definition) in ADDED_JOB_COLUMNS {
+            if !columns.iter().any(|c| c == name) {
+                // Another process may add it between the read and here.
+                if let Err(e) =
+                    sqlx::query(&format!("ALTER TABLE jobs ADD COLUMN {name} {definition}"))
+                        .execute(&pool)
+                        .await
+                    && !e.to_string().contains("duplicate column")
+                {
+                    return Err(e.into());
+                }
+            }
+        }
         Ok(Self { pool })
     }
 
     /// Records a new launch and its units (all `pending`).
     pub async fn insert_job(&self, job: &JobRecord, units: &[NewUnit]) -> Result<(), StateError> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query("INSERT INTO jobs (id, name, infra, spec, state, dir, created_ms, options) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
+        sqlx::query("INSERT INTO jobs (id, name, infra, spec, state, dir, created_ms, options, infra_order, placement) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
             .bind(&job.id)
             .bind(&job.name)
             .bind(job.infra.as_str())
@@ -389,6 +459,8 @@ impl Store {
             .bind(&job.dir)
             .bind(job.created_ms)
             .bind(&job.options)
+            .bind(order_text(&job.infra_order))
+            .bind(&job.placement)
             .execute(&mut *tx)
             .await?;
         for (component, replica, priority, cpus) in units {
@@ -475,6 +547,80 @@ impl Store {
         Ok(())
     }
 
+    /// Starts a group recovery: from now every unit is stopped, to start again
+    /// together.
+    pub async fn begin_group_recovery(
+        &self,
+        id: &str,
+        now: i64,
+        message: &str,
+    ) -> Result<(), StateError> {
+        sqlx::query("UPDATE jobs SET recovering_ms = ?, message = ? WHERE id = ?")
+            .bind(now)
+            .bind(message)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Ends a group recovery's teardown: the launch is `starting` again, its gang
+    /// start counted from `now`.
+    pub async fn end_group_recovery(
+        &self,
+        id: &str,
+        now: i64,
+        message: &str,
+    ) -> Result<(), StateError> {
+        sqlx::query(
+            "UPDATE jobs SET recovering_ms = NULL, gang_ms = ?, state = 'starting', recoveries = recoveries + 1, message = ? WHERE id = ?",
+        )
+        .bind(now)
+        .bind(message)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Moves a launch whose engine refused or could not place it to `next`: its
+    /// units are pending there with nothing started, `placement` gets `note` as a
+    /// line, and the gang start is counted from `now`. One transaction.
+    pub async fn fail_over(
+        &self,
+        id: &str,
+        next: InfraKind,
+        note: &str,
+        now: i64,
+    ) -> Result<(), StateError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(
+            "UPDATE jobs SET infra = ?, state = 'starting', gang_ms = ?, message = ?,
+             placement = CASE WHEN placement IS NULL THEN ? ELSE placement || char(10) || ? END
+             WHERE id = ?",
+        )
+        .bind(next.as_str())
+        .bind(now)
+        .bind(format!("placing on {next}"))
+        .bind(note)
+        .bind(note)
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "UPDATE units SET infra = ?, state = 'pending', handle = NULL, hosts = NULL, exit_code = NULL,
+             message = ?, started_ms = NULL, running_ms = NULL, ended_ms = NULL, deadline_ms = NULL,
+             discovered = 0, ready_ms = NULL, attempt = 0 WHERE job_id = ?",
+        )
+        .bind(next.as_str())
+        .bind(format!("waiting to be placed on {next}"))
+        .bind(id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
     /// Asks the launch's supervisor to cancel it.
     pub async fn request_cancel(&self, id: &str) -> Result<(), StateError> {
         sqlx::query("UPDATE jobs SET cancel_requested = 1 WHERE id = ?")
@@ -544,6 +690,15 @@ impl Store {
         sqlx::query(end).execute(&mut *conn).await?;
         result
     }
+}
+
+/// `infra_order` as stored: kinds, comma-separated.
+fn order_text(order: &[InfraKind]) -> String {
+    order
+        .iter()
+        .map(|k| k.as_str())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 async fn update_unit(

@@ -27,7 +27,7 @@ use std::time::Duration;
 use crate::backend::{Backend, BackendError, UnitLaunch, UnitStatus};
 use crate::discovery::{self, Addresses, Endpoint, SKYPILOT_NODE_IPS, SKYPILOT_NODE_RANK};
 use crate::request;
-use crate::spec::{InfraKind, JobGroup, SpecError, Task};
+use crate::spec::{GroupRecovery, InfraKind, JobGroup, SpecError, Task};
 use crate::state::{
     Admission, JobRecord, JobState, NewUnit, StateError, Store, UnitRecord, UnitState, UnitUpdate,
     now_ms,
@@ -124,7 +124,53 @@ pub async fn create_launch<B: Backend>(
     options: &serde_json::Value,
     settings: &SupervisorSettings,
 ) -> Result<JobRecord, SuperviseError> {
-    backend.check(group)?;
+    create_launch_on(
+        store,
+        std::slice::from_ref(backend),
+        &[],
+        group,
+        jobs_dir,
+        options,
+        settings,
+    )
+    .await
+}
+
+/// Records a new launch of `group` on the first of `backends` (in order of preference,
+/// one per engine) that can run it; the rest are where a [`Supervisor`] made
+/// [`with_backends`](Supervisor::with_backends) moves it when that engine refuses or
+/// cannot place it. An engine whose check fails is passed over, and the launch's
+/// `placement` says why (after `unavailable`: engines the caller could not reach, one
+/// `engine: why` line each); when none passes, the first's error is returned.
+pub async fn create_launch_on<B: Backend>(
+    store: &Store,
+    backends: &[B],
+    unavailable: &[String],
+    group: &JobGroup,
+    jobs_dir: &Path,
+    options: &serde_json::Value,
+    settings: &SupervisorSettings,
+) -> Result<JobRecord, SuperviseError> {
+    let mut passed_over: Vec<String> = unavailable.to_vec();
+    let mut first_error = None;
+    let mut chosen = None;
+    for backend in backends {
+        match backend.check(group) {
+            Ok(()) => {
+                chosen = Some(backend);
+                break;
+            }
+            Err(e) => {
+                passed_over.push(format!("{}: {}", backend.kind(), one_line(&e.to_string())));
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    let Some(backend) = chosen else {
+        return Err(first_error
+            .map(SuperviseError::Backend)
+            .unwrap_or_else(|| SuperviseError::NoJob("no engine given".into())));
+    };
     let local = backend.kind() == InfraKind::Local;
     let mut units: Vec<NewUnit> = Vec::new();
     for task in &group.components {
@@ -133,10 +179,8 @@ pub async fn create_launch<B: Backend>(
         } else {
             task.replicas
         };
-        let cpus = match (local, task.resources.cpus) {
-            (true, Some(c)) => c.count,
-            _ => 0.0,
-        };
+        // Kept on every engine: a launch that fails over to local needs them there.
+        let cpus = task.resources.cpus.map_or(0.0, |c| c.count);
         for r in 0..replicas {
             units.push((
                 task.name.clone(),
@@ -176,15 +220,28 @@ pub async fn create_launch<B: Backend>(
         running_ms: None,
         ended_ms: None,
         options: options.to_string(),
+        infra_order: backends.iter().map(Backend::kind).collect(),
+        placement: (!passed_over.is_empty()).then(|| passed_over.join("\n")),
+        gang_ms: None,
+        recovering_ms: None,
+        recoveries: 0,
     };
     store.insert_job(&record, &units).await?;
     Ok(record)
 }
 
+/// The first line of an error's text, for one-line notes.
+fn one_line(text: &str) -> String {
+    text.lines().next().unwrap_or_default().trim().to_owned()
+}
+
 /// Runs one launch to its end.
 pub struct Supervisor<B> {
     store: Store,
-    backend: B,
+    /// One per engine, in the launch's order of preference; `current` is the one the
+    /// launch is on.
+    backends: Vec<B>,
+    current: std::sync::atomic::AtomicUsize,
     settings: SupervisorSettings,
     job_id: String,
     group: JobGroup,
@@ -220,15 +277,43 @@ impl<B: Backend> Supervisor<B> {
         settings: SupervisorSettings,
         job_id: &str,
     ) -> Result<Self, SuperviseError> {
+        Self::with_backends(store, vec![backend], settings, job_id).await
+    }
+
+    /// A supervisor for the launch `job_id` that may move it between engines:
+    /// `backends` in the launch's order of preference ([`create_launch_on`]'s), one per
+    /// engine. When the engine the launch is on refuses a unit of its first start, or
+    /// does not run every unit within the start timeout, what it started is stopped
+    /// and the launch is placed on the next.
+    pub async fn with_backends(
+        store: Store,
+        backends: Vec<B>,
+        settings: SupervisorSettings,
+        job_id: &str,
+    ) -> Result<Self, SuperviseError> {
         let job = store
             .job(job_id)
             .await?
             .ok_or_else(|| SuperviseError::NoJob(job_id.to_owned()))?;
         let group =
             JobGroup::parse(&job.spec).map_err(|e| SuperviseError::Spec(job.id.clone(), e))?;
+        let current = backends
+            .iter()
+            .position(|b| b.kind() == job.infra)
+            .ok_or_else(|| {
+                SuperviseError::Backend(BackendError::Config {
+                    what: format!(
+                        "launch {} is on {}, and no backend for it was given",
+                        job.id, job.infra
+                    ),
+                    hint: "give the supervisor a backend for every engine in the launch's order"
+                        .into(),
+                })
+            })?;
         Ok(Self {
             store,
-            backend,
+            backends,
+            current: current.into(),
             settings,
             job_id: job.id,
             group,
@@ -240,14 +325,20 @@ impl<B: Backend> Supervisor<B> {
         })
     }
 
-    /// The engine.
+    /// The engine the launch is on.
     pub fn backend(&self) -> &B {
-        &self.backend
+        &self.backends[self.current.load(std::sync::atomic::Ordering::Relaxed)]
+    }
+
+    /// Whether the engine restarts failed units itself: Kubernetes' Job controller,
+    /// for members recovered one at a time (a group recovery is the supervisor's).
+    fn engine_recovers(&self) -> bool {
+        self.backend().engine_recovers() && self.group.recovery == GroupRecovery::Member
     }
 
     /// Supervises until the launch ends; returns how it ended.
     pub async fn run(&self) -> Result<JobState, SuperviseError> {
-        let span = tracing::info_span!("launch", id = %self.job_id, infra = %self.backend.kind());
+        let span = tracing::info_span!("launch", id = %self.job_id, infra = %self.backend().kind());
         let _enter = span.enter();
         loop {
             if let Some(end) = self.step().await? {
@@ -318,7 +409,15 @@ impl<B: Backend> Supervisor<B> {
     }
 
     async fn tick(&self, job: &JobRecord) -> Result<(), SuperviseError> {
-        self.observe().await?;
+        let job = &if self.observe(job).await? {
+            // A group recovery began: what follows acts on it.
+            self.store
+                .job(&self.job_id)
+                .await?
+                .ok_or_else(|| SuperviseError::NoJob(self.job_id.clone()))?
+        } else {
+            job.clone()
+        };
         let units = self.store.units(&self.job_id).await?;
         let now = self.now_ms();
         let winding_down = job.cancel_requested || job.state == JobState::Stopping;
@@ -338,12 +437,29 @@ impl<B: Backend> Supervisor<B> {
                 .await?;
             return Ok(());
         }
+        if self.group.recovery == GroupRecovery::Group
+            && self.recover_group(job, &units, now).await?
+        {
+            return Ok(());
+        }
         if job.state == JobState::Starting {
-            if units.iter().all(|u| u.state == UnitState::Running) {
+            if units
+                .iter()
+                .all(|u| matches!(u.state, UnitState::Running | UnitState::Succeeded))
+                && units.iter().any(|u| u.state == UnitState::Running)
+            {
+                let message = (job.recoveries > 0 || job.gang_ms.is_some()).then(|| {
+                    let took = (now - job.gang_started_ms()) as f64 / 1000.0;
+                    if job.recoveries > 0 {
+                        format!("group recovery {}: every member running again {took:.1} s after its start", job.recoveries)
+                    } else {
+                        format!("every unit running on {}, {took:.1} s after it was placed there", job.infra)
+                    }
+                });
                 self.store
-                    .set_job_state(&self.job_id, JobState::Running, None)
+                    .set_job_state(&self.job_id, JobState::Running, message.as_deref())
                     .await?;
-            } else if now - job.created_ms > self.settings.start_timeout.as_millis() as i64 {
+            } else if now - job.gang_started_ms() > self.settings.start_timeout.as_millis() as i64 {
                 let waiting: Vec<String> = units
                     .iter()
                     .filter(|u| u.state != UnitState::Running)
@@ -354,6 +470,9 @@ impl<B: Backend> Supervisor<B> {
                     self.settings.start_timeout.as_secs(),
                     waiting.join(", ")
                 );
+                if job.next_infra().is_some() && job.recoveries == 0 && job.running_ms.is_none() {
+                    return self.fail_over(job, &units, &message).await;
+                }
                 self.store
                     .set_job_state(&self.job_id, JobState::Stopping, Some(&message))
                     .await?;
@@ -367,9 +486,104 @@ impl<B: Backend> Supervisor<B> {
                 .await?;
             return Ok(());
         }
-        self.start_units(job, &units).await?;
+        if let Err(e) = self.start_units(job, &units).await {
+            // The first start refused on this engine: the next one in the launch's
+            // order gets the group.
+            if job.state == JobState::Starting
+                && job.running_ms.is_none()
+                && job.next_infra().is_some()
+                && matches!(e, SuperviseError::Backend(_))
+            {
+                let units = self.store.units(&self.job_id).await?;
+                return self
+                    .fail_over(job, &units, &format!("it refused the group: {e}"))
+                    .await;
+            }
+            return Err(e);
+        }
         self.discover(job).await?;
         self.probe_readiness().await?;
+        Ok(())
+    }
+
+    /// `recovery: group`, once a member's end began a recovery ([`Self::ended`]): every
+    /// other member is stopped (SIGTERM, SIGKILL after the grace period), and when none
+    /// runs, all of them start again as a gang (the launch is `starting`; discovery is
+    /// written anew once every member runs). Returns whether the tick is this
+    /// recovery's.
+    async fn recover_group(
+        &self,
+        job: &JobRecord,
+        units: &[UnitRecord],
+        now: i64,
+    ) -> Result<bool, SuperviseError> {
+        if job.recovering_ms.is_none() {
+            return Ok(false);
+        }
+        let mut active = false;
+        for u in units.iter().filter(|u| u.state.is_active()) {
+            active = true;
+            self.stop_unit(u, now).await?;
+        }
+        if !active {
+            let message = format!(
+                "group recovery {}: every member stopped; starting the group again",
+                job.recoveries + 1
+            );
+            self.store
+                .end_group_recovery(&self.job_id, now, &message)
+                .await?;
+            self.started
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(true)
+    }
+
+    /// Moves the launch to the next engine in its order: what was started here is
+    /// stopped (best effort: an engine whose controller is down may not answer), what
+    /// the group shares here is removed, and the units wait to be placed there.
+    async fn fail_over(
+        &self,
+        job: &JobRecord,
+        units: &[UnitRecord],
+        why: &str,
+    ) -> Result<(), SuperviseError> {
+        let next = job.next_infra().expect("checked by the caller");
+        let Some(index) = self.backends.iter().position(|b| b.kind() == next) else {
+            return Err(SuperviseError::Backend(BackendError::Config {
+                what: format!(
+                    "launch {} should move to {next}, and no backend for it was given",
+                    job.id
+                ),
+                hint: "give the supervisor a backend for every engine in the launch's order".into(),
+            }));
+        };
+        let mut note = format!("{}: {}", job.infra, one_line(why));
+        for u in units
+            .iter()
+            .filter(|u| u.handle.is_some() && !u.state.is_terminal())
+        {
+            let handle = u.handle.as_deref().expect("filtered");
+            if let Err(e) = self.backend().stop(handle, false).await {
+                note.push_str(&format!(
+                    " (could not stop {}/{} there: {})",
+                    u.component,
+                    u.replica,
+                    one_line(&e.to_string())
+                ));
+            }
+        }
+        if let Err(e) = self.backend().cleanup(&self.group, &self.job_id).await {
+            tracing::warn!(error = %e, "cleaning up on the engine left behind");
+        }
+        tracing::warn!(from = %job.infra, to = %next, %note, "failing over");
+        self.store
+            .fail_over(&self.job_id, next, &note, self.now_ms())
+            .await?;
+        self.current
+            .store(index, std::sync::atomic::Ordering::Relaxed);
+        self.started
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
@@ -378,11 +592,11 @@ impl<B: Backend> Supervisor<B> {
     /// or failing every probe for `consecutive_failure_threshold_timeout` after it was
     /// ready, is killed, and its `job_recovery` decides whether it starts again.
     async fn probe_readiness(&self) -> Result<(), SuperviseError> {
-        if self.backend.engine_recovers() {
+        if self.engine_recovers() {
             // Kubernetes runs the probe itself (it is in the Pod spec).
             return Ok(());
         }
-        let up_front = self.backend.addresses_up_front(&self.group).is_some();
+        let up_front = self.backend().addresses_up_front(&self.group).is_some();
         let units = self.store.units(&self.job_id).await?;
         for u in units.iter().filter(|u| {
             u.state == UnitState::Running && (up_front || u.discovered) && u.handle.is_some()
@@ -458,7 +672,7 @@ impl<B: Backend> Supervisor<B> {
             };
             if let Some(why) = failure {
                 tracing::warn!(component = %u.component, replica = u.replica, %why, "replacing a replica");
-                self.backend
+                self.backend()
                     .stop(u.handle.as_deref().expect("filtered"), false)
                     .await?;
                 self.update(
@@ -499,22 +713,25 @@ impl<B: Backend> Supervisor<B> {
             .is_ok_and(|r| r.status().is_success())
     }
 
-    /// Asks the engine about every unit it may have, and records what changed.
-    async fn observe(&self) -> Result<(), SuperviseError> {
+    /// Asks the engine about every unit it may have, and records what changed. Returns
+    /// whether an end began a group recovery.
+    async fn observe(&self, job: &JobRecord) -> Result<bool, SuperviseError> {
         let units = self.store.units(&self.job_id).await?;
         let watched: Vec<&UnitRecord> = units
             .iter()
             .filter(|u| u.state.is_active() && u.handle.is_some())
             .collect();
         if watched.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let handles: Vec<String> = watched
             .iter()
             .map(|u| u.handle.clone().expect("filtered"))
             .collect();
-        let statuses = self.backend.poll(&handles).await?;
+        let statuses = self.backend().poll(&handles).await?;
         let now = self.now_ms();
+        let mut recovering = job.recovering_ms.is_some();
+        let mut began = false;
         for (u, status) in watched.into_iter().zip(statuses) {
             match status {
                 UnitStatus::Pending => {}
@@ -534,19 +751,26 @@ impl<B: Backend> Supervisor<B> {
                     }
                 }
                 UnitStatus::Exited { .. } | UnitStatus::Lost { .. } => {
-                    self.ended(u, &status, now).await?;
+                    if self.ended(u, &status, now, recovering).await? {
+                        recovering = true;
+                        began = true;
+                    }
                 }
             }
         }
-        Ok(())
+        Ok(began)
     }
 
+    /// Records how a unit ended; `recovering`: a group recovery is under way, so a
+    /// unit it stopped starts again with the group. Returns whether this end began a
+    /// group recovery (`recovery: group`, and the unit's policy restarts it).
     async fn ended(
         &self,
         u: &UnitRecord,
         status: &UnitStatus,
         now: i64,
-    ) -> Result<(), SuperviseError> {
+        recovering: bool,
+    ) -> Result<bool, SuperviseError> {
         // Read the unit again: another launch's supervisor may have marked it
         // `preempting` after this tick read it, and the exit is that preemption.
         let fresh = self.store.units(&self.job_id).await?;
@@ -568,6 +792,12 @@ impl<B: Backend> Supervisor<B> {
             _ => format!("exit code {}", code.unwrap_or(-1)),
         };
         let state = match u.state {
+            UnitState::Stopping if recovering => {
+                update.message = Some(Some(format!(
+                    "stopped by the group recovery ({described}); starts again with the group"
+                )));
+                UnitState::Restarting
+            }
             UnitState::Stopping => UnitState::Stopped,
             UnitState::Preempting => {
                 update.message = Some(Some(format!(
@@ -591,9 +821,32 @@ impl<B: Backend> Supervisor<B> {
             },
         };
         tracing::debug!(component = %u.component, replica = u.replica, %described, to = %state, "unit ended");
+        let begins_recovery = self.group.recovery == GroupRecovery::Group
+            && !recovering
+            && u.state != UnitState::Stopping
+            && state == UnitState::Restarting;
+        let message = update.message.clone().flatten();
         update.state = Some(state);
         self.update(u, update).await?;
-        Ok(())
+        if begins_recovery {
+            let job = self
+                .store
+                .job(&self.job_id)
+                .await?
+                .ok_or_else(|| SuperviseError::NoJob(self.job_id.clone()))?;
+            let message = format!(
+                "group recovery {}: `{}`/{} {}; stopping every member to start the group again",
+                job.recoveries + 1,
+                u.component,
+                u.replica,
+                message.as_deref().unwrap_or("ended")
+            );
+            tracing::warn!(%message, "recovering the group");
+            self.store
+                .begin_group_recovery(&self.job_id, now, &message)
+                .await?;
+        }
+        Ok(begins_recovery)
     }
 
     fn verdict(&self, u: &UnitRecord, status: &UnitStatus) -> Verdict {
@@ -602,7 +855,7 @@ impl<B: Backend> Supervisor<B> {
             UnitStatus::Exited { code } => Some(*code),
             _ => None,
         };
-        if self.backend.engine_recovers() {
+        if self.engine_recovers() {
             return Verdict::Failed("the engine's retries (job_recovery) are spent".into());
         }
         let Some(policy) = &self.task(&u.component).resources.job_recovery else {
@@ -689,7 +942,7 @@ impl<B: Backend> Supervisor<B> {
         match (&u.handle, u.state) {
             (Some(h), UnitState::Running | UnitState::Starting | UnitState::Preempting) => {
                 let graceful = u.state != UnitState::Starting;
-                self.backend.stop(h, graceful).await?;
+                self.backend().stop(h, graceful).await?;
                 self.update(
                     u,
                     UnitUpdate {
@@ -702,7 +955,7 @@ impl<B: Backend> Supervisor<B> {
             }
             (Some(h), UnitState::Stopping) if u.deadline_ms.is_some_and(|d| now >= d) => {
                 tracing::debug!(component = %u.component, "grace period over: killing");
-                self.backend.stop(h, false).await?;
+                self.backend().stop(h, false).await?;
                 self.update(
                     u,
                     UnitUpdate {
@@ -743,7 +996,7 @@ impl<B: Backend> Supervisor<B> {
         }
         let units = self.store.units(&self.job_id).await?;
         if units.iter().all(|u| u.state.is_terminal()) {
-            self.backend.cleanup(&self.group, &self.job_id).await?;
+            self.backend().cleanup(&self.group, &self.job_id).await?;
             let end = if job.cancel_requested {
                 JobState::Cancelled
             } else if job.message.as_deref() == Some(EVERYTHING_FINISHED)
@@ -771,16 +1024,20 @@ impl<B: Backend> Supervisor<B> {
                 .iter()
                 .all(|u| u.state == UnitState::Pending && u.handle.is_none());
         if first {
-            if self.backend.unit_is_component() || self.backend.kind() != InfraKind::Local {
-                self.backend.prepare(&self.group, &self.job_id).await?;
+            if self.backend().unit_is_component() || self.backend().kind() != InfraKind::Local {
+                self.backend().prepare(&self.group, &self.job_id).await?;
             }
             if self.admit(units).await? {
                 // Every unit is tried, so none is left marked `starting` with nothing
-                // started; the first refusal is reported.
+                // started; the first refusal is reported. With another engine to move
+                // to, the first refusal is enough: the failover resets every unit.
                 let mut first_error = None;
                 for u in units {
                     if let Err(e) = self.try_start(u, 0).await {
                         first_error.get_or_insert(e);
+                        if job.next_infra().is_some() {
+                            break;
+                        }
                     }
                 }
                 if let Some(e) = first_error {
@@ -828,7 +1085,7 @@ impl<B: Backend> Supervisor<B> {
     /// engine queues. Marks the units `starting` when admitted.
     async fn admit(&self, units: &[UnitRecord]) -> Result<bool, SuperviseError> {
         let need: f64 = units.iter().map(|u| u.cpus).sum();
-        if self.backend.kind() != InfraKind::Local || need <= 0.0 {
+        if self.backend().kind() != InfraKind::Local || need <= 0.0 {
             for u in units {
                 self.update(
                     u,
@@ -866,7 +1123,7 @@ impl<B: Backend> Supervisor<B> {
                         // Local handles name process groups on this machine, so any
                         // supervisor may signal them; the victim's own supervisor
                         // sees the exit and marks it preempted.
-                        self.backend.stop(h, true).await?;
+                        self.backend().stop(h, true).await?;
                         self.store
                             .update_unit(
                                 &v.job_id,
@@ -905,7 +1162,7 @@ impl<B: Backend> Supervisor<B> {
 
     async fn start_unit(&self, u: &UnitRecord, attempt: u32) -> Result<(), SuperviseError> {
         let task = self.task(&u.component);
-        let up_front = self.backend.addresses_up_front(&self.group);
+        let up_front = self.backend().addresses_up_front(&self.group);
         let addresses = match &up_front {
             Some(a) => a.clone(),
             None => placeholder_addresses(&self.group),
@@ -930,7 +1187,7 @@ impl<B: Backend> Supervisor<B> {
             discovery_file,
             discovery_timeout_seconds: self.settings.discovery_timeout_seconds,
         };
-        let handle = self.backend.start(&launch).await?;
+        let handle = self.backend().start(&launch).await?;
         self.started
             .store(true, std::sync::atomic::Ordering::Relaxed);
         tracing::debug!(component = %u.component, replica = u.replica, attempt, %handle, "started");
@@ -961,14 +1218,16 @@ impl<B: Backend> Supervisor<B> {
     /// Once every unit has run, writes each running unit's discovery file (engines
     /// that place units before their addresses are known).
     async fn discover(&self, job: &JobRecord) -> Result<(), SuperviseError> {
-        if self.backend.addresses_up_front(&self.group).is_some() {
+        if self.backend().addresses_up_front(&self.group).is_some() {
             return Ok(());
         }
         let units = self.store.units(&self.job_id).await?;
         let everyone_placed = units.iter().all(|u| u.hosts.is_some());
         if !everyone_placed
             || (job.state == JobState::Starting
-                && !units.iter().all(|u| u.state == UnitState::Running))
+                && !units
+                    .iter()
+                    .all(|u| matches!(u.state, UnitState::Running | UnitState::Succeeded)))
         {
             return Ok(());
         }

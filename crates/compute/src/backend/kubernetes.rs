@@ -326,6 +326,48 @@ fn job_status(job: &Value) -> UnitStatus {
     }
 }
 
+impl KubernetesBackend {
+    /// Deletes the Job `name` if there is one, and waits (at most 30 s) until it is
+    /// gone, so the name can be used again.
+    async fn delete_ended(&self, name: &str) -> Result<(), BackendError> {
+        let path = format!("/apis/batch/v1/namespaces/{}/jobs/{name}", self.ns());
+        let body = json!({
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+            "gracePeriodSeconds": 0,
+        });
+        match self
+            .call(
+                "deleting a Job",
+                reqwest::Method::DELETE,
+                &path,
+                Some(&body),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(e) => return Err(e),
+        }
+        for _ in 0..300 {
+            if self
+                .call("reading a Job", reqwest::Method::GET, &path, None)
+                .await?
+                .is_none()
+            {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(BackendError::Config {
+            what: format!(
+                "the Job `{name}` of the earlier attempt is still being deleted after 30 s"
+            ),
+            hint: format!("`kubectl get job {name}` shows what holds it (a finalizer?)"),
+        })
+    }
+}
+
 impl Backend for KubernetesBackend {
     fn kind(&self) -> InfraKind {
         InfraKind::Kubernetes
@@ -380,6 +422,11 @@ impl Backend for KubernetesBackend {
             .find(|o| o["kind"] == "Job" && o["metadata"]["name"] == name.as_str())
             .expect("manifests hold a Job per component");
         let path = format!("/apis/batch/v1/namespaces/{}/jobs", self.ns());
+        if launch.attempt > 0 {
+            // A restart (a group recovery's): the ended Job of the earlier attempt holds
+            // the name until it is deleted.
+            self.delete_ended(&name).await?;
+        }
         match self
             .call("creating a Job", reqwest::Method::POST, &path, Some(&job))
             .await

@@ -27,6 +27,9 @@ pub struct SlurmSettings {
     pub time_limit_minutes: Option<u32>,
     /// More `#SBATCH` options (`--account=ml`).
     pub extra_options: Vec<String>,
+    /// The cluster's `slurm.conf`, given to every command as `SLURM_CONF`; `None`: the
+    /// environment's.
+    pub conf: Option<PathBuf>,
 }
 
 /// The Slurm CLI.
@@ -50,7 +53,9 @@ impl SlurmBackend {
         if let Some(addr) = self.node_addrs.lock().expect("never poisoned").get(node) {
             return Ok(addr.clone());
         }
-        let out = run("scontrol", &["show", "node", "-o", node], None).await?;
+        let out = self
+            .run("scontrol", &["show", "node", "-o", node], None)
+            .await?;
         let addr = out
             .split_whitespace()
             .find_map(|w| w.strip_prefix("NodeAddr="))
@@ -65,16 +70,17 @@ impl SlurmBackend {
 
     /// One `squeue --json` for `ids`; an unknown id alone is a lost job.
     async fn squeue(&self, ids: &[&str]) -> Result<Vec<UnitStatus>, BackendError> {
-        let jobs = match run(
-            "squeue",
-            &[
-                "--json",
-                "--states=all",
-                &format!("--jobs={}", ids.join(",")),
-            ],
-            None,
-        )
-        .await
+        let jobs = match self
+            .run(
+                "squeue",
+                &[
+                    "--json",
+                    "--states=all",
+                    &format!("--jobs={}", ids.join(",")),
+                ],
+                None,
+            )
+            .await
         {
             Ok(out) => out,
             Err(BackendError::Command { stderr, .. })
@@ -161,9 +167,28 @@ impl SlurmBackend {
     }
 }
 
-async fn run(program: &str, args: &[&str], cwd: Option<&Path>) -> Result<String, BackendError> {
+impl SlurmBackend {
+    async fn run(
+        &self,
+        program: &str,
+        args: &[&str],
+        cwd: Option<&Path>,
+    ) -> Result<String, BackendError> {
+        run(program, args, cwd, self.settings.conf.as_deref()).await
+    }
+}
+
+async fn run(
+    program: &str,
+    args: &[&str],
+    cwd: Option<&Path>,
+    conf: Option<&Path>,
+) -> Result<String, BackendError> {
     let mut command = tokio::process::Command::new(program);
     command.args(args).kill_on_drop(true);
+    if let Some(conf) = conf {
+        command.env("SLURM_CONF", conf);
+    }
     if let Some(dir) = cwd {
         command.current_dir(dir);
     }
@@ -233,12 +258,13 @@ impl Backend for SlurmBackend {
         let name = request::instance_name(launch.group, launch.task, launch.replica);
         let file = units.join(format!("{name}.{}.sbatch", launch.attempt));
         std::fs::write(&file, &script).map_err(|e| BackendError::io(&file, e))?;
-        let out = run(
-            "sbatch",
-            &["--parsable", &file.to_string_lossy()],
-            Some(launch.dir),
-        )
-        .await?;
+        let out = self
+            .run(
+                "sbatch",
+                &["--parsable", &file.to_string_lossy()],
+                Some(launch.dir),
+            )
+            .await?;
         let id = out.trim().split(';').next().unwrap_or("").to_owned();
         if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
             return Err(BackendError::Parse {
@@ -270,11 +296,15 @@ impl Backend for SlurmBackend {
         let (id, _) = parse_handle(handle);
         if graceful {
             // The job's steps get SIGTERM: the program (the entrypoint `exec`s it).
-            if run("scancel", &["--signal=TERM", id], None).await.is_ok() {
+            if self
+                .run("scancel", &["--signal=TERM", id], None)
+                .await
+                .is_ok()
+            {
                 return Ok(());
             }
         }
-        run("scancel", &[id], None).await.map(drop)
+        self.run("scancel", &[id], None).await.map(drop)
     }
 
     async fn logs(&self, handle: &str) -> Result<LogSource, BackendError> {

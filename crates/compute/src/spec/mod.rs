@@ -55,7 +55,13 @@ pub const DEFAULT_PROBE_TIMEOUT_SECONDS: f64 = 15.0;
 /// Time between probes.
 pub const DEFAULT_PROBE_INTERVAL_SECONDS: f64 = 10.0;
 
-const HEADER_KEYS: &[&str] = &["name", "execution", "primary_tasks", "termination_delay"];
+const HEADER_KEYS: &[&str] = &[
+    "name",
+    "execution",
+    "primary_tasks",
+    "termination_delay",
+    "recovery",
+];
 const HEADER_NOT_SUPPORTED: NotSupported<'static> = &[(
     "inter_connection",
     "the components of a group always reach each other through the discovery variables",
@@ -72,12 +78,9 @@ const TASK_KEYS: &[&str] = &[
     "run",
     "replicas",
     "readiness_probe",
+    "service",
 ];
 const TASK_NOT_SUPPORTED: NotSupported<'static> = &[
-    (
-        "service",
-        "give the component `replicas` and a `readiness_probe` instead",
-    ),
     ("secrets", "put values in `envs`"),
     ("managed_secrets", "put values in `envs`"),
     (
@@ -148,18 +151,63 @@ const PROBE_KEYS: &[&str] = &[
     "headers",
 ];
 
+const SERVICE_KEYS: &[&str] = &[
+    "readiness_probe",
+    "replicas",
+    "ports",
+    "load_balancing_policy",
+];
+const SERVICE_NOT_SUPPORTED: NotSupported<'static> = &[
+    (
+        "replica_policy",
+        "autoscaling is not implemented: set a fixed number of `replicas`",
+    ),
+    (
+        "tls",
+        "terminate TLS in front of the load balancer (it speaks plain HTTP)",
+    ),
+    ("workers", "not implemented"),
+];
+
 /// A job group: components launched together, finding each other through environment
 /// variables (see [`crate::discovery`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobGroup {
     /// The group's name (DNS-label rules, at most [`MAX_GROUP_NAME_LEN`]).
     pub name: String,
+    /// What a member's failure restarts: that member, or the whole group.
+    pub recovery: GroupRecovery,
     /// The components whose end ends the group; `None` means all of them.
     pub primary_tasks: Option<Vec<String>>,
     /// How long auxiliary components keep running after the primaries finish.
     pub termination_delay: Option<TerminationDelay>,
     /// The components, in file order.
     pub components: Vec<Task>,
+}
+
+/// `recovery` in a job group's header: what a member's failure, when its `job_recovery`
+/// starts it again, restarts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GroupRecovery {
+    /// `member` (the default): that member alone, which learns the others' addresses
+    /// as they are.
+    #[default]
+    Member,
+    /// `group`: every running member is stopped (SIGTERM, then SIGKILL after the grace
+    /// period) and the whole group starts again as a gang, with fresh discovery: for
+    /// components that cannot go on without a peer (a collective of trainers, a server
+    /// whose clients hold its state).
+    Group,
+}
+
+impl GroupRecovery {
+    /// `member` or `group`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Member => "member",
+            Self::Group => "group",
+        }
+    }
 }
 
 /// `termination_delay`: `30s` for every auxiliary component, or per component with a
@@ -235,6 +283,31 @@ pub struct Task {
     /// How to tell that a replica is ready to serve (SkyPilot's `service.readiness_probe`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub readiness_probe: Option<ReadinessProbe>,
+    /// A load balancer in front of the replicas (SkyPilot's `service`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<Service>,
+}
+
+/// `service`: the replicas are served through one load balancer, which the supervisor
+/// runs on `ports` and which sends each request to a ready replica (see
+/// [`crate::balancer`]). Its `readiness_probe` and `replicas` are the component's.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Service {
+    /// The load balancer's port.
+    pub ports: u16,
+    /// How it picks a replica.
+    pub load_balancing_policy: LoadBalancingPolicy,
+}
+
+/// `service.load_balancing_policy`, SkyServe's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadBalancingPolicy {
+    /// The replica with the fewest requests in flight (the default).
+    #[default]
+    LeastLoad,
+    /// Each replica in turn.
+    RoundRobin,
 }
 
 impl Task {
@@ -251,9 +324,13 @@ fn is_one(n: &u32) -> bool {
 /// `resources`: what each node of a task needs, and how it recovers.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct Resources {
-    /// Where it runs; the launch's `--infra` when absent.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub infra: Option<Infra>,
+    /// Where it runs, in order of preference: when an engine refuses the group or
+    /// cannot place it, the next is tried. Empty: the launch's `--infra`, else local.
+    #[serde(
+        skip_serializing_if = "Vec::is_empty",
+        serialize_with = "serialize_infra"
+    )]
+    pub infra: Vec<Infra>,
     /// CPUs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpus: Option<Cpus>,
@@ -272,6 +349,14 @@ pub struct Resources {
     /// Higher runs first, and may preempt lower (from -1000 to 1000; 0 when absent).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub priority: Option<i32>,
+}
+
+/// One infra as a string, several as a list.
+fn serialize_infra<S: Serializer>(infra: &[Infra], serializer: S) -> Result<S::Ok, S::Error> {
+    match infra {
+        [one] => one.serialize(serializer),
+        many => many.serialize(serializer),
+    }
 }
 
 impl Resources {
@@ -552,6 +637,7 @@ impl JobGroup {
                 let task = parse_task(value, &at)?;
                 Ok(Self {
                     name: task.name.clone(),
+                    recovery: GroupRecovery::Member,
                     primary_tasks: None,
                     termination_delay: None,
                     components: vec![task],
@@ -572,10 +658,13 @@ impl JobGroup {
             primary_tasks: Option<&'a Vec<String>>,
             #[serde(skip_serializing_if = "Option::is_none")]
             termination_delay: Option<&'a TerminationDelay>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            recovery: Option<&'static str>,
         }
         let header = Header {
             name: &self.name,
             execution: "parallel",
+            recovery: (self.recovery != GroupRecovery::Member).then(|| self.recovery.as_str()),
             primary_tasks: self.primary_tasks.as_ref(),
             termination_delay: self.termination_delay.as_ref(),
         };
@@ -779,8 +868,20 @@ fn parse_group(
             Some(delay)
         }
     };
+    let recovery = match keys.get("recovery") {
+        None => GroupRecovery::Member,
+        Some(Value::String(s)) if s == "member" => GroupRecovery::Member,
+        Some(Value::String(s)) if s == "group" => GroupRecovery::Group,
+        Some(other) => {
+            return Err(at.key("recovery").fix(
+                format!("`{}` is not a recovery mode", values::value_text(other)),
+                "`recovery: member` restarts the failed member alone (the default); `recovery: group` restarts the whole group",
+            ));
+        }
+    };
     Ok(JobGroup {
         name,
+        recovery,
         primary_tasks,
         termination_delay,
         components,
@@ -860,7 +961,7 @@ fn parse_task(value: &Value, at: &At) -> Result<Task, SpecError> {
             "add `run: ...`: the command that is the component",
         ));
     }
-    let readiness_probe = match keys.get("readiness_probe") {
+    let mut readiness_probe = match keys.get("readiness_probe") {
         None => None,
         Some(v) => {
             let at = at.key("readiness_probe");
@@ -871,6 +972,66 @@ fn parse_task(value: &Value, at: &At) -> Result<Task, SpecError> {
                 ));
             }
             Some(parse_probe(v, &at)?)
+        }
+    };
+    let mut replicas = replicas;
+    let service = match keys.get("service") {
+        None => None,
+        Some(v) => {
+            let at = at.key("service");
+            let parsed = parse_service(v, &at)?;
+            if let Some(probe) = parsed.readiness_probe {
+                if readiness_probe.is_some() {
+                    return Err(at.key("readiness_probe").fix(
+                        "the component has a `readiness_probe` too",
+                        "give it once, in `service`",
+                    ));
+                }
+                readiness_probe = Some(probe);
+            }
+            if let Some(n) = parsed.replicas {
+                if keys.get("replicas").is_some() {
+                    return Err(at.key("replicas").fix(
+                        "the component has `replicas` too",
+                        "give them once, in `service`",
+                    ));
+                }
+                replicas = n;
+            }
+            if readiness_probe.is_none() {
+                return Err(at.fix(
+                    "a service needs a readiness probe: the load balancer sends requests only to replicas that pass it",
+                    "add `readiness_probe: /health` to `service`",
+                ));
+            }
+            let Some(first) = resources.main_port() else {
+                return Err(at.fix(
+                    "a service's replicas need a port the load balancer can reach them on",
+                    "add `resources: {ports: 8000}`: replica r listens on 8000 + r on one host",
+                ));
+            };
+            if num_nodes > 1 {
+                return Err(at.fix(
+                    "a service's replicas are one node each",
+                    "drop `num_nodes`, or make the multi-node part its own component",
+                ));
+            }
+            let replica_ports = u32::from(first)..u32::from(first) + replicas;
+            if replica_ports.contains(&u32::from(parsed.ports)) {
+                return Err(at.key("ports").fix(
+                    format!(
+                        "the load balancer's port {} is one the replicas listen on ({}-{})",
+                        parsed.ports,
+                        replica_ports.start,
+                        replica_ports.end - 1
+                    ),
+                    "give the load balancer a port outside the replicas' range",
+                ));
+            }
+            Some(Service {
+                ports: parsed.ports,
+                load_balancing_policy: parsed.policy,
+            })
         }
     };
     Ok(Task {
@@ -884,6 +1045,58 @@ fn parse_task(value: &Value, at: &At) -> Result<Task, SpecError> {
         run,
         replicas,
         readiness_probe,
+        service,
+    })
+}
+
+/// `service` as written: its probe and replicas go to the component.
+struct ParsedService {
+    readiness_probe: Option<ReadinessProbe>,
+    replicas: Option<u32>,
+    ports: u16,
+    policy: LoadBalancingPolicy,
+}
+
+fn parse_service(value: &Value, at: &At) -> Result<ParsedService, SpecError> {
+    let keys = Keys::read(value, at, "service", SERVICE_KEYS, SERVICE_NOT_SUPPORTED)?;
+    let readiness_probe = keys
+        .get("readiness_probe")
+        .map(|v| parse_probe(v, &at.key("readiness_probe")))
+        .transpose()?;
+    let replicas = keys
+        .get("replicas")
+        .map(|v| whole(v, &at.key("replicas"), 1, MAX_REPLICAS).map(|n| n as u32))
+        .transpose()?;
+    let ports = match keys.get("ports") {
+        Some(v) => whole(v, &at.key("ports"), 1, u64::from(u16::MAX))? as u16,
+        None => {
+            return Err(at.fix(
+                "a service needs the port its load balancer listens on",
+                "add `ports: 8080` to `service`: clients send their requests there",
+            ));
+        }
+    };
+    let policy = match keys.get("load_balancing_policy") {
+        None => LoadBalancingPolicy::default(),
+        Some(v) => {
+            let at = at.key("load_balancing_policy");
+            match string(v, &at)?.to_ascii_lowercase().as_str() {
+                "least_load" => LoadBalancingPolicy::LeastLoad,
+                "round_robin" => LoadBalancingPolicy::RoundRobin,
+                other => {
+                    return Err(at.fix(
+                        format!("`{other}` is not a load balancing policy"),
+                        "`least_load` (the default) or `round_robin`",
+                    ));
+                }
+            }
+        }
+    };
+    Ok(ParsedService {
+        readiness_probe,
+        replicas,
+        ports,
+        policy,
     })
 }
 
@@ -896,11 +1109,37 @@ fn parse_resources(value: &Value, at: &At) -> Result<Resources, SpecError> {
         RESOURCE_NOT_SUPPORTED,
     )?;
     let infra = match keys.get("infra") {
-        None => None,
+        None => Vec::new(),
+        Some(Value::Sequence(items)) => {
+            let at = at.key("infra");
+            if items.is_empty() {
+                return Err(at.fix(
+                    "the list is empty",
+                    "name the engines in order of preference, `infra: [slurm, local]`, or leave `infra` out",
+                ));
+            }
+            let mut list: Vec<Infra> = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                let at = at.index(i);
+                let text = string(item, &at)?;
+                let infra = Infra::parse(&text).map_err(|message| at.fix(message, INFRA_HINT))?;
+                if let Some(earlier) = list
+                    .iter()
+                    .find(|e| InfraKind::from(*e) == InfraKind::from(&infra))
+                {
+                    return Err(at.fix(
+                        format!("`{earlier}` is already in the list"),
+                        "name each engine once: a group that one cannot place goes to the next",
+                    ));
+                }
+                list.push(infra);
+            }
+            list
+        }
         Some(v) => {
             let at = at.key("infra");
             let text = string(v, &at)?;
-            Some(Infra::parse(&text).map_err(|message| at.fix(message, INFRA_HINT))?)
+            vec![Infra::parse(&text).map_err(|message| at.fix(message, INFRA_HINT))?]
         }
     };
     let cpus = keys

@@ -57,10 +57,10 @@ fn a_single_task_is_a_group_of_one() {
     assert_eq!(t.workdir.as_deref(), Some("~/code"));
     assert_eq!(
         t.resources.infra,
-        Some(Infra::Slurm {
+        [Infra::Slurm {
             cluster: Some("hpc".into()),
             partition: Some("gpu".into())
-        })
+        }]
     );
     assert_eq!(
         t.resources.cpus,
@@ -179,8 +179,44 @@ fn errors_say_where_and_how_to_fix() {
             "name: t\nrun: x\nresources: {use_spot: true}",
         ),
         (
-            "SkyPilot service block",
+            "service without the load balancer's port",
             "name: t\nrun: x\nservice: {replicas: 2}",
+        ),
+        (
+            "service without a readiness probe",
+            "name: t\nrun: x\nresources: {ports: 8000}\nservice: {replicas: 2, ports: 9000}",
+        ),
+        (
+            "service without replica ports",
+            "name: t\nrun: x\nservice: {replicas: 2, ports: 9000, readiness_probe: /health}",
+        ),
+        (
+            "load balancer on a replica's port",
+            "name: t\nrun: x\nresources: {ports: 8000}\nservice: {replicas: 3, ports: 8002, readiness_probe: /health}",
+        ),
+        (
+            "replicas twice",
+            "name: t\nrun: x\nreplicas: 2\nresources: {ports: 8000}\nservice: {replicas: 2, ports: 9000, readiness_probe: /health}",
+        ),
+        (
+            "unknown load balancing policy",
+            "name: t\nrun: x\nresources: {ports: 8000}\nservice: {ports: 9000, readiness_probe: /health, load_balancing_policy: fastest}",
+        ),
+        (
+            "SkyServe autoscaling",
+            "name: t\nrun: x\nresources: {ports: 8000}\nservice: {ports: 9000, readiness_probe: /health, replica_policy: {min_replicas: 1}}",
+        ),
+        (
+            "an engine twice in the infra list",
+            "name: t\nrun: x\nresources: {infra: [slurm/a, local, slurm/b]}",
+        ),
+        (
+            "an empty infra list",
+            "name: t\nrun: x\nresources: {infra: []}",
+        ),
+        (
+            "unknown group recovery",
+            "name: g\nexecution: parallel\nrecovery: everything\n---\nname: a\nrun: x",
         ),
         ("missing name", "run: x"),
         ("missing run", "name: t"),
@@ -450,4 +486,65 @@ fn round_trip_holds_for_mutated_specs() {
     }
     // The mutations must leave enough specs valid for the property to mean something.
     assert!(parsed > 500, "only {parsed} mutated specs parsed");
+}
+
+#[test]
+fn group_recovery_failover_order_and_a_service_read_and_write_back() {
+    let group = parse(
+        r#"
+name: serving
+execution: parallel
+recovery: group
+---
+name: model
+resources:
+  infra: [slurm/hpc/gpu, ray, local]
+  ports: 8000
+  job_recovery: {max_restarts_on_errors: 3}
+run: agentstack model serve --port $AGENTSTACK_PORT
+service:
+  readiness_probe: {path: /health, endpoint_probe_interval_seconds: 1}
+  replicas: 2
+  ports: 9000
+  load_balancing_policy: round_robin
+---
+name: client
+resources: {infra: [slurm/hpc/gpu, ray, local]}
+run: curl http://127.0.0.1:9000/health
+"#,
+    );
+    assert_eq!(group.recovery, GroupRecovery::Group);
+    let model = group.component("model").unwrap();
+    assert_eq!(model.replicas, 2);
+    assert_eq!(model.readiness_probe.as_ref().unwrap().path, "/health");
+    assert_eq!(
+        model.service,
+        Some(Service {
+            ports: 9000,
+            load_balancing_policy: LoadBalancingPolicy::RoundRobin,
+        })
+    );
+    assert_eq!(
+        model.resources.infra,
+        [
+            Infra::Slurm {
+                cluster: Some("hpc".into()),
+                partition: Some("gpu".into())
+            },
+            Infra::Ray { cluster: None },
+            Infra::Local
+        ]
+    );
+    round_trips(&group);
+    // The component's own `replicas` and `readiness_probe` serve a `service` too.
+    let plain = parse(
+        "name: m\nreplicas: 3\nreadiness_probe: /health\nresources: {ports: 8000}\nrun: x\nservice: {ports: 7999}\n",
+    );
+    let m = &plain.components[0];
+    assert_eq!((m.replicas, m.service.as_ref().unwrap().ports), (3, 7999));
+    assert_eq!(
+        m.service.as_ref().unwrap().load_balancing_policy,
+        LoadBalancingPolicy::LeastLoad
+    );
+    round_trips(&plain);
 }

@@ -339,6 +339,99 @@ async fn a_failed_job_fails_the_launch_and_the_rest_is_deleted() {
     assert!(server.cluster.lock().unwrap().jobs.is_empty());
 }
 
+/// `recovery: group`: the Jobs never retry a Pod themselves; when one fails, the
+/// supervisor deletes the others, then creates every Job again (the failed one deleted
+/// first, to free its name), and the launch runs again once all are ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_recovery_deletes_every_job_and_creates_them_again() {
+    let mut server = serve().await;
+    let home = tempfile::tempdir().unwrap();
+    let store = Store::open(&home.path().join("jobs.db")).await.unwrap();
+    let group = JobGroup::parse(&GROUP.replace(
+        "execution: parallel\n",
+        "execution: parallel\nrecovery: group\n",
+    ))
+    .unwrap();
+    let backend = backend(&server);
+    let job = create_launch(
+        &store,
+        &backend,
+        &group,
+        home.path(),
+        &json!({}),
+        &settings(),
+    )
+    .await
+    .unwrap();
+    let supervisor = Supervisor::new(store.clone(), backend, settings(), &job.id)
+        .await
+        .unwrap();
+    let supervisor = tokio::spawn(async move { supervisor.run().await.unwrap() });
+    server.expect(Method::POST, SERVICES).await;
+    server.expect(Method::POST, SERVICES).await;
+    for name in ["rl-env-server", "rl-trainer"] {
+        let created = server.expect(Method::POST, JOBS).await;
+        assert_eq!(created["metadata"]["name"], name);
+        assert_eq!(created["spec"]["backoffLimit"], 0, "{name}");
+        assert_eq!(
+            created["spec"]["podFailurePolicy"]["rules"],
+            json!([]),
+            "{name}"
+        );
+    }
+    let running = async |store: &Store| {
+        for _ in 0..200 {
+            if store.job(&job.id).await.unwrap().unwrap().state == JobState::Running {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the launch did not run");
+    };
+    server.set_status("rl-env-server", json!({"active": 2, "ready": 2}));
+    server.set_status("rl-trainer", json!({"active": 1, "ready": 1}));
+    running(&store).await;
+
+    // The trainer's Pod fails, and with it its Job.
+    server.set_status(
+        "rl-trainer",
+        json!({"failed": 1, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]}),
+    );
+    server
+        .expect(Method::DELETE, &format!("{JOBS}/rl-env-server"))
+        .await;
+    // The group starts again: each Job's name is freed, then the Job created anew.
+    server
+        .expect(Method::DELETE, &format!("{JOBS}/rl-env-server"))
+        .await;
+    let again = server.expect(Method::POST, JOBS).await;
+    assert_eq!(again["metadata"]["name"], "rl-env-server");
+    server
+        .expect(Method::DELETE, &format!("{JOBS}/rl-trainer"))
+        .await;
+    let again = server.expect(Method::POST, JOBS).await;
+    assert_eq!(again["metadata"]["name"], "rl-trainer");
+    assert_eq!(
+        store.job(&job.id).await.unwrap().unwrap().state,
+        JobState::Starting
+    );
+    server.set_status("rl-env-server", json!({"active": 2, "ready": 2}));
+    server.set_status("rl-trainer", json!({"active": 1, "ready": 1}));
+    running(&store).await;
+    let record = store.job(&job.id).await.unwrap().unwrap();
+    assert_eq!(record.recoveries, 1);
+    for u in store.units(&job.id).await.unwrap() {
+        assert_eq!(u.attempt, 1, "{}", u.component);
+        let counted = u32::from(u.component == "trainer");
+        assert_eq!(u.restarts_on_errors, counted, "{}", u.component);
+    }
+
+    store.request_cancel(&job.id).await.unwrap();
+    assert_eq!(supervisor.await.unwrap(), JobState::Cancelled);
+    assert!(server.cluster.lock().unwrap().unexpected.is_empty());
+    assert!(server.cluster.lock().unwrap().jobs.is_empty());
+}
+
 /// On a real cluster (`KUBECONFIG` set): two components run, find each other by DNS,
 /// and cancel deletes everything. The image must hold bash
 /// (`AGENTSTACK_TEST_K8S_IMAGE`, default `bash:5`).

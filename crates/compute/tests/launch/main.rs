@@ -11,12 +11,15 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use agentstack_compute::JobGroup;
-use agentstack_compute::backend::Backend;
 use agentstack_compute::backend::local::LocalBackend;
 use agentstack_compute::backend::ray::RayBackend;
 use agentstack_compute::backend::slurm::{SlurmBackend, SlurmSettings};
+use agentstack_compute::backend::{AnyBackend, Backend};
+use agentstack_compute::spec::InfraKind;
 use agentstack_compute::state::{JobState, Store, UnitRecord, UnitState};
-use agentstack_compute::supervisor::{Supervisor, SupervisorSettings, create_launch};
+use agentstack_compute::supervisor::{
+    Supervisor, SupervisorSettings, create_launch, create_launch_on,
+};
 use agentstack_test_support::ports::{free_port, free_port_pair};
 
 /// Longest wait for anything in these tests; engines on a loaded 2-core machine are slow.
@@ -283,31 +286,33 @@ fn slurm_settings() -> SupervisorSettings {
     }
 }
 
+/// Slurm has nothing of the launch's units left running.
+async fn slurm_has_nothing_left(units: &[UnitRecord]) {
+    let ids: Vec<String> = units
+        .iter()
+        .filter_map(|u| u.handle.as_deref()?.split(' ').next().map(str::to_owned))
+        .collect();
+    wait_for("Slurm to end every job", async || {
+        let out = std::process::Command::new("squeue")
+            .args(["-h", "-o", "%i %T", "--states=RUNNING,PENDING,COMPLETING"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (!text
+            .lines()
+            .any(|l| ids.iter().any(|id| l.split(' ').next() == Some(id))))
+        .then_some(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
 async fn slurm_three_components() {
     three_components_find_each_other_recover_and_cancel(
         SlurmBackend::new(SlurmSettings::default()),
         slurm_settings(),
-        async |units| {
-            // Slurm has nothing of the launch left running.
-            let ids: Vec<String> = units
-                .iter()
-                .filter_map(|u| u.handle.as_deref()?.split(' ').next().map(str::to_owned))
-                .collect();
-            wait_for("Slurm to end every job", async || {
-                let out = std::process::Command::new("squeue")
-                    .args(["-h", "-o", "%i %T", "--states=RUNNING,PENDING,COMPLETING"])
-                    .output()
-                    .unwrap();
-                let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                (!text
-                    .lines()
-                    .any(|l| ids.iter().any(|id| l.split(' ').next() == Some(id))))
-                .then_some(())
-            })
-            .await;
-        },
+        slurm_has_nothing_left,
     )
     .await;
 }
@@ -316,40 +321,345 @@ fn ray_address() -> String {
     std::env::var("AGENTSTACK_RAY_ADDRESS").unwrap_or_else(|_| "http://127.0.0.1:8265".into())
 }
 
+fn ray_settings() -> SupervisorSettings {
+    SupervisorSettings {
+        poll_interval: Duration::from_millis(250),
+        stop_grace: Duration::from_secs(5),
+        start_timeout: Duration::from_secs(120),
+        discovery_timeout_seconds: 120,
+        ..Default::default()
+    }
+}
+
+/// Ray has every unit's last job ended.
+async fn ray_has_nothing_left(address: &str, units: &[UnitRecord]) {
+    let client = reqwest::Client::new();
+    for u in units {
+        let h = u.handle.as_deref().unwrap();
+        let job: serde_json::Value = client
+            .get(format!("{address}/api/jobs/{h}"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let status = job["status"].as_str().unwrap();
+        assert!(
+            ["STOPPED", "FAILED", "SUCCEEDED"].contains(&status),
+            "{h}: {status}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Ray head: scripts/start-ray (AGENTSTACK_RAY_ADDRESS)"]
 async fn ray_three_components() {
     let address = ray_address();
     three_components_find_each_other_recover_and_cancel(
         RayBackend::new(&address),
-        SupervisorSettings {
-            poll_interval: Duration::from_millis(250),
-            stop_grace: Duration::from_secs(5),
-            start_timeout: Duration::from_secs(120),
-            discovery_timeout_seconds: 120,
-            ..Default::default()
-        },
-        async |units| {
-            let client = reqwest::Client::new();
-            for u in units {
-                let h = u.handle.as_deref().unwrap();
-                let job: serde_json::Value = client
-                    .get(format!("{address}/api/jobs/{h}"))
-                    .send()
-                    .await
-                    .unwrap()
-                    .json()
-                    .await
-                    .unwrap();
-                let status = job["status"].as_str().unwrap();
-                assert!(
-                    ["STOPPED", "FAILED", "SUCCEEDED"].contains(&status),
-                    "{h}: {status}"
-                );
-            }
-        },
+        ray_settings(),
+        async |units| ray_has_nothing_left(&address, units).await,
     )
     .await;
+}
+
+/// A group of three with `recovery: group`: a server, a worker that is killed, and a
+/// client that must reach the server. Every start appends what it was told to
+/// `<component>.seen` and its pid to `<component>.pids`; the client appends to
+/// `client.reached` once it reached the server.
+fn recovering_trio(name: &str, dir: &Path, port: u16) -> JobGroup {
+    let d = dir.display();
+    let component = |name: &str, ports: &str, body: &str| {
+        format!(
+            "---\nname: {name}\nresources: {{{ports}job_recovery: {{max_restarts_on_errors: 2}}}}\nrun: |\n  echo \"$AGENTSTACK_SERVER_ADDRS $AGENTSTACK_WORKER_ADDRS $AGENTSTACK_CLIENT_ADDRS\" >> {d}/{name}.seen\n  echo $$ >> {d}/{name}.pids\n{body}"
+        )
+    };
+    let text = format!(
+        "name: {name}\nexecution: parallel\nrecovery: group\nprimary_tasks: [client]\n{}{}{}",
+        component(
+            "server",
+            &format!("ports: {port}, "),
+            "  exec python3 -m http.server \"$AGENTSTACK_PORT\" --bind 127.0.0.1\n"
+        ),
+        component("worker", "", "  exec sleep 120\n"),
+        component(
+            "client",
+            "",
+            &format!(
+                "  host=\"${{AGENTSTACK_SERVER_ADDRS%:*}}\" port=\"${{AGENTSTACK_SERVER_ADDRS##*:}}\"\n  until (exec 3<>\"/dev/tcp/$host/$port\") 2>/dev/null; do sleep 0.2; done\n  echo reached >> {d}/client.reached\n  exec sleep 120\n"
+            )
+        ),
+    );
+    JobGroup::parse(&text).unwrap()
+}
+
+/// Lines of a file written line by line (none while it does not exist).
+fn lines(path: &Path) -> Vec<String> {
+    read(path)
+        .map(|t| t.lines().map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+/// `recovery: group` on any engine whose hosts are this machine: one member killed,
+/// every member is stopped and the group starts again as a gang, with discovery
+/// written anew, within 30 s; only the killed member's restart counts; cancel leaves
+/// nothing running.
+async fn a_group_recovers_as_one<B: Backend + 'static>(
+    backend: B,
+    settings: SupervisorSettings,
+    after_cancel: impl AsyncFnOnce(&[UnitRecord]),
+) {
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join("work");
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_port();
+    let name = format!("regroup{}", std::process::id() % 100_000);
+    let group = recovering_trio(&name, &dir, port);
+    let launched = launch(backend, &group, home.path(), settings).await;
+    let _cleanup = Cleanup(|| {
+        for component in ["server", "worker", "client"] {
+            let _ = std::process::Command::new("scancel")
+                .args(["--name", &format!("{name}-{component}")])
+                .status();
+            for pid in lines(&dir.join(format!("{component}.pids"))) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-9", &pid])
+                    .status();
+            }
+        }
+    });
+    launched.wait_state(JobState::Running).await;
+    let reached = dir.join("client.reached");
+    wait_for("the client to reach the server", async || {
+        (lines(&reached).len() == 1).then_some(())
+    })
+    .await;
+    let first: Vec<i32> = ["server", "worker", "client"]
+        .iter()
+        .map(|c| lines(&dir.join(format!("{c}.pids")))[0].parse().unwrap())
+        .collect();
+
+    // Kill the worker: the whole group starts again.
+    let killed = Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first[1]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_for("every member to start again", async || {
+        ["server", "worker", "client"]
+            .iter()
+            .all(|c| lines(&dir.join(format!("{c}.pids"))).len() == 2)
+            .then_some(())
+    })
+    .await;
+    wait_for("the new client to reach the new server", async || {
+        (lines(&reached).len() == 2).then_some(())
+    })
+    .await;
+    launched.wait_state(JobState::Running).await;
+    let recovered = killed.elapsed();
+    assert!(
+        recovered < Duration::from_secs(30),
+        "discovery took {recovered:?} to be re-established"
+    );
+    // The old server and client were stopped, not left beside the new ones.
+    for pid in [first[0], first[2]] {
+        wait_for("the first generation to be gone", async || {
+            (!alive(pid)).then_some(())
+        })
+        .await;
+    }
+    let expected = format!("127.0.0.1:{port} 127.0.0.1 127.0.0.1");
+    for component in ["server", "worker", "client"] {
+        assert_eq!(
+            lines(&dir.join(format!("{component}.seen"))),
+            [expected.clone(), expected.clone()],
+            "what {component} was told at each start"
+        );
+        let u = launched.unit(component).await;
+        assert_eq!(u.attempt, 1, "{component}");
+        let counted = u32::from(component == "worker");
+        assert_eq!(u.restarts_on_errors, counted, "{component}");
+    }
+    let job = launched.store.job(&launched.id).await.unwrap().unwrap();
+    assert_eq!(job.recoveries, 1);
+    assert!(
+        job.message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("group recovery 1: every member running again")),
+        "{:?}",
+        job.message
+    );
+
+    launched.store.request_cancel(&launched.id).await.unwrap();
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Cancelled);
+    let units = launched.store.units(&launched.id).await.unwrap();
+    for component in ["server", "worker", "client"] {
+        for pid in lines(&dir.join(format!("{component}.pids"))) {
+            let pid: i32 = pid.parse().unwrap();
+            wait_for("the programs to be gone", async || {
+                (!alive(pid)).then_some(())
+            })
+            .await;
+        }
+    }
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the server still listens on {port}"
+    );
+    after_cancel(&units).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_group_recovery() {
+    a_group_recovers_as_one(LocalBackend::new(), local_settings(), async |_| {}).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
+async fn slurm_group_recovery() {
+    a_group_recovers_as_one(
+        SlurmBackend::new(SlurmSettings::default()),
+        slurm_settings(),
+        slurm_has_nothing_left,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Ray head: scripts/start-ray (AGENTSTACK_RAY_ADDRESS)"]
+async fn ray_group_recovery() {
+    let address = ray_address();
+    a_group_recovers_as_one(RayBackend::new(&address), ray_settings(), async |units| {
+        ray_has_nothing_left(&address, units).await;
+    })
+    .await;
+}
+
+/// A `slurm.conf` naming a controller that is not running (its port is closed): to
+/// Slurm's commands, a stopped controller.
+fn stopped_controller_conf(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("stopped-slurm.conf");
+    std::fs::write(
+        &path,
+        format!(
+            "ClusterName=stopped\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort={}\nAuthType=auth/munge\nNodeName=n1 NodeAddr=127.0.0.1 CPUs=1\nPartitionName=p Nodes=n1 Default=YES\n",
+            free_port()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// `resources.infra: [slurm, local]` with Slurm's controller stopped: the submission
+/// fails, the group is placed on local, where it runs; the launch says where and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_slurm_refuses_fails_over_to_local() {
+    let home = tempfile::tempdir().unwrap();
+    let dir = home.path().join("work");
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_port();
+    let name = format!("failover{}", std::process::id() % 100_000);
+    let d = dir.display();
+    let group = JobGroup::parse(&format!(
+        "name: {name}\nexecution: parallel\n---\nname: server\nresources: {{infra: [slurm, local], ports: {port}}}\nrun: |\n  echo $$ >> {d}/server.pids\n  exec python3 -m http.server \"$AGENTSTACK_PORT\" --bind 127.0.0.1\n---\nname: client\nresources: {{infra: [slurm, local]}}\nrun: |\n  echo $$ >> {d}/client.pids\n  echo \"$AGENTSTACK_SERVER_ADDRS\" > {d}/client.seen\n  exec sleep 120\n"
+    ))
+    .unwrap();
+    let backends = vec![
+        AnyBackend::Slurm(SlurmBackend::new(SlurmSettings {
+            conf: Some(stopped_controller_conf(home.path())),
+            ..Default::default()
+        })),
+        AnyBackend::Local(LocalBackend::new()),
+    ];
+    let store = Store::open(&home.path().join("jobs.db")).await.unwrap();
+    let settings = local_settings();
+    let job = create_launch_on(
+        &store,
+        &backends,
+        &[],
+        &group,
+        home.path(),
+        &serde_json::json!({}),
+        &settings,
+    )
+    .await
+    .unwrap();
+    assert_eq!(job.infra, InfraKind::Slurm);
+    assert_eq!(job.infra_order, [InfraKind::Slurm, InfraKind::Local]);
+    let started = Instant::now();
+    let supervisor = Supervisor::with_backends(store.clone(), backends, settings, &job.id)
+        .await
+        .unwrap();
+    let handle = tokio::spawn(async move { supervisor.run().await.unwrap() });
+    let launched = Launched {
+        store,
+        id: job.id,
+        supervisor: handle,
+    };
+    launched.wait_state(JobState::Running).await;
+    let placed = started.elapsed();
+    let job = launched.store.job(&launched.id).await.unwrap().unwrap();
+    assert_eq!(job.infra, InfraKind::Local);
+    let placement = job.placement.clone().unwrap();
+    assert!(
+        placement.starts_with("slurm: it refused the group: "),
+        "{placement}"
+    );
+    let slurm_installed = std::process::Command::new("sbatch")
+        .arg("--version")
+        .output()
+        .is_ok();
+    let why = if slurm_installed {
+        "Unable to contact slurm controller"
+    } else {
+        "could not run `sbatch`"
+    };
+    assert!(placement.contains(why), "{placement}");
+    assert!(
+        job.message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("every unit running on local")),
+        "{:?}",
+        job.message
+    );
+    for u in launched.units().await {
+        assert_eq!(u.infra, InfraKind::Local);
+        assert_eq!(
+            (u.state, u.attempt),
+            (UnitState::Running, 0),
+            "{}",
+            u.component
+        );
+    }
+    let seen = wait_for("the client's discovery", async || {
+        read(&dir.join("client.seen"))
+    })
+    .await;
+    assert_eq!(seen, format!("127.0.0.1:{port}\n"));
+    eprintln!("placed on local {placed:?} after the launch");
+
+    launched.store.request_cancel(&launched.id).await.unwrap();
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Cancelled);
+    for component in ["server", "client"] {
+        for pid in lines(&dir.join(format!("{component}.pids"))) {
+            let pid: i32 = pid.parse().unwrap();
+            wait_for("the programs to be gone", async || {
+                (!alive(pid)).then_some(())
+            })
+            .await;
+        }
+    }
+    if slurm_installed {
+        // Nothing reached Slurm.
+        let out = std::process::Command::new("squeue")
+            .args(["-h", "--name", &format!("{name}-server,{name}-client")])
+            .output()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&out.stdout).trim().is_empty());
+    }
 }
 
 /// The primaries finish: the auxiliaries are stopped after their termination delay,
@@ -655,8 +965,8 @@ struct Refusing {
 }
 
 impl Backend for Refusing {
-    fn kind(&self) -> agentstack_compute::spec::InfraKind {
-        agentstack_compute::spec::InfraKind::Local
+    fn kind(&self) -> InfraKind {
+        InfraKind::Local
     }
 
     fn addresses_up_front(

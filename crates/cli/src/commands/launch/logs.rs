@@ -8,7 +8,7 @@ use agentstack_compute::launch::InfraKind;
 use agentstack_compute::state::UnitRecord;
 use anyhow::anyhow;
 
-use super::{backend_of, find, internal, open_store, revive};
+use super::{backends_of, find, internal, open_store, revive};
 use crate::Exit;
 use crate::args::JobLogsArgs;
 
@@ -31,7 +31,11 @@ pub async fn run(args: JobLogsArgs) -> Result<(), Exit> {
     let store = open_store().await?;
     let job = find(&store, name).await?;
     revive(&job)?;
-    let (backend, _) = backend_of(&job)?;
+    let (backends, _) = backends_of(&job)?;
+    let backend = backends
+        .into_iter()
+        .next()
+        .expect("the current engine's backend");
     let all = store.units(&job.id).await.map_err(internal)?;
     let units: Vec<UnitRecord> = all
         .iter()

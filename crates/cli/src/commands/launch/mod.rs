@@ -63,13 +63,21 @@ pub(crate) fn internal(e: impl Into<anyhow::Error>) -> Exit {
     Exit::internal(e)
 }
 
-/// A launch's backend and its pace, for the infra its record names (a backend that
-/// cannot be built is the user's error).
-pub(crate) fn backend_of(job: &JobRecord) -> Result<(AnyBackend, SupervisorSettings), Exit> {
-    let infra = job.infra;
+/// A launch's backends, one per engine of its order that can be built (the one it is on
+/// must be: else the user's error), and the supervisor's pace.
+pub(crate) fn backends_of(job: &JobRecord) -> Result<(Vec<AnyBackend>, SupervisorSettings), Exit> {
     let options: LaunchOptions = serde_json::from_str(&job.options).unwrap_or_default();
-    let backend = launch_plan::backend(infra, &options).map_err(launch_exit)?;
-    Ok((backend, launch_plan::supervisor_settings(infra, &options)))
+    let mut backends = vec![launch_plan::backend(job.infra, &options).map_err(launch_exit)?];
+    for kind in job.infra_order.iter().filter(|k| **k != job.infra) {
+        // One that cannot be built now is passed over if the launch moves on.
+        if let Ok(b) = launch_plan::backend(*kind, &options) {
+            backends.push(b);
+        }
+    }
+    Ok((
+        backends,
+        launch_plan::supervisor_settings(job.infra, &options),
+    ))
 }
 
 /// A [`LaunchError`](launch_plan::LaunchError) as an exit: the user's or ours, as it
@@ -101,8 +109,8 @@ pub(crate) fn local_cpus() -> Result<Option<f64>, Exit> {
 
 /// Runs the launch's supervisor in this process until the launch ends.
 pub(crate) async fn supervise_here(store: &Store, job: &JobRecord) -> Result<JobState, Exit> {
-    let (backend, settings) = backend_of(job)?;
-    let supervisor = Supervisor::new(store.clone(), backend, settings, &job.id)
+    let (backends, settings) = backends_of(job)?;
+    let supervisor = Supervisor::with_backends(store.clone(), backends, settings, &job.id)
         .await
         .map_err(internal)?;
     supervisor.run().await.map_err(internal)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use agentstack_compute::backend::Backend;
 use agentstack_compute::launch::{self as launch_plan, InfraKind, LaunchOptions};
 use agentstack_compute::state::{JobState, Store};
-use agentstack_compute::supervisor::{SuperviseError, create_launch};
+use agentstack_compute::supervisor::{SuperviseError, create_launch_on};
 use agentstack_compute::{BuildError, JobGroup};
 use agentstack_static::env_vars;
 use anyhow::anyhow;
@@ -27,8 +27,9 @@ pub struct LaunchSettings {
     pub file: PathBuf,
     /// The job group read from it, with `--env` applied and paths resolved.
     pub group: JobGroup,
-    /// Where it runs: `--infra`, else the components' `resources.infra`, else local.
-    pub infra: InfraKind,
+    /// Where it runs, in order of preference: `--infra`, else the components'
+    /// `resources.infra`, else local.
+    pub infra: Vec<InfraKind>,
     /// Return once submitted.
     pub detach: bool,
     /// Print what would be submitted and stop.
@@ -131,13 +132,29 @@ pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
     } = resolved;
     let file = &file;
     if dry {
-        return dry_run(&group, infra, &options);
+        return dry_run(&group, infra[0], &options);
     }
 
-    let backend = launch_plan::backend(infra, &options).map_err(launch_exit)?;
-    backend
-        .check(&group)
-        .map_err(|e| Exit::user(anyhow!(e).context(format!("{} on {infra}", file.display()))))?;
+    // Every engine of the order that can be reached; one that cannot is passed over
+    // (and the launch says why), unless none can.
+    let mut backends = Vec::new();
+    let mut unavailable = Vec::new();
+    let mut first_error = None;
+    for kind in &infra {
+        match launch_plan::backend(*kind, &options) {
+            Ok(b) => backends.push(b),
+            Err(e) => {
+                unavailable.push(format!(
+                    "{kind}: {}",
+                    e.to_string().lines().next().unwrap_or_default()
+                ));
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if backends.is_empty() {
+        return Err(launch_exit(first_error.expect("infra is never empty")));
+    }
     let store = open_store().await?;
     if let Some(running) = store.job_by_name(&group.name).await.map_err(internal)?
         && !running.state.is_terminal()
@@ -150,11 +167,12 @@ pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
             group.name
         )));
     }
-    let settings = launch_plan::supervisor_settings(infra, &options);
+    let settings = launch_plan::supervisor_settings(backends[0].kind(), &options);
     let options_json = serde_json::to_value(&options).map_err(internal)?;
-    let job = create_launch(
+    let job = create_launch_on(
         &store,
-        &backend,
+        &backends,
+        &unavailable,
         &group,
         &jobs_dir(),
         &options_json,
@@ -162,17 +180,26 @@ pub async fn run(args: LaunchArgs) -> Result<(), Exit> {
     )
     .await
     .map_err(|e| match e {
-        SuperviseError::TooLarge { .. } | SuperviseError::Backend(_) => Exit::user(anyhow!(e)),
+        SuperviseError::TooLarge { .. } => Exit::user(anyhow!(e)),
+        SuperviseError::Backend(_) => {
+            Exit::user(anyhow!(e).context(format!("{} on {}", file.display(), backends[0].kind())))
+        }
         e => internal(e),
     })?;
-    drop(backend);
+    drop(backends);
     let units: usize = store.units(&job.id).await.map_err(internal)?.len();
     eprintln!(
-        "launching `{}` on {infra}: {} component(s), {units} unit(s) (id {})",
+        "launching `{}` on {}: {} component(s), {units} unit(s) (id {})",
         group.name,
+        job.infra,
         group.components.len(),
         job.id
     );
+    if let Some(placement) = &job.placement {
+        for line in placement.lines() {
+            eprintln!("  passed over {line}");
+        }
+    }
     if detach {
         let pid = spawn_supervisor(&job)?;
         eprintln!("supervisor running in the background (pid {pid})");

@@ -44,6 +44,15 @@ pub async fn run(args: JobStatusArgs) -> Result<(), Exit> {
             .map(|m| format!(": {m}"))
             .unwrap_or_default()
     );
+    if let Some(placement) = &job.placement {
+        // Where the launch could not be placed, and why, in the order it was tried.
+        for line in placement.lines() {
+            println!("  passed over {line}");
+        }
+    }
+    if job.recoveries > 0 {
+        println!("  group recoveries: {}", job.recoveries);
+    }
     println!(
         "{:<20} {:>7} {:<11} {:>7} {:>8}  {:<16} MESSAGE",
         "COMPONENT", "REPLICA", "STATE", "ATTEMPT", "RESTARTS", "HOSTS"
