@@ -59,6 +59,9 @@ pub struct LaunchOptions {
     pub local_cpus: Option<f64>,
     /// Seconds every component has to start.
     pub start_timeout: Option<u64>,
+    /// The address `service` load balancers listen on (`None`: 127.0.0.1).
+    #[serde(default)]
+    pub service_host: Option<String>,
 }
 
 /// Why a launch's infra, backend or plan could not be made.
@@ -208,6 +211,10 @@ pub fn supervisor_settings(infra: InfraKind, options: &LaunchOptions) -> Supervi
             .start_timeout
             .map_or(defaults.start_timeout, Duration::from_secs),
         local_cpus: options.local_cpus.unwrap_or(defaults.local_cpus),
+        service_host: options
+            .service_host
+            .clone()
+            .unwrap_or(defaults.service_host.clone()),
         ..defaults
     }
 }

@@ -20,7 +20,9 @@
 //! - [`supervisor`]: a launch's life on any backend — gang start, discovery files,
 //!   recovery by `job_recovery`, termination delays, preemption, cancel;
 //! - [`state`]: launches and units in SQLite, so a restarted `agentstack` picks up
-//!   what an earlier one started.
+//!   what an earlier one started;
+//! - [`balancer`]: the load balancer in front of a service's ready replicas, which
+//!   sends a request again to another replica when one dies.
 //!
 //! ```
 //! use agentstack_compute::discovery::{self, Addresses};
@@ -46,6 +48,7 @@
 //! ```
 
 pub mod backend;
+pub mod balancer;
 pub mod discovery;
 pub mod entrypoint;
 pub mod kubernetes;

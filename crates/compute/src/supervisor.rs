@@ -24,10 +24,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentstack_serve::auth::ApiKey;
+
 use crate::backend::{Backend, BackendError, UnitLaunch, UnitStatus};
+use crate::balancer::{Balancer, BalancerConfig, Policy, Replica};
 use crate::discovery::{self, Addresses, Endpoint, SKYPILOT_NODE_IPS, SKYPILOT_NODE_RANK};
 use crate::request;
-use crate::spec::{GroupRecovery, InfraKind, JobGroup, SpecError, Task};
+use crate::spec::{GroupRecovery, InfraKind, JobGroup, LoadBalancingPolicy, SpecError, Task};
 use crate::state::{
     Admission, JobRecord, JobState, NewUnit, StateError, Store, UnitRecord, UnitState, UnitUpdate,
     now_ms,
@@ -40,9 +43,18 @@ const EVERYTHING_FINISHED: &str = "every component finished";
 /// `consecutive_failure_threshold_timeout` does not say.
 pub const DEFAULT_FAILURE_THRESHOLD_SECONDS: f64 = 180.0;
 
+/// How often a replica that is not ready yet is probed, at most: a replacement takes
+/// traffic within this long of answering its probe.
+pub const NOT_READY_PROBE_INTERVAL: Duration = Duration::from_millis(500);
+
+/// Where a service's load balancer listens when the launch does not say.
+pub const DEFAULT_SERVICE_HOST: &str = "127.0.0.1";
+
 /// How a supervisor paces itself.
 #[derive(Debug, Clone)]
 pub struct SupervisorSettings {
+    /// The address services' load balancers listen on (with each `service.ports`).
+    pub service_host: String,
     /// Time between looks at the engine.
     pub poll_interval: Duration,
     /// Time from SIGTERM to SIGKILL when stopping a unit: the time to checkpoint.
@@ -75,6 +87,7 @@ pub enum Clock {
 impl Default for SupervisorSettings {
     fn default() -> Self {
         Self {
+            service_host: DEFAULT_SERVICE_HOST.into(),
             poll_interval: Duration::from_millis(100),
             stop_grace: Duration::from_secs(10),
             start_timeout: Duration::from_secs(600),
@@ -254,7 +267,15 @@ pub struct Supervisor<B> {
     started: std::sync::atomic::AtomicBool,
     /// The system's time and Tokio's when the supervisor was made ([`Clock::Runtime`]).
     made: (i64, tokio::time::Instant),
+    /// Per `service` component: its load balancer and the replicas it was last given;
+    /// `None` until they are started.
+    balancers: std::sync::Mutex<Option<Services>>,
+    /// Dropped (or set) when the supervisor ends: the load balancers stop.
+    stop_balancers: tokio::sync::watch::Sender<bool>,
 }
+
+/// Per `service` component: its load balancer and the replicas it was last given.
+type Services = BTreeMap<String, (Balancer, Vec<Replica>)>;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Probed {
@@ -322,6 +343,8 @@ impl<B: Backend> Supervisor<B> {
             probes: std::sync::Mutex::default(),
             started: std::sync::atomic::AtomicBool::new(false),
             made: (now_ms(), tokio::time::Instant::now()),
+            balancers: std::sync::Mutex::default(),
+            stop_balancers: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -341,7 +364,11 @@ impl<B: Backend> Supervisor<B> {
         let span = tracing::info_span!("launch", id = %self.job_id, infra = %self.backend().kind());
         let _enter = span.enter();
         loop {
-            if let Some(end) = self.step().await? {
+            let stepped = self.step().await;
+            if !matches!(stepped, Ok(None)) {
+                self.stop_balancers.send_replace(true);
+            }
+            if let Some(end) = stepped? {
                 return Ok(end);
             }
             if !self
@@ -503,6 +530,117 @@ impl<B: Backend> Supervisor<B> {
         }
         self.discover(job).await?;
         self.probe_readiness().await?;
+        self.route_services().await?;
+        Ok(())
+    }
+
+    /// Starts the load balancer of every `service` component (once), listening on
+    /// [`SupervisorSettings::service_host`] and its `service.ports`. API keys in the
+    /// component's `AGENTSTACK_API_KEY` (else this process's) are asked of every client
+    /// before a body is read. A port that cannot be listened on ends the launch.
+    async fn start_balancers(&self) -> Result<(), SuperviseError> {
+        if self.balancers.lock().expect("never poisoned").is_some() {
+            return Ok(());
+        }
+        let mut started = BTreeMap::new();
+        for task in &self.group.components {
+            let Some(service) = &task.service else {
+                continue;
+            };
+            let keys_text = task
+                .envs
+                .get(agentstack_serve::auth::API_KEY_ENV)
+                .cloned()
+                .flatten()
+                .or_else(|| std::env::var(agentstack_serve::auth::API_KEY_ENV).ok())
+                .unwrap_or_default();
+            let keys = keys_text
+                .split(',')
+                .filter(|k| !k.trim().is_empty())
+                .filter_map(|k| ApiKey::new(k.trim()).ok())
+                .collect();
+            let balancer = Balancer::new(BalancerConfig {
+                policy: match service.load_balancing_policy {
+                    LoadBalancingPolicy::LeastLoad => Policy::LeastLoad,
+                    LoadBalancingPolicy::RoundRobin => Policy::RoundRobin,
+                },
+                keys,
+                ..BalancerConfig::default()
+            });
+            let address = format!("{}:{}", self.settings.service_host, service.ports);
+            let listener = tokio::net::TcpListener::bind(&address)
+                .await
+                .map_err(|e| {
+                    SuperviseError::Backend(BackendError::Config {
+                        what: format!(
+                            "the load balancer of `{}` cannot listen on {address}: {e}",
+                            task.name
+                        ),
+                        hint: "give `service.ports` a free port (`ss -ltnp` shows who holds it)".into(),
+                    })
+                })?;
+            tracing::info!(component = %task.name, %address, "load balancer listening");
+            let mut stop = self.stop_balancers.subscribe();
+            let serving = balancer.clone();
+            tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                };
+                if let Err(e) = serving.serve(listener, shutdown).await {
+                    tracing::error!(error = %e, "a load balancer stopped");
+                }
+            });
+            started.insert(task.name.clone(), (balancer, Vec::new()));
+        }
+        *self.balancers.lock().expect("never poisoned") = Some(started);
+        Ok(())
+    }
+
+    /// Gives each load balancer the replicas of its component that are ready now:
+    /// running and passing their readiness probe.
+    async fn route_services(&self) -> Result<(), SuperviseError> {
+        if !self.group.components.iter().any(|t| t.service.is_some()) {
+            return Ok(());
+        }
+        self.start_balancers().await?;
+        let units = self.store.units(&self.job_id).await?;
+        let mut balancers = self.balancers.lock().expect("never poisoned");
+        for (component, (balancer, given)) in balancers.iter_mut().flatten() {
+            let task = self.task(component);
+            let ready: Vec<Replica> = units
+                .iter()
+                .filter(|u| {
+                    u.component == *component
+                        && u.state == UnitState::Running
+                        && u.ready_ms.is_some()
+                })
+                .map(|u| {
+                    let host = u
+                        .hosts
+                        .as_deref()
+                        .and_then(|h| h.split(',').next())
+                        .unwrap_or("127.0.0.1");
+                    let host = if host.contains(':') {
+                        format!("[{host}]")
+                    } else {
+                        host.to_owned()
+                    };
+                    let port = task
+                        .resources
+                        .main_port()
+                        .map_or(80, |p| p.saturating_add(u.replica as u16));
+                    Replica {
+                        id: format!("{}/{}#{}", u.component, u.replica, u.attempt),
+                        url: format!("http://{host}:{port}"),
+                    }
+                })
+                .collect();
+            if ready != *given {
+                tracing::info!(%component, ready = ready.len(), "replicas behind the load balancer");
+                balancer.set_replicas(ready.clone());
+                *given = ready;
+            }
+        }
         Ok(())
     }
 
@@ -614,7 +752,16 @@ impl<B: Backend> Supervisor<B> {
                 .get(&key)
                 .copied()
                 .unwrap_or_default();
-            if now - probed.last_probe_ms < (probe.interval() * 1000.0) as i64 {
+            // Until it is ready, a replica is probed often: a replacement then takes
+            // traffic soon after it answers.
+            let interval = if u.ready_ms.is_none() {
+                probe
+                    .interval()
+                    .min(NOT_READY_PROBE_INTERVAL.as_secs_f64())
+            } else {
+                probe.interval()
+            };
+            if now - probed.last_probe_ms < (interval * 1000.0) as i64 {
                 continue;
             }
             let host = u

@@ -63,6 +63,10 @@ env_vars! {
     /// `resources.cpus` counts against it, and a higher `priority` preempts a lower one.
     AGENTSTACK_LOCAL_CPUS = "AGENTSTACK_LOCAL_CPUS";
 
+    /// The address a launch's `service` load balancers listen on (default `127.0.0.1`;
+    /// `0.0.0.0` serves other machines: the replicas' API keys then matter).
+    AGENTSTACK_SERVICE_HOST = "AGENTSTACK_SERVICE_HOST";
+
     /// The container image `launch --infra k8s` runs (it must hold bash and the
     /// programs).
     AGENTSTACK_K8S_IMAGE = "AGENTSTACK_K8S_IMAGE";

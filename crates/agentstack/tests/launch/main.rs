@@ -615,3 +615,272 @@ run: >-
         "the replicas loaded the run's adapters: {server}"
     );
 }
+
+/// What one client request through the load balancer came to.
+#[derive(Debug)]
+enum Answer {
+    /// 200, from this replica (`x-agentstack-replica`), at this time.
+    Served(String, Instant),
+    /// Anything else: the status (0 when no response came) and what was said.
+    Failed(u16, String),
+}
+
+/// One non-streamed chat completion through the load balancer at `url`.
+async fn complete(client: &reqwest::Client, url: &str) -> Answer {
+    let sent = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 4,
+            "temperature": 0.0,
+        }))
+        .send()
+        .await;
+    match sent {
+        Ok(r) if r.status() == 200 => {
+            let replica = r
+                .headers()
+                .get("x-agentstack-replica")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("?")
+                .to_owned();
+            match r.json::<serde_json::Value>().await {
+                Ok(body) if body["choices"][0]["message"]["content"].is_string() => {
+                    Answer::Served(replica, Instant::now())
+                }
+                Ok(body) => Answer::Failed(200, body.to_string()),
+                Err(e) => Answer::Failed(200, e.to_string()),
+            }
+        }
+        Ok(r) => Answer::Failed(r.status().as_u16(), r.text().await.unwrap_or_default()),
+        Err(e) => Answer::Failed(0, e.to_string()),
+    }
+}
+
+/// One streamed chat completion: `Ok` when it ended with `[DONE]`; else whether any
+/// byte had arrived before it broke.
+async fn stream(client: &reqwest::Client, url: &str) -> Result<(), bool> {
+    let Ok(mut r) = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": "Count to five."}],
+            "max_tokens": 12,
+            "stream": true,
+        }))
+        .send()
+        .await
+    else {
+        return Err(false);
+    };
+    if r.status() != 200 {
+        return Err(false);
+    }
+    let mut text = String::new();
+    loop {
+        match r.chunk().await {
+            Ok(Some(bytes)) => text.push_str(&String::from_utf8_lossy(&bytes)),
+            Ok(None) => break,
+            Err(_) => return Err(true),
+        }
+    }
+    if text.contains("[DONE]") {
+        Ok(())
+    } else {
+        Err(!text.is_empty())
+    }
+}
+
+/// Issue 24: a `service` of two `model serve` replicas behind the supervisor's load
+/// balancer. Clients send chat completions continuously (two non-streamed, one
+/// streamed); replica 0 is killed with SIGKILL mid-load. Every non-streamed request is
+/// answered (the balancer sends it to the other replica); no streamed request fails
+/// before its first byte; the supervisor restarts the replica, and the balancer sends
+/// it requests within 5 s of its `/health` answering. Cancel leaves nothing running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the SmolLM2 model from scripts/install-peers"]
+async fn a_service_answers_every_request_while_a_replica_is_killed() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path().to_path_buf();
+    let model = test_model();
+    let port = agentstack_test_support::ports::free_port_pair();
+    let lb = free_port();
+    write(
+        &h,
+        "chat.yaml",
+        &format!(
+            r#"name: chat
+resources:
+  ports: {port}
+  job_recovery: {{max_restarts_on_errors: 3}}
+run: exec agentstack model serve {model} --host 127.0.0.1 --port $AGENTSTACK_PORT --threads 1
+service:
+  replicas: 2
+  ports: {lb}
+  readiness_probe: {{path: /health, endpoint_probe_interval_seconds: 1}}
+"#,
+            model = model.display()
+        ),
+    );
+    let cli = {
+        let h = h.clone();
+        move |args: &[&str]| {
+            Output::of(
+                command_in(&h)
+                    .args(args)
+                    .current_dir(&h)
+                    .env("PATH", path_with_binary())
+                    .env_remove("KUBECONFIG")
+                    .env_remove("AGENTSTACK_API_KEY"),
+            )
+        }
+    };
+    let out = cli(&["launch", "chat.yaml", "--detach"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    let url = format!("http://127.0.0.1:{lb}");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+
+    // Both replicas take requests.
+    let start = Instant::now();
+    let mut seen = std::collections::BTreeSet::new();
+    while seen.len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "both replicas never answered: {}",
+            cli(&["status", "chat"]).stdout
+        );
+        if let Answer::Served(replica, _) = complete(&client, &url).await {
+            seen.insert(replica);
+        }
+    }
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        ["chat/0#0", "chat/1#0"]
+    );
+
+    // Load: two clients of non-streamed requests and one of streamed ones, until the
+    // replacement has answered.
+    let replacement = "chat/0#1";
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let replaced = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let (client, url, stop, replaced) =
+            (client.clone(), url.clone(), stop.clone(), replaced.clone());
+        clients.push(tokio::spawn(async move {
+            let mut answers = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let answer = complete(&client, &url).await;
+                if matches!(&answer, Answer::Served(r, _) if r == replacement) {
+                    replaced.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                answers.push(answer);
+            }
+            answers
+        }));
+    }
+    let streamer = {
+        let (client, url, stop) = (client.clone(), url.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut results = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                results.push(stream(&client, &url).await);
+            }
+            results
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let victim = pids_with(&["serve", &port.to_string()]);
+    assert_eq!(victim.len(), 1, "replica 0's process: {victim:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim[0]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let killed = Instant::now();
+    // When the replacement's own /health first answers.
+    let health = format!("http://127.0.0.1:{port}/health");
+    let healthy = loop {
+        assert!(
+            killed.elapsed() < Duration::from_secs(120),
+            "replica 0 did not come back: {}",
+            cli(&["status", "chat"]).stdout
+        );
+        if client
+            .get(&health)
+            .timeout(Duration::from_secs(1))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
+            break Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    while !replaced.load(std::sync::atomic::Ordering::Relaxed)
+        && healthy.elapsed() < Duration::from_secs(30)
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut answers: Vec<Answer> = Vec::new();
+    for c in clients {
+        answers.extend(c.await.unwrap());
+    }
+    let streamed = streamer.await.unwrap();
+
+    let failed: Vec<String> = answers
+        .iter()
+        .filter_map(|a| match a {
+            Answer::Failed(status, text) => Some(format!("{status}: {text}")),
+            Answer::Served(..) => None,
+        })
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} failed: {failed:?}",
+        failed.len(),
+        answers.len()
+    );
+    let first_by_replacement = answers
+        .iter()
+        .filter_map(|a| match a {
+            Answer::Served(r, at) if r == replacement => Some(*at),
+            _ => None,
+        })
+        .min()
+        .unwrap_or_else(|| panic!("the replacement never answered: {answers:?}"));
+    let ready_after = first_by_replacement.saturating_duration_since(healthy);
+    assert!(
+        ready_after <= Duration::from_secs(5),
+        "the replacement answered {ready_after:?} after its /health did"
+    );
+    let before_first_byte = streamed.iter().filter(|r| **r == Err(false)).count();
+    assert_eq!(before_first_byte, 0, "streamed: {streamed:?}");
+    eprintln!(
+        "{} requests, 0 failed; {} streamed, {} broken after their first byte; replica 0 back {:?} after the kill, taking requests {ready_after:?} after its /health answered",
+        answers.len(),
+        streamed.len(),
+        streamed.iter().filter(|r| **r == Err(true)).count(),
+        healthy - killed
+    );
+
+    let out = cli(&["cancel", "chat"]);
+    assert_eq!(out.code, 0, "{}", snapshot(&out));
+    let gone = Instant::now();
+    while !pids_with(&["serve", &port.to_string()]).is_empty()
+        || !pids_with(&["serve", &(port + 1).to_string()]).is_empty()
+        || std::net::TcpStream::connect(("127.0.0.1", lb)).is_ok()
+    {
+        assert!(
+            gone.elapsed() < Duration::from_secs(60),
+            "something still runs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -104,6 +104,7 @@ impl LaunchSettings {
             k8s_queue: args.k8s_queue.clone(),
             local_cpus: local_cpus()?,
             start_timeout: Some(args.start_timeout),
+            service_host: text(&None, env_vars::AGENTSTACK_SERVICE_HOST),
         };
         Ok(Self {
             file: file.clone(),
