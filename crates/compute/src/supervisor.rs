@@ -174,7 +174,7 @@ pub async fn create_launch_on<B: Backend>(
                 break;
             }
             Err(e) => {
-                passed_over.push(format!("{}: {}", backend.kind(), one_line(&e.to_string())));
+                passed_over.push(format!("{}: {}", backend.kind(), summary(&e)));
                 first_error.get_or_insert(e);
             }
         }
@@ -243,9 +243,21 @@ pub async fn create_launch_on<B: Backend>(
     Ok(record)
 }
 
-/// The first line of an error's text, for one-line notes.
+/// The first line of a text, for one-line notes.
 fn one_line(text: &str) -> String {
     text.lines().next().unwrap_or_default().trim().to_owned()
+}
+
+/// An error and its causes on one line (each one's first line; hints left out), for
+/// the launch's notes: `submitting a Ray job at URL: error sending request: ...`.
+fn summary(error: &dyn std::error::Error) -> String {
+    let mut parts = vec![one_line(&error.to_string())];
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        parts.push(one_line(&c.to_string()));
+        cause = c.source();
+    }
+    parts.join(": ")
 }
 
 /// Runs one launch to its end.
@@ -281,6 +293,15 @@ type Services = BTreeMap<String, (Balancer, Vec<Replica>)>;
 struct Probed {
     last_probe_ms: i64,
     last_ok_ms: Option<i64>,
+}
+
+/// What a look at the engine found besides the units' states.
+#[derive(Debug, Default)]
+struct Observed {
+    /// A unit's end began a group recovery.
+    began_recovery: bool,
+    /// A unit the engine says it cannot place (`component/replica: why`).
+    unplaceable: Option<String>,
 }
 
 /// How one unit ended, and what its policy says.
@@ -436,7 +457,8 @@ impl<B: Backend> Supervisor<B> {
     }
 
     async fn tick(&self, job: &JobRecord) -> Result<(), SuperviseError> {
-        let job = &if self.observe(job).await? {
+        let observed = self.observe(job).await?;
+        let job = &if observed.began_recovery {
             // A group recovery began: what follows acts on it.
             self.store
                 .job(&self.job_id)
@@ -468,6 +490,16 @@ impl<B: Backend> Supervisor<B> {
             && self.recover_group(job, &units, now).await?
         {
             return Ok(());
+        }
+        if let Some(why) = &observed.unplaceable
+            && job.state == JobState::Starting
+            && job.running_ms.is_none()
+            && job.recoveries == 0
+            && job.next_infra().is_some()
+        {
+            return self
+                .fail_over(job, &units, &format!("it cannot place the group: {why}"))
+                .await;
         }
         if job.state == JobState::Starting {
             if units
@@ -523,7 +555,11 @@ impl<B: Backend> Supervisor<B> {
             {
                 let units = self.store.units(&self.job_id).await?;
                 return self
-                    .fail_over(job, &units, &format!("it refused the group: {e}"))
+                    .fail_over(
+                        job,
+                        &units,
+                        &format!("it refused the group: {}", summary(&e)),
+                    )
                     .await;
             }
             return Err(e);
@@ -568,17 +604,15 @@ impl<B: Backend> Supervisor<B> {
                 ..BalancerConfig::default()
             });
             let address = format!("{}:{}", self.settings.service_host, service.ports);
-            let listener = tokio::net::TcpListener::bind(&address)
-                .await
-                .map_err(|e| {
-                    SuperviseError::Backend(BackendError::Config {
-                        what: format!(
-                            "the load balancer of `{}` cannot listen on {address}: {e}",
-                            task.name
-                        ),
-                        hint: "give `service.ports` a free port (`ss -ltnp` shows who holds it)".into(),
-                    })
-                })?;
+            let listener = tokio::net::TcpListener::bind(&address).await.map_err(|e| {
+                SuperviseError::Backend(BackendError::Config {
+                    what: format!(
+                        "the load balancer of `{}` cannot listen on {address}: {e}",
+                        task.name
+                    ),
+                    hint: "give `service.ports` a free port (`ss -ltnp` shows who holds it)".into(),
+                })
+            })?;
             tracing::info!(component = %task.name, %address, "load balancer listening");
             let mut stop = self.stop_balancers.subscribe();
             let serving = balancer.clone();
@@ -686,16 +720,6 @@ impl<B: Backend> Supervisor<B> {
         units: &[UnitRecord],
         why: &str,
     ) -> Result<(), SuperviseError> {
-        let next = job.next_infra().expect("checked by the caller");
-        let Some(index) = self.backends.iter().position(|b| b.kind() == next) else {
-            return Err(SuperviseError::Backend(BackendError::Config {
-                what: format!(
-                    "launch {} should move to {next}, and no backend for it was given",
-                    job.id
-                ),
-                hint: "give the supervisor a backend for every engine in the launch's order".into(),
-            }));
-        };
         let mut note = format!("{}: {}", job.infra, one_line(why));
         for u in units
             .iter()
@@ -707,13 +731,49 @@ impl<B: Backend> Supervisor<B> {
                     " (could not stop {}/{} there: {})",
                     u.component,
                     u.replica,
-                    one_line(&e.to_string())
+                    summary(&e)
                 ));
             }
         }
         if let Err(e) = self.backend().cleanup(&self.group, &self.job_id).await {
             tracing::warn!(error = %e, "cleaning up on the engine left behind");
         }
+        // The next engine of the order that this supervisor can reach and that says it
+        // can run the group.
+        let mut notes = vec![note];
+        let mut target = None;
+        let after = job
+            .infra_order
+            .iter()
+            .skip_while(|k| **k != job.infra)
+            .skip(1);
+        for kind in after {
+            let Some(index) = self.backends.iter().position(|b| b.kind() == *kind) else {
+                notes.push(format!(
+                    "{kind}: its backend could not be made here (see `agentstack launch`'s message)"
+                ));
+                continue;
+            };
+            match self.backends[index].check(&self.group) {
+                Ok(()) => {
+                    target = Some((index, *kind));
+                    break;
+                }
+                Err(e) => notes.push(format!("{kind}: {}", summary(&e))),
+            }
+        }
+        let Some((index, next)) = target else {
+            let message = format!(
+                "no engine of the launch's order can take the group: {}",
+                notes.join("; ")
+            );
+            tracing::warn!(%message, "stopping the launch");
+            self.store
+                .set_job_state(&self.job_id, JobState::Stopping, Some(&message))
+                .await?;
+            return Ok(());
+        };
+        let note = notes.join("\n");
         tracing::warn!(from = %job.infra, to = %next, %note, "failing over");
         self.store
             .fail_over(&self.job_id, next, &note, self.now_ms())
@@ -755,9 +815,7 @@ impl<B: Backend> Supervisor<B> {
             // Until it is ready, a replica is probed often: a replacement then takes
             // traffic soon after it answers.
             let interval = if u.ready_ms.is_none() {
-                probe
-                    .interval()
-                    .min(NOT_READY_PROBE_INTERVAL.as_secs_f64())
+                probe.interval().min(NOT_READY_PROBE_INTERVAL.as_secs_f64())
             } else {
                 probe.interval()
             };
@@ -860,16 +918,15 @@ impl<B: Backend> Supervisor<B> {
             .is_ok_and(|r| r.status().is_success())
     }
 
-    /// Asks the engine about every unit it may have, and records what changed. Returns
-    /// whether an end began a group recovery.
-    async fn observe(&self, job: &JobRecord) -> Result<bool, SuperviseError> {
+    /// Asks the engine about every unit it may have, and records what changed.
+    async fn observe(&self, job: &JobRecord) -> Result<Observed, SuperviseError> {
         let units = self.store.units(&self.job_id).await?;
         let watched: Vec<&UnitRecord> = units
             .iter()
             .filter(|u| u.state.is_active() && u.handle.is_some())
             .collect();
         if watched.is_empty() {
-            return Ok(false);
+            return Ok(Observed::default());
         }
         let handles: Vec<String> = watched
             .iter()
@@ -879,9 +936,25 @@ impl<B: Backend> Supervisor<B> {
         let now = self.now_ms();
         let mut recovering = job.recovering_ms.is_some();
         let mut began = false;
+        let mut unplaceable = None;
         for (u, status) in watched.into_iter().zip(statuses) {
             match status {
                 UnitStatus::Pending => {}
+                UnitStatus::Unplaceable { reason } => {
+                    if u.message.as_deref() != Some(reason.as_str()) {
+                        tracing::warn!(component = %u.component, replica = u.replica, %reason, "the engine cannot place a unit");
+                        self.update(
+                            u,
+                            UnitUpdate {
+                                message: Some(Some(reason.clone())),
+                                ..Default::default()
+                            },
+                        )
+                        .await?;
+                    }
+                    unplaceable
+                        .get_or_insert_with(|| format!("{}/{}: {reason}", u.component, u.replica));
+                }
                 UnitStatus::Running { hosts } => {
                     if u.state == UnitState::Starting {
                         tracing::debug!(component = %u.component, replica = u.replica, attempt = u.attempt, "running");
@@ -905,7 +978,10 @@ impl<B: Backend> Supervisor<B> {
                 }
             }
         }
-        Ok(began)
+        Ok(Observed {
+            began_recovery: began,
+            unplaceable,
+        })
     }
 
     /// Records how a unit ended; `recovering`: a group recovery is under way, so a

@@ -54,6 +54,13 @@ pub struct UnitLaunch<'a> {
 pub enum UnitStatus {
     /// Accepted, not running yet (queued, being scheduled).
     Pending,
+    /// Accepted, and the engine says it cannot run as asked until someone changes the
+    /// cluster or the request (more nodes than the partition has, an unknown account):
+    /// it waits for ever otherwise. A launch with another engine to try moves there.
+    Unplaceable {
+        /// What the engine said.
+        reason: String,
+    },
     /// Running, on these hosts (one per node).
     Running {
         /// Node addresses, in node-rank order.

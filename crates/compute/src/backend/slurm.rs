@@ -120,7 +120,11 @@ impl SlurmBackend {
         } else {
             (wait >> 8) & 0xff
         };
+        let reason = job["state_reason"].as_str().unwrap_or("");
         Ok(match state {
+            "PENDING" if NEVER_PLACED.contains(&reason) => UnitStatus::Unplaceable {
+                reason: format!("Slurm holds it pending for good: {reason}"),
+            },
             "PENDING" | "CONFIGURING" | "REQUEUED" | "REQUEUE_HOLD" | "RESV_DEL_HOLD"
             | "SUSPENDED" => UnitStatus::Pending,
             "RUNNING" | "COMPLETING" | "STAGE_OUT" | "SIGNALING" | "RESIZING" => {
@@ -166,6 +170,17 @@ impl SlurmBackend {
         })
     }
 }
+
+/// Reasons Slurm gives for a pending job that no amount of waiting fixes: the request
+/// exceeds what the partition or the account allows (unless the cluster's
+/// `EnforcePartLimits` rejects such jobs at submission, Slurm queues them for ever).
+const NEVER_PLACED: &[&str] = &[
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+];
 
 impl SlurmBackend {
     async fn run(

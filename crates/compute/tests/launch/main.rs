@@ -662,6 +662,57 @@ async fn a_group_slurm_refuses_fails_over_to_local() {
     }
 }
 
+/// Slurm queues a job that asks for more nodes than the partition has for ever (reason
+/// `PartitionNodeLimit`): the supervisor takes that for "cannot place" and moves the
+/// group on; local cannot run a multi-node component either, so the launch fails,
+/// saying why for each engine, and nothing is left in Slurm's queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
+async fn a_group_no_engine_can_place_fails_saying_why_for_each() {
+    let home = tempfile::tempdir().unwrap();
+    let name = format!("toobig{}", std::process::id() % 100_000);
+    let group = JobGroup::parse(&format!(
+        "name: {name}\nnum_nodes: 3\nresources: {{infra: [slurm, local]}}\nrun: exec sleep 120\n"
+    ))
+    .unwrap();
+    let backends = vec![
+        AnyBackend::Slurm(SlurmBackend::new(SlurmSettings::default())),
+        AnyBackend::Local(LocalBackend::new()),
+    ];
+    let store = Store::open(&home.path().join("jobs.db")).await.unwrap();
+    let job = create_launch_on(
+        &store,
+        &backends,
+        &[],
+        &group,
+        home.path(),
+        &serde_json::json!({}),
+        &slurm_settings(),
+    )
+    .await
+    .unwrap();
+    let supervisor = Supervisor::with_backends(store.clone(), backends, slurm_settings(), &job.id)
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(PATIENCE, supervisor.run())
+        .await
+        .expect("the launch ended")
+        .unwrap();
+    assert_eq!(end, JobState::Failed);
+    let job = store.job(&job.id).await.unwrap().unwrap();
+    let message = job.message.unwrap_or_default();
+    assert!(
+        message.starts_with(
+            "no engine of the launch's order can take the group: slurm: it cannot place the group: "
+        ),
+        "{message}"
+    );
+    assert!(message.contains("PartitionNodeLimit"), "{message}");
+    assert!(message.contains("local: "), "{message}");
+    let units = store.units(&job.id).await.unwrap();
+    slurm_has_nothing_left(&units).await;
+}
+
 /// The primaries finish: the auxiliaries are stopped after their termination delay,
 /// and the launch succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
