@@ -1365,13 +1365,24 @@ impl<B: Backend> Supervisor<B> {
                 Ok(false)
             }
             Admission::Wait { need, free } => {
+                let message = if need <= free + 1e-9 {
+                    format!(
+                        "waiting for {need} CPUs: a unit of higher priority waits for them first"
+                    )
+                } else {
+                    format!("waiting for {need} CPUs ({free} free)")
+                };
                 for u in units {
-                    let message = format!("waiting for {need} CPUs ({free} free)");
+                    // A preempted unit's message already says it waits for room, and
+                    // why it stopped.
+                    if u.state == UnitState::Preempted {
+                        continue;
+                    }
                     if u.message.as_deref() != Some(message.as_str()) {
                         self.update(
                             u,
                             UnitUpdate {
-                                message: Some(Some(message)),
+                                message: Some(Some(message.clone())),
                                 ..Default::default()
                             },
                         )
@@ -1424,6 +1435,12 @@ impl<B: Backend> Supervisor<B> {
                 running_ms: Some(None),
                 ready_ms: Some(None),
                 discovered: Some(false),
+                // What admission said while it waited is over now.
+                message: u
+                    .message
+                    .as_deref()
+                    .is_some_and(|m| m.starts_with("waiting for "))
+                    .then_some(None),
                 ..Default::default()
             },
         )

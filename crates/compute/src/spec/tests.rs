@@ -548,3 +548,13 @@ run: curl http://127.0.0.1:9000/health
     );
     round_trips(&plain);
 }
+
+#[test]
+fn the_service_example_reads() {
+    let group = parse(include_str!("../../../../examples/chat-service.yaml"));
+    let chat = group.component("chat").unwrap();
+    assert_eq!(chat.replicas, 2);
+    assert_eq!(chat.service.as_ref().unwrap().ports, 9000);
+    assert_eq!(chat.resources.infra.len(), 2);
+    round_trips(&group);
+}
