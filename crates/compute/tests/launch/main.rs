@@ -17,9 +17,7 @@ use agentstack_compute::backend::slurm::{SlurmBackend, SlurmSettings};
 use agentstack_compute::backend::{AnyBackend, Backend};
 use agentstack_compute::spec::InfraKind;
 use agentstack_compute::state::{JobState, Store, UnitRecord, UnitState};
-use agentstack_compute::supervisor::{
-    Supervisor, SupervisorSettings, create_launch, create_launch_on,
-};
+use agentstack_compute::supervisor::{Supervisor, SupervisorSettings, create_launch_on};
 use agentstack_test_support::ports::{free_port, free_port_pair};
 
 /// Longest wait for anything in these tests; engines on a loaded 2-core machine are slow.
@@ -98,10 +96,22 @@ async fn launch<B: Backend + 'static>(
     home: &Path,
     settings: SupervisorSettings,
 ) -> Launched {
+    launch_on(vec![backend], group, home, settings).await
+}
+
+/// A launch on the first of `backends` that can take it, moving down the list as they
+/// refuse.
+async fn launch_on<B: Backend + 'static>(
+    backends: Vec<B>,
+    group: &JobGroup,
+    home: &Path,
+    settings: SupervisorSettings,
+) -> Launched {
     let store = Store::open(&home.join("jobs.db")).await.unwrap();
-    let job = create_launch(
+    let job = create_launch_on(
         &store,
-        &backend,
+        &backends,
+        &[],
         group,
         home,
         &serde_json::json!({}),
@@ -109,7 +119,7 @@ async fn launch<B: Backend + 'static>(
     )
     .await
     .unwrap();
-    let supervisor = Supervisor::new(store.clone(), backend, settings, &job.id)
+    let supervisor = Supervisor::with_backends(store.clone(), backends, settings, &job.id)
         .await
         .unwrap();
     Launched {
@@ -574,31 +584,10 @@ async fn a_group_slurm_refuses_fails_over_to_local() {
         })),
         AnyBackend::Local(LocalBackend::new()),
     ];
-    let store = Store::open(&home.path().join("jobs.db")).await.unwrap();
-    let settings = local_settings();
-    let job = create_launch_on(
-        &store,
-        &backends,
-        &[],
-        &group,
-        home.path(),
-        &serde_json::json!({}),
-        &settings,
-    )
-    .await
-    .unwrap();
-    assert_eq!(job.infra, InfraKind::Slurm);
-    assert_eq!(job.infra_order, [InfraKind::Slurm, InfraKind::Local]);
     let started = Instant::now();
-    let supervisor = Supervisor::with_backends(store.clone(), backends, settings, &job.id)
-        .await
-        .unwrap();
-    let handle = tokio::spawn(async move { supervisor.run().await.unwrap() });
-    let launched = Launched {
-        store,
-        id: job.id,
-        supervisor: handle,
-    };
+    let launched = launch_on(backends, &group, home.path(), local_settings()).await;
+    let job = launched.store.job(&launched.id).await.unwrap().unwrap();
+    assert_eq!(job.infra_order, [InfraKind::Slurm, InfraKind::Local]);
     launched.wait_state(JobState::Running).await;
     let placed = started.elapsed();
     let job = launched.store.job(&launched.id).await.unwrap().unwrap();
@@ -679,27 +668,14 @@ async fn a_group_no_engine_can_place_fails_saying_why_for_each() {
         AnyBackend::Slurm(SlurmBackend::new(SlurmSettings::default())),
         AnyBackend::Local(LocalBackend::new()),
     ];
-    let store = Store::open(&home.path().join("jobs.db")).await.unwrap();
-    let job = create_launch_on(
-        &store,
-        &backends,
-        &[],
-        &group,
-        home.path(),
-        &serde_json::json!({}),
-        &slurm_settings(),
-    )
-    .await
-    .unwrap();
-    let supervisor = Supervisor::with_backends(store.clone(), backends, slurm_settings(), &job.id)
-        .await
-        .unwrap();
-    let end = tokio::time::timeout(PATIENCE, supervisor.run())
+    let launched = launch_on(backends, &group, home.path(), slurm_settings()).await;
+    let end = tokio::time::timeout(PATIENCE, launched.supervisor)
         .await
         .expect("the launch ended")
         .unwrap();
     assert_eq!(end, JobState::Failed);
-    let job = store.job(&job.id).await.unwrap().unwrap();
+    let store = launched.store;
+    let job = store.job(&launched.id).await.unwrap().unwrap();
     let message = job.message.unwrap_or_default();
     assert!(
         message.starts_with(
