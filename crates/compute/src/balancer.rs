@@ -89,8 +89,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use agentstack_serve::Limits;
 use agentstack_serve::auth::{ApiKey, KeyGuard, Refusal};
+use agentstack_serve::{HOP_BY_HOP_HEADERS, Limits};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{ConnectInfo, Request, State};
@@ -438,19 +438,6 @@ const IDEMPOTENT_METHODS: [Method; 6] = [
     Method::TRACE,
 ];
 
-/// Headers that belong to one connection, not to the request or response (RFC 9110,
-/// 7.6.1), plus those named in `Connection`.
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
 struct Inner {
     config: BalancerConfig,
     client: Client<HttpConnector, Body>,
@@ -788,7 +775,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .map(|name| name.trim().to_ascii_lowercase())
         .filter(|name| !name.is_empty())
         .collect();
-    for name in HOP_BY_HOP
+    for name in HOP_BY_HOP_HEADERS
         .iter()
         .copied()
         .chain(named.iter().map(String::as_str))

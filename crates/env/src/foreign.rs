@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use agentstack_serve::HOP_BY_HOP_HEADERS;
 use agentstack_static::env_vars;
 use axum::Router;
 use axum::body::Body;
@@ -593,17 +594,6 @@ pub fn proxy_router(upstream: &str, max_body_bytes: usize) -> Router {
     Router::new().fallback(forward).with_state(state)
 }
 
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
 /// Headers of the client's upgrade request that belong to its own handshake with us,
 /// not to ours with the upstream (which makes its own key and offers no extensions).
 const WEBSOCKET_HANDSHAKE: [&str; 4] = [
@@ -615,7 +605,10 @@ const WEBSOCKET_HANDSHAKE: [&str; 4] = [
 
 fn copy_headers(from: &HeaderMap, to: &mut HeaderMap) {
     for (name, value) in from {
-        if !HOP_BY_HOP.contains(&name.as_str()) && name != "host" && name != "content-length" {
+        if !HOP_BY_HOP_HEADERS.contains(&name.as_str())
+            && name != "host"
+            && name != "content-length"
+        {
             to.append(name.clone(), value.clone());
         }
     }
@@ -753,7 +746,7 @@ async fn forward_upgrade(
     };
     for (name, value) in client_headers {
         let name_str = name.as_str();
-        if !HOP_BY_HOP.contains(&name_str)
+        if !HOP_BY_HOP_HEADERS.contains(&name_str)
             && !WEBSOCKET_HANDSHAKE.contains(&name_str)
             && name != "host"
             && name != "content-length"

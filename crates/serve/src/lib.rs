@@ -15,7 +15,8 @@
 //! Handlers see the peer's address as axum's `ConnectInfo<SocketAddr>`.
 //!
 //! [`auth`] is the API-key check the servers that change state or read files put in
-//! front of every route but `/health`.
+//! front of every route but `/health`. [`HOP_BY_HOP_HEADERS`] names the headers a proxy
+//! (the load balancer, the foreign-environment bridge) must not pass on.
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -47,6 +48,20 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tower::ServiceExt;
 
 pub mod auth;
+
+/// Headers that belong to one connection, not to the request or response it carries
+/// (RFC 9110, 7.6.1), in lowercase: a proxy drops them, and those the `Connection`
+/// header names, rather than pass them on to the other side.
+pub const HOP_BY_HOP_HEADERS: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
 
 /// What one client may hold of a server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

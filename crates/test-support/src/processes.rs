@@ -1,6 +1,7 @@
 //! Child processes with every wait bounded: commands that must finish within a
 //! time limit, and servers that are stopped (SIGTERM, then SIGKILL) when their
-//! guard drops, even when a test panics.
+//! guard drops, even when a test panics. [`pids_with`] finds the processes a test did
+//! not start itself by their arguments.
 
 use std::fmt;
 use std::io::{BufRead, BufReader, Read};
@@ -259,6 +260,32 @@ fn append(log: &Mutex<String>, line: &str) {
         log.push_str(line);
         log.push('\n');
     }
+}
+
+/// The processes whose command line holds every one of `needles` as whole arguments
+/// (read from `/proc`, so Linux only): for tests that must find, signal or wait out a
+/// process they did not start themselves, such as a replica a supervisor spawned.
+///
+/// # Panics
+/// If `/proc` cannot be read.
+pub fn pids_with(needles: &[&str]) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if needles.iter().all(|n| args.iter().any(|a| a == n)) {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use agentstack_test_support::cli::{Output, command_in, snapshot};
 use agentstack_test_support::peers::test_model;
 use agentstack_test_support::ports::free_port;
+use agentstack_test_support::processes::pids_with;
 
 fn agentstack(home: &Path, args: &[&str]) -> Output {
     agentstack_with(home, args, "8")
@@ -422,27 +423,6 @@ fn without_colours(text: &str) -> String {
         }
     }
     out
-}
-
-/// The processes whose command line holds every one of `needles` (as whole arguments).
-fn pids_with(needles: &[&str]) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<String> = cmdline
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if needles.iter().all(|n| args.iter().any(|a| a == n)) {
-            pids.push(pid);
-        }
-    }
-    pids
 }
 
 /// Issue 23 through the compute layer: a job group of two `model serve` replicas and

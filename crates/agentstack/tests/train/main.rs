@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use agentstack_test_support::cli::{Output, command_in, snapshot};
 use agentstack_test_support::peers::test_model;
-use agentstack_test_support::processes::{Server, run_bounded};
+use agentstack_test_support::processes::{Server, pids_with, run_bounded};
 use serde_json::{Value, json};
 
 /// The API key the sync test's model server asks for (one of two) and its trainer sends.
@@ -774,27 +774,6 @@ fn shell_line(command: &Command) -> String {
         .map(|word| format!("'{}'", word.to_string_lossy().replace('\'', r"'\''")))
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-/// The processes whose command line holds every one of `needles` (as whole arguments).
-fn pids_with(needles: &[&str]) -> Vec<i32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<String> = cmdline
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if needles.iter().all(|n| args.iter().any(|a| a == n)) {
-            pids.push(pid);
-        }
-    }
-    pids
 }
 
 /// Checkpoint-aware preemption (issue 24) through the compute layer: a detached job

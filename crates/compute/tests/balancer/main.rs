@@ -180,6 +180,46 @@ async fn serve(balancer: &Balancer) -> SocketAddr {
     addr
 }
 
+/// A balancer with `config` over `replicas`, served as [`serve`] does.
+async fn serve_over(config: BalancerConfig, replicas: Vec<Replica>) -> (Balancer, SocketAddr) {
+    let balancer = Balancer::new(config);
+    balancer.set_replicas(replicas);
+    let addr = serve(&balancer).await;
+    (balancer, addr)
+}
+
+/// Sends a GET for `path` to the balancer at `addr`.
+async fn get_from(http: &reqwest::Client, addr: SocketAddr, path: &str) -> reqwest::Response {
+    http.get(format!("http://{addr}{path}"))
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Sends a POST of `body` to `path` on the balancer at `addr` (an empty body goes out
+/// as no body does: `content-length: 0`).
+async fn post_to(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    path: &str,
+    body: &'static str,
+) -> reqwest::Response {
+    http.post(format!("http://{addr}{path}"))
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The response to a request sent on a task of its own, waited for within [`BOUND`].
+async fn response_of(sent: JoinHandle<reqwest::Result<reqwest::Response>>) -> reqwest::Response {
+    tokio::time::timeout(BOUND, sent)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+}
+
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .no_proxy()
@@ -243,19 +283,14 @@ async fn least_load_sends_to_the_replica_with_fewer_requests_in_flight() {
         TestReplica::start("a", held("a")).await,
         TestReplica::start("b", held("b")).await,
     );
-    let balancer = Balancer::new(config(Policy::LeastLoad));
-    balancer.set_replicas(vec![a.replica(), b.replica()]);
-    let addr = serve(&balancer).await;
+    let (balancer, addr) =
+        serve_over(config(Policy::LeastLoad), vec![a.replica(), b.replica()]).await;
     let http = client();
 
     // Idle replicas: ties go in turn.
     let mut order = Vec::new();
     for _ in 0..4 {
-        let response = http
-            .get(format!("http://{addr}/v1/models"))
-            .send()
-            .await
-            .unwrap();
+        let response = get_from(&http, addr, "/v1/models").await;
         assert_eq!(response.status(), StatusCode::OK);
         order.push(answered_by(&response));
     }
@@ -273,11 +308,7 @@ async fn least_load_sends_to_the_replica_with_fewer_requests_in_flight() {
     let busy = stats.replicas.iter().find(|r| r.in_flight == 1).unwrap();
     let idle = if busy.id == "a" { "b" } else { "a" };
     for _ in 0..3 {
-        let response = http
-            .get(format!("http://{addr}/v1/models"))
-            .send()
-            .await
-            .unwrap();
+        let response = get_from(&http, addr, "/v1/models").await;
         assert_eq!(answered_by(&response), idle, "{stats:?}");
     }
     gate.add_permits(1);
@@ -293,18 +324,15 @@ async fn round_robin_takes_each_replica_in_turn() {
         TestReplica::start("b", openai("b")).await,
         TestReplica::start("c", openai("c")).await,
     ];
-    let balancer = Balancer::new(config(Policy::RoundRobin));
-    balancer.set_replicas(replicas.iter().map(TestReplica::replica).collect());
-    let addr = serve(&balancer).await;
+    let (balancer, addr) = serve_over(
+        config(Policy::RoundRobin),
+        replicas.iter().map(TestReplica::replica).collect(),
+    )
+    .await;
     let http = client();
     let mut order = Vec::new();
     for _ in 0..6 {
-        let response = http
-            .post(format!("http://{addr}/v1/chat/completions"))
-            .body("{}")
-            .send()
-            .await
-            .unwrap();
+        let response = post_to(&http, addr, "/v1/chat/completions", "{}").await;
         assert_eq!(response.status(), StatusCode::OK);
         order.push(answered_by(&response));
     }
@@ -317,18 +345,12 @@ async fn round_robin_takes_each_replica_in_turn() {
 #[tokio::test]
 async fn a_request_to_a_dead_replica_is_answered_by_the_other() {
     let alive = TestReplica::start("alive", openai("alive")).await;
-    let balancer = Balancer::new(config(Policy::RoundRobin));
-    balancer.set_replicas(vec![dead_replica().await, alive.replica()]);
-    let addr = serve(&balancer).await;
+    let replicas = vec![dead_replica().await, alive.replica()];
+    let (balancer, addr) = serve_over(config(Policy::RoundRobin), replicas).await;
     let http = client();
     // The dead replica comes first in turn; a refused connection is retried whatever
     // the method, as the request never reached it.
-    let response = http
-        .post(format!("http://{addr}/v1/chat/completions"))
-        .body(r#"{"messages": []}"#)
-        .send()
-        .await
-        .unwrap();
+    let response = post_to(&http, addr, "/v1/chat/completions", r#"{"messages": []}"#).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(answered_by(&response), "alive");
     let stats = balancer.stats();
@@ -337,11 +359,7 @@ async fn a_request_to_a_dead_replica_is_answered_by_the_other() {
 
     // Ejected, the dead one is not tried again: no retry for the next requests.
     for _ in 0..3 {
-        let response = http
-            .post(format!("http://{addr}/v1/jobs"))
-            .send()
-            .await
-            .unwrap();
+        let response = post_to(&http, addr, "/v1/jobs", "").await;
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(answered_by(&response), "alive");
     }
@@ -352,11 +370,7 @@ async fn a_request_to_a_dead_replica_is_answered_by_the_other() {
     let mut restarted = dead_replica().await;
     restarted.id = "dead#2".to_owned();
     balancer.set_replicas(vec![restarted, alive.replica()]);
-    let response = http
-        .post(format!("http://{addr}/v1/jobs"))
-        .send()
-        .await
-        .unwrap();
+    let response = post_to(&http, addr, "/v1/jobs", "").await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(balancer.stats().retried, 2);
 }
@@ -371,9 +385,8 @@ async fn a_broken_connection_is_retried_for_idempotent_requests_only() {
         ("POST", "/v1/jobs", false),
     ] {
         let (broken, heads) = broken_replica(Break::BeforeHead).await;
-        let balancer = Balancer::new(config(Policy::RoundRobin));
-        balancer.set_replicas(vec![broken, alive.replica()]);
-        let addr = serve(&balancer).await;
+        let (balancer, addr) =
+            serve_over(config(Policy::RoundRobin), vec![broken, alive.replica()]).await;
         let response = http
             .request(method.parse().unwrap(), format!("http://{addr}{path}"))
             .body("{}")
@@ -408,14 +421,9 @@ async fn a_broken_connection_is_retried_for_idempotent_requests_only() {
 async fn a_response_body_that_breaks_while_buffered_is_retried() {
     let alive = TestReplica::start("alive", openai("alive")).await;
     let (broken, heads) = broken_replica(Break::MidBody).await;
-    let balancer = Balancer::new(config(Policy::RoundRobin));
-    balancer.set_replicas(vec![broken, alive.replica()]);
-    let addr = serve(&balancer).await;
-    let response = client()
-        .get(format!("http://{addr}/v1/models"))
-        .send()
-        .await
-        .unwrap();
+    let (_balancer, addr) =
+        serve_over(config(Policy::RoundRobin), vec![broken, alive.replica()]).await;
+    let response = get_from(&client(), addr, "/v1/models").await;
     assert_eq!(heads.load(Ordering::SeqCst), 1);
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(answered_by(&response), "alive");
@@ -464,15 +472,9 @@ async fn read_chunks(response: &mut reqwest::Response, expected: &str) {
 #[tokio::test]
 async fn a_streamed_response_passes_through_chunk_by_chunk() {
     let (streamer, events) = streaming_replica().await;
-    let balancer = Balancer::new(config(Policy::LeastLoad));
-    balancer.set_replicas(vec![streamer.replica()]);
-    let addr = serve(&balancer).await;
+    let (balancer, addr) = serve_over(config(Policy::LeastLoad), vec![streamer.replica()]).await;
     events.send(Ok("data: 1\n\n")).await.unwrap();
-    let mut response = client()
-        .get(format!("http://{addr}/sse"))
-        .send()
-        .await
-        .unwrap();
+    let mut response = get_from(&client(), addr, "/sse").await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(answered_by(&response), "streamer");
     assert_eq!(
@@ -493,15 +495,9 @@ async fn a_streamed_response_passes_through_chunk_by_chunk() {
 #[tokio::test]
 async fn a_stream_that_breaks_after_its_first_chunk_breaks_the_clients_response() {
     let (streamer, events) = streaming_replica().await;
-    let balancer = Balancer::new(config(Policy::LeastLoad));
-    balancer.set_replicas(vec![streamer.replica()]);
-    let addr = serve(&balancer).await;
+    let (balancer, addr) = serve_over(config(Policy::LeastLoad), vec![streamer.replica()]).await;
     events.send(Ok("data: 1\n\n")).await.unwrap();
-    let mut response = client()
-        .get(format!("http://{addr}/sse"))
-        .send()
-        .await
-        .unwrap();
+    let mut response = get_from(&client(), addr, "/sse").await;
     read_chunks(&mut response, "data: 1\n\n").await;
     events
         .send(Err(std::io::Error::other("the replica died")))
@@ -537,9 +533,7 @@ async fn the_replica_gets_the_clients_headers_less_hop_by_hop_ones() {
         }),
     );
     let replica = TestReplica::start("a", router).await;
-    let balancer = Balancer::new(config(Policy::LeastLoad));
-    balancer.set_replicas(vec![replica.replica()]);
-    let addr = serve(&balancer).await;
+    let (_balancer, addr) = serve_over(config(Policy::LeastLoad), vec![replica.replica()]).await;
     let response = client()
         .get(format!("http://{addr}/headers"))
         .header("connection", "x-private")
@@ -576,17 +570,12 @@ async fn a_replica_that_times_out_is_not_sent_the_request_again() {
         |name: &str| openai(name).route("/v1/hang", get(std::future::pending::<&'static str>));
     let slow = TestReplica::start("slow", router("slow")).await;
     let other = TestReplica::start("other", router("other")).await;
-    let balancer = Balancer::new(BalancerConfig {
+    let short_timeout = BalancerConfig {
         upstream_timeout: Duration::from_millis(300),
         ..config(Policy::RoundRobin)
-    });
-    balancer.set_replicas(vec![slow.replica(), other.replica()]);
-    let addr = serve(&balancer).await;
-    let response = client()
-        .get(format!("http://{addr}/v1/hang"))
-        .send()
-        .await
-        .unwrap();
+    };
+    let (balancer, addr) = serve_over(short_timeout, vec![slow.replica(), other.replica()]).await;
+    let response = get_from(&client(), addr, "/v1/hang").await;
     assert_eq!(response.status(), StatusCode::GATEWAY_TIMEOUT);
     let message = error_message(response).await;
     assert!(
@@ -649,11 +638,7 @@ async fn a_replica_added_while_a_request_waits_lets_it_through() {
     );
     stats_until(&balancer, |s| s.waiting == 1).await;
     balancer.set_replicas(vec![late.replica()]);
-    let response = tokio::time::timeout(BOUND, waiting)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let response = response_of(waiting).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(answered_by(&response), "late");
     assert_eq!(balancer.stats().waiting, 0);
@@ -702,12 +687,11 @@ async fn post_without_body(addr: SocketAddr, authorization: Option<&str>) -> Str
 #[tokio::test]
 async fn with_keys_a_request_without_a_valid_key_is_refused_before_its_body_is_read() {
     let replica = TestReplica::start("a", openai("a")).await;
-    let balancer = Balancer::new(BalancerConfig {
+    let with_keys = BalancerConfig {
         keys: vec![ApiKey::new("k1").unwrap()],
         ..config(Policy::LeastLoad)
-    });
-    balancer.set_replicas(vec![replica.replica()]);
-    let addr = serve(&balancer).await;
+    };
+    let (balancer, addr) = serve_over(with_keys, vec![replica.replica()]).await;
     for authorization in [None, Some("Bearer wrong")] {
         let head = post_without_body(addr, authorization).await;
         assert!(
@@ -716,22 +700,14 @@ async fn with_keys_a_request_without_a_valid_key_is_refused_before_its_body_is_r
         );
     }
     let http = client();
-    let refused = http
-        .post(format!("http://{addr}/echo-auth"))
-        .send()
-        .await
-        .unwrap();
+    let refused = post_to(&http, addr, "/echo-auth", "").await;
     assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
     assert!(
         error_message(refused)
             .await
             .contains("Authorization: Bearer")
     );
-    let health = http
-        .get(format!("http://{addr}/health"))
-        .send()
-        .await
-        .unwrap();
+    let health = get_from(&http, addr, "/health").await;
     assert_eq!(health.status(), StatusCode::OK);
     // An accepted key reaches the replica unchanged: it checks keys too.
     let accepted = http
@@ -771,9 +747,8 @@ async fn a_websocket_is_joined_to_one_replica_byte_for_byte() {
             get(|| async { (StatusCode::FORBIDDEN, "no sessions left").into_response() }),
         );
     let replica = TestReplica::start("env", router).await;
-    let balancer = Balancer::new(config(Policy::LeastLoad));
-    balancer.set_replicas(vec![dead_replica().await, replica.replica()]);
-    let addr = serve(&balancer).await;
+    let replicas = vec![dead_replica().await, replica.replica()];
+    let (balancer, addr) = serve_over(config(Policy::LeastLoad), replicas).await;
 
     let (mut socket, response) = tokio::time::timeout(
         BOUND,
@@ -848,9 +823,8 @@ async fn requests_sent_while_a_replica_is_killed_all_succeed() {
         slow("b").route("/v1/completions", post(|| async { "b" })),
     )
     .await;
-    let balancer = Balancer::new(config(Policy::LeastLoad));
-    balancer.set_replicas(vec![a.replica(), b.replica()]);
-    let addr = serve(&balancer).await;
+    let (balancer, addr) =
+        serve_over(config(Policy::LeastLoad), vec![a.replica(), b.replica()]).await;
 
     let ok = Arc::new(AtomicUsize::new(0));
     let killed = Arc::new(AtomicBool::new(false));
@@ -940,11 +914,7 @@ async fn requests_sent_while_a_replica_is_killed_all_succeed() {
         after_kill_by.extend(by);
     }
     for completion in completions {
-        let response = tokio::time::timeout(BOUND, completion)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let response = response_of(completion).await;
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(answered_by(&response), "b");
     }
