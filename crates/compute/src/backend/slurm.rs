@@ -240,6 +240,34 @@ impl Backend for SlurmBackend {
         None
     }
 
+    /// Asks the controller whether it is up (`scontrol ping`, milliseconds either
+    /// way) before the group is submitted: `sbatch` to a controller that is down
+    /// retries for about 9 s per job before it gives up.
+    async fn prepare(&self, _group: &JobGroup, _job_id: &str) -> Result<(), BackendError> {
+        let mut command = tokio::process::Command::new("scontrol");
+        command.arg("ping").kill_on_drop(true);
+        if let Some(conf) = &self.settings.conf {
+            command.env("SLURM_CONF", conf);
+        }
+        let out = command.output().await.map_err(|source| BackendError::Spawn {
+            command: "scontrol".into(),
+            hint: "install the Slurm client commands (Debian: slurm-client) and set SLURM_CONF if the cluster's configuration is not in /etc/slurm".into(),
+            source,
+        })?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let said = [out.stdout, out.stderr]
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).trim().to_owned())
+            .find(|t| !t.is_empty())
+            .unwrap_or_default();
+        Err(BackendError::Command {
+            command: "scontrol ping".into(),
+            stderr: said.lines().next().unwrap_or_default().to_owned(),
+        })
+    }
+
     async fn start(&self, launch: &UnitLaunch<'_>) -> Result<String, BackendError> {
         let logs = launch.dir.join("logs");
         let units = launch.dir.join("units");

@@ -601,12 +601,16 @@ async fn a_group_slurm_refuses_fails_over_to_local() {
         .arg("--version")
         .output()
         .is_ok();
+    // The controller is asked before anything is submitted.
     let why = if slurm_installed {
-        "Unable to contact slurm controller"
+        "is DOWN"
     } else {
-        "could not run `sbatch`"
+        "could not run `scontrol`"
     };
     assert!(placement.contains(why), "{placement}");
+    if slurm_installed {
+        assert!(placement.contains("`scontrol ping` failed"), "{placement}");
+    }
     assert!(
         job.message
             .as_deref()
@@ -651,13 +655,72 @@ async fn a_group_slurm_refuses_fails_over_to_local() {
     }
 }
 
+/// Starts the test cluster's missing daemons again (`scripts/start-slurm` is
+/// idempotent), also when the test that stopped one fails.
+struct RestartSlurm;
+
+impl Drop for RestartSlurm {
+    fn drop(&mut self) {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/start-slurm");
+        let out = std::process::Command::new(script).output().unwrap();
+        assert!(
+            out.status.success() || std::thread::panicking(),
+            "restarting slurmctld: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// The real cluster's controller stopped (slurmctld killed): a group that prefers Slurm
+/// runs on local, and Slurm works again once the controller is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
+async fn a_stopped_slurm_controller_sends_the_group_to_local() {
+    let conf = std::fs::read_to_string(std::env::var("SLURM_CONF").unwrap()).unwrap();
+    let pid_file = conf
+        .lines()
+        .find_map(|l| l.strip_prefix("SlurmctldPidFile="))
+        .expect("scripts/start-slurm's configuration names the pid file");
+    let pid: i32 = read(Path::new(pid_file)).unwrap().trim().parse().unwrap();
+    let _restart = RestartSlurm;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    wait_for("slurmctld to stop", async || (!alive(pid)).then_some(())).await;
+
+    let home = tempfile::tempdir().unwrap();
+    let name = format!("ctlddown{}", std::process::id() % 100_000);
+    let group = JobGroup::parse(&format!(
+        "name: {name}\nresources: {{infra: [slurm, local]}}\nrun: exec sleep 120\n"
+    ))
+    .unwrap();
+    let backends = vec![
+        AnyBackend::Slurm(SlurmBackend::new(SlurmSettings::default())),
+        AnyBackend::Local(LocalBackend::new()),
+    ];
+    let launched = launch_on(backends, &group, home.path(), slurm_settings()).await;
+    launched.wait_state(JobState::Running).await;
+    let job = launched.store.job(&launched.id).await.unwrap().unwrap();
+    assert_eq!(job.infra, InfraKind::Local);
+    let placement = job.placement.unwrap_or_default();
+    assert!(
+        placement.starts_with("slurm: it refused the group: `scontrol ping` failed: ")
+            && placement.contains("is DOWN"),
+        "{placement}"
+    );
+    launched.store.request_cancel(&launched.id).await.unwrap();
+    assert_eq!(launched.supervisor.await.unwrap(), JobState::Cancelled);
+}
+
 /// Slurm queues a job that asks for more nodes than the partition has for ever (reason
 /// `PartitionNodeLimit`): the supervisor takes that for "cannot place" and moves the
 /// group on; local cannot run a multi-node component either, so the launch fails,
 /// saying why for each engine, and nothing is left in Slurm's queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
-async fn a_group_no_engine_can_place_fails_saying_why_for_each() {
+async fn a_group_neither_slurm_nor_local_can_place_fails_saying_why() {
     let home = tempfile::tempdir().unwrap();
     let name = format!("toobig{}", std::process::id() % 100_000);
     let group = JobGroup::parse(&format!(
