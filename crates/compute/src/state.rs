@@ -420,30 +420,27 @@ impl Store {
             .synchronous(sqlx::sqlite::SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(Duration::from_secs(10));
+        // The schema is made (or brought up to date) on one connection of its own,
+        // before the pool opens any: a pooled connection that read the table before
+        // an `ALTER TABLE` would keep reading rows of its old width.
+        {
+            use sqlx::{ConnectOptions, Connection};
+            let mut conn = options.connect().await?;
+            sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut conn).await?;
+            let migrated = migrate(&mut conn).await;
+            let end = if migrated.is_ok() {
+                "COMMIT"
+            } else {
+                "ROLLBACK"
+            };
+            sqlx::raw_sql(end).execute(&mut conn).await?;
+            migrated?;
+            conn.close().await?;
+        }
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(options)
             .await?;
-        sqlx::raw_sql(SCHEMA).execute(&pool).await?;
-        let columns: Vec<String> = sqlx::query("SELECT name FROM pragma_table_info('jobs')")
-            .fetch_all(&pool)
-            .await?
-            .iter()
-            .map(|r| r.try_get("name"))
-            .collect::<Result<_, _>>()?;
-        for (name, definition) in ADDED_JOB_COLUMNS {
-            if !columns.iter().any(|c| c == name) {
-                // Another process may add it between the read and here.
-                if let Err(e) =
-                    sqlx::query(&format!("ALTER TABLE jobs ADD COLUMN {name} {definition}"))
-                        .execute(&pool)
-                        .await
-                    && !e.to_string().contains("duplicate column")
-                {
-                    return Err(e.into());
-                }
-            }
-        }
         Ok(Self { pool })
     }
 
@@ -692,6 +689,27 @@ impl Store {
     }
 }
 
+/// Creates the tables, and adds the columns later versions added to a database an
+/// earlier one made. In the caller's transaction, so processes opening the database at
+/// once do it one after the other.
+async fn migrate(conn: &mut SqliteConnection) -> Result<(), StateError> {
+    sqlx::raw_sql(SCHEMA).execute(&mut *conn).await?;
+    let columns: Vec<String> = sqlx::raw_sql("SELECT name FROM pragma_table_info('jobs')")
+        .fetch_all(&mut *conn)
+        .await?
+        .iter()
+        .map(|r| r.try_get("name"))
+        .collect::<Result<_, _>>()?;
+    for (name, definition) in ADDED_JOB_COLUMNS {
+        if !columns.iter().any(|c| c == name) {
+            sqlx::raw_sql(&format!("ALTER TABLE jobs ADD COLUMN {name} {definition}"))
+                .execute(&mut *conn)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
 /// `infra_order` as stored: kinds, comma-separated.
 fn order_text(order: &[InfraKind]) -> String {
     order
@@ -868,4 +886,46 @@ async fn admit(
         .await?;
     }
     Ok(Admission::Preempt(chosen))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A database an earlier version made (no failover or group-recovery columns) opens,
+    /// gains them, and its launches read back.
+    #[tokio::test]
+    async fn an_earlier_versions_database_gains_the_new_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jobs.db");
+        {
+            let options = SqliteConnectOptions::new()
+                .filename(&path)
+                .create_if_missing(true);
+            let pool = SqlitePool::connect_with(options).await.unwrap();
+            sqlx::raw_sql(
+                "CREATE TABLE jobs (id TEXT PRIMARY KEY, name TEXT NOT NULL, infra TEXT NOT NULL,
+                 spec TEXT NOT NULL, state TEXT NOT NULL, cancel_requested INTEGER NOT NULL DEFAULT 0,
+                 message TEXT, supervisor_pid INTEGER, heartbeat_ms INTEGER, dir TEXT NOT NULL,
+                 created_ms INTEGER NOT NULL, running_ms INTEGER, ended_ms INTEGER,
+                 options TEXT NOT NULL DEFAULT '{}');
+                 INSERT INTO jobs (id, name, infra, spec, state, dir, created_ms)
+                 VALUES ('old-1', 'old', 'slurm', 'name: old\nrun: x\n', 'running', '/tmp/old', 5);",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            pool.close().await;
+        }
+        for _ in 0..2 {
+            // Twice: the second open finds the columns there.
+            let store = Store::open(&path).await.unwrap();
+            let job = store.job("old-1").await.unwrap().unwrap();
+            assert_eq!(job.infra, InfraKind::Slurm);
+            assert!(job.infra_order.is_empty());
+            assert_eq!(job.next_infra(), None);
+            assert_eq!((job.recoveries, job.gang_started_ms()), (0, 5));
+            assert_eq!(job.placement, None);
+        }
+    }
 }
