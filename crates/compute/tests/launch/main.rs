@@ -655,6 +655,21 @@ async fn a_group_slurm_refuses_fails_over_to_local() {
     }
 }
 
+/// A one-component group (`exec sleep 120`, with `extra` keys) launched with
+/// `resources.infra: [slurm, local]` on the test cluster and this machine.
+async fn on_slurm_then_local(name: &str, extra: &str, home: &Path) -> Launched {
+    let name = format!("{name}{}", std::process::id() % 100_000);
+    let group = JobGroup::parse(&format!(
+        "name: {name}\n{extra}resources: {{infra: [slurm, local]}}\nrun: exec sleep 120\n"
+    ))
+    .unwrap();
+    let backends = vec![
+        AnyBackend::Slurm(SlurmBackend::new(SlurmSettings::default())),
+        AnyBackend::Local(LocalBackend::new()),
+    ];
+    launch_on(backends, &group, home, slurm_settings()).await
+}
+
 /// Starts the test cluster's missing daemons again (`scripts/start-slurm` is
 /// idempotent), also when the test that stopped one fails.
 struct RestartSlurm;
@@ -691,16 +706,7 @@ async fn a_stopped_slurm_controller_sends_the_group_to_local() {
     wait_for("slurmctld to stop", async || (!alive(pid)).then_some(())).await;
 
     let home = tempfile::tempdir().unwrap();
-    let name = format!("ctlddown{}", std::process::id() % 100_000);
-    let group = JobGroup::parse(&format!(
-        "name: {name}\nresources: {{infra: [slurm, local]}}\nrun: exec sleep 120\n"
-    ))
-    .unwrap();
-    let backends = vec![
-        AnyBackend::Slurm(SlurmBackend::new(SlurmSettings::default())),
-        AnyBackend::Local(LocalBackend::new()),
-    ];
-    let launched = launch_on(backends, &group, home.path(), slurm_settings()).await;
+    let launched = on_slurm_then_local("ctlddown", "", home.path()).await;
     launched.wait_state(JobState::Running).await;
     let job = launched.store.job(&launched.id).await.unwrap().unwrap();
     assert_eq!(job.infra, InfraKind::Local);
@@ -722,16 +728,7 @@ async fn a_stopped_slurm_controller_sends_the_group_to_local() {
 #[ignore = "needs a Slurm cluster: scripts/start-slurm, with SLURM_CONF set"]
 async fn a_group_neither_slurm_nor_local_can_place_fails_saying_why() {
     let home = tempfile::tempdir().unwrap();
-    let name = format!("toobig{}", std::process::id() % 100_000);
-    let group = JobGroup::parse(&format!(
-        "name: {name}\nnum_nodes: 3\nresources: {{infra: [slurm, local]}}\nrun: exec sleep 120\n"
-    ))
-    .unwrap();
-    let backends = vec![
-        AnyBackend::Slurm(SlurmBackend::new(SlurmSettings::default())),
-        AnyBackend::Local(LocalBackend::new()),
-    ];
-    let launched = launch_on(backends, &group, home.path(), slurm_settings()).await;
+    let launched = on_slurm_then_local("toobig", "num_nodes: 3\n", home.path()).await;
     let end = tokio::time::timeout(PATIENCE, launched.supervisor)
         .await
         .expect("the launch ended")
