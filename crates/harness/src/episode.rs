@@ -79,6 +79,12 @@ pub struct Turn {
     pub done: bool,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
+    /// Of those, the tokens read from the model side's cache (prefix reuse), for a turn
+    /// played by this process; `None` for one read back from a results file. Not
+    /// written: it depends on what else ran at the time (concurrency, the cache's
+    /// contents), and a results file is the same whatever those were.
+    #[serde(skip)]
+    pub cached_tokens: Option<usize>,
     /// Tokens generated.
     pub completion_tokens: usize,
 }
@@ -97,6 +103,7 @@ impl Turn {
             reward: None,
             done: false,
             prompt_tokens: reply.prompt_tokens,
+            cached_tokens: Some(reply.cached_tokens),
             completion_tokens: reply.completion_tokens,
         }
     }
@@ -417,6 +424,7 @@ mod tests {
                     weights_versions: None,
                 },
                 prompt_tokens: 2,
+                cached_tokens: 0,
                 completion_tokens: 1,
             },
         );
@@ -425,6 +433,12 @@ mod tests {
             text,
             r#"{"kind":"act","prompt_ids":[1,2],"completion_ids":[7],"logprobs":[-0.5],"text":"42","finish_reason":"stop","done":false,"prompt_tokens":2,"completion_tokens":1}"#
         );
+        // What the cache held is this process's to know: it is not written.
+        assert_eq!(turn.cached_tokens, Some(0));
+        let turn = Turn {
+            cached_tokens: None,
+            ..turn
+        };
         assert_eq!(serde_json::from_str::<Turn>(&text).unwrap(), turn);
 
         // Partial traces stay partial; none at all leaves the keys out.

@@ -144,6 +144,10 @@ pub struct ChatResponse {
     pub tokens: TokenTrace,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
+    /// Of those, the tokens the model side read from a cache instead of running them
+    /// (OpenAI's `usage.prompt_tokens_details.cached_tokens`; 0 when it does not say).
+    #[serde(default)]
+    pub cached_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
 }
@@ -496,6 +500,7 @@ impl EngineModel {
                         tool_calls,
                         finish_reason,
                         prompt_tokens: prompt.len(),
+                        cached_tokens: out.cached_tokens,
                         completion_tokens: out.tokens.len(),
                         tokens: TokenTrace {
                             weights_versions: (!versions.is_empty()
@@ -620,6 +625,7 @@ fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
             weights_versions: None,
         },
         prompt_tokens: usage("prompt_tokens"),
+        cached_tokens: usage("prompt_tokens_details/cached_tokens"),
         completion_tokens: usage("completion_tokens"),
     })
 }

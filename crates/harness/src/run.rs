@@ -166,6 +166,11 @@ pub struct Summary {
     pub prompt_tokens: usize,
     /// Generated tokens over all turns.
     pub completion_tokens: usize,
+    /// How much of this invocation's prompts the model side read from its cache instead
+    /// of running them through the model (absent from summaries written before it was
+    /// counted).
+    #[serde(default)]
+    pub prefix_reuse: PrefixReuse,
     /// Wall time of the invocation that finished the run, seconds.
     pub wall_s: f64,
     /// Episodes per second in that invocation.
@@ -174,6 +179,57 @@ pub struct Summary {
     pub model_idle_fraction: f64,
     /// Episodes played by that invocation (fewer than `episodes` after a resume).
     pub played_now: usize,
+}
+
+/// Prompt tokens read from the model side's cache (its prefix reuse) in the episodes
+/// this invocation played (a cache does not outlive its process, and episodes read back
+/// from the results file do not say), over all turns and over the turns after an
+/// episode's first, whose prompt starts with the conversation so far. A server that
+/// does not report cached tokens counts 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrefixReuse {
+    /// Prompt tokens of the turns played by this invocation.
+    pub prompt_tokens: usize,
+    /// Of those, read from the cache.
+    pub cached_tokens: usize,
+    /// `cached_tokens` over `prompt_tokens`.
+    pub hit_rate: f64,
+    /// Prompt tokens of the turns after each episode's first.
+    pub later_turn_prompt_tokens: usize,
+    /// Of those, read from the cache.
+    pub later_turn_cached_tokens: usize,
+    /// `later_turn_cached_tokens` over `later_turn_prompt_tokens`.
+    pub later_turn_hit_rate: f64,
+}
+
+impl PrefixReuse {
+    /// Counts the turns of `episodes` that were played by this process.
+    pub fn of<'a>(episodes: impl Iterator<Item = &'a Episode>) -> Self {
+        let mut reuse = Self::default();
+        for episode in episodes {
+            reuse.add(episode);
+        }
+        reuse
+    }
+
+    /// Adds the turns of `episode` that were played by this process.
+    pub fn add(&mut self, episode: &Episode) {
+        for (i, turn) in episode.turns.iter().enumerate() {
+            let Some(cached) = turn.cached_tokens else {
+                continue;
+            };
+            self.prompt_tokens += turn.prompt_tokens;
+            self.cached_tokens += cached;
+            if i > 0 {
+                self.later_turn_prompt_tokens += turn.prompt_tokens;
+                self.later_turn_cached_tokens += cached;
+            }
+        }
+        let rate = |part: usize, whole: usize| part as f64 / whole.max(1) as f64;
+        self.hit_rate = rate(self.cached_tokens, self.prompt_tokens);
+        self.later_turn_hit_rate =
+            rate(self.later_turn_cached_tokens, self.later_turn_prompt_tokens);
+    }
 }
 
 /// Progress, reported after each episode is written.
@@ -415,6 +471,7 @@ impl Run {
         futures_util::pin_mut!(work);
         let mut pending = BTreeMap::new();
         let mut next = start;
+        let mut reuse = PrefixReuse::default();
         while let Some((index, seed, outcome)) = work.next().await {
             let (episode, timing) = outcome.map_err(|source| RunError::Episode {
                 index,
@@ -431,6 +488,7 @@ impl Run {
                     episode,
                 };
                 rewards.push(record.episode.reward);
+                reuse.add(&record.episode);
                 write_line(&mut results, &results_path, &record)?;
                 write_line(
                     &mut timings,
@@ -456,6 +514,7 @@ impl Run {
             wall,
             activity.idle_fraction(),
             total - start,
+            reuse,
         );
         write_atomic(
             &self.dir.join("summary.json"),
@@ -513,7 +572,8 @@ fn mean(xs: &[f64]) -> f64 {
     }
 }
 
-/// The statistics of a run's records.
+/// The statistics of a run's records; `prefix_reuse` is what the invocation that
+/// finished the run counted of its own episodes.
 pub fn summarize(
     dir: &Path,
     config: &EvalConfig,
@@ -521,6 +581,7 @@ pub fn summarize(
     wall: Duration,
     model_idle_fraction: f64,
     played_now: usize,
+    prefix_reuse: PrefixReuse,
 ) -> Summary {
     let rewards: Vec<f64> = records.iter().map(|r| r.episode.reward).collect();
     let (mean_reward, reward_sd, stderr) = stats::mean_sd_se(&rewards);
@@ -595,6 +656,7 @@ pub fn summarize(
             .flat_map(|r| &r.episode.turns)
             .map(|t| t.completion_tokens)
             .sum(),
+        prefix_reuse,
         wall_s: wall.as_secs_f64(),
         episodes_per_s: played_now as f64 / wall.as_secs_f64().max(1e-9),
         model_idle_fraction,

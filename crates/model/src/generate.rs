@@ -118,6 +118,10 @@ pub struct GenerateOutput {
     pub finish: FinishReason,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
+    /// Of those, the tokens whose keys and values came from a cache (an earlier turn
+    /// of the conversation, or a sequence of the same prompt) rather than the model;
+    /// OpenAI's `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: usize,
 }
 
 /// A sequence being generated.
@@ -203,6 +207,7 @@ impl Sequence {
                 text: String::new(),
                 finish: FinishReason::Length,
                 prompt_tokens: request.prompt.len(),
+                cached_tokens: 0,
             },
             all_tokens: request.prompt,
             finished: request.max_tokens == 0,
@@ -252,6 +257,7 @@ impl Sequence {
         }
         self.cache = cache;
         self.pending.drain(..common);
+        self.out.cached_tokens = common;
         common
     }
 

@@ -149,6 +149,17 @@ fn in_process_runs_are_deterministic_on_arithmetic_and_connect_four() {
         if env == "connect_four" {
             // Several turns per game: the loop ran, the opponent answered.
             assert!(s["mean_turns"].as_f64().unwrap() > 1.0, "{s}");
+            // A later turn's prompt is the game so far: the engine reads that part
+            // from the earlier turn's cache (issue 25's prefix reuse).
+            let reuse = &s["prefix_reuse"];
+            assert!(
+                reuse["later_turn_hit_rate"].as_f64().unwrap() > 0.5,
+                "{reuse}"
+            );
+            assert!(
+                reuse["later_turn_cached_tokens"].as_u64().unwrap()
+                    <= reuse["later_turn_prompt_tokens"].as_u64().unwrap()
+            );
         }
     }
     // A different seed plays different tasks.

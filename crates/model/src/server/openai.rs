@@ -485,6 +485,9 @@ pub(super) async fn chat_completions(
             .into_response());
     }
     let outputs = collect(receivers, n, state.config.request_timeout).await?;
+    // The prompt is counted once; so are its tokens read from a cache (the most any
+    // choice reused).
+    let cached_tokens = outputs.iter().map(|o| o.cached_tokens).max().unwrap_or(0);
     let mut choices = Vec::with_capacity(n);
     let mut completion_tokens = 0;
     for (index, out) in outputs.into_iter().enumerate() {
@@ -532,6 +535,7 @@ pub(super) async fn chat_completions(
             "prompt_tokens": prompt.len(),
             "completion_tokens": completion_tokens,
             "total_tokens": prompt.len() + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         },
     });
     if return_token_ids {
@@ -595,6 +599,7 @@ fn chat_stream(
         let mut started = std::collections::HashSet::new();
         let mut held: std::collections::HashMap<usize, String> = Default::default();
         let mut completion_tokens = 0;
+        let mut cached_tokens = 0;
         while let Some((index, event)) = receivers.next().await {
             if started.insert(index) {
                 let first = chunk(
@@ -639,6 +644,7 @@ fn chat_stream(
                     let _ = finish;
                 }
                 Event::Done(out) => {
+                    cached_tokens = cached_tokens.max(out.cached_tokens);
                     let mut calls = Vec::new();
                     if has_tools {
                         let (c, rest) =
@@ -685,7 +691,7 @@ fn chat_stream(
             let _ = tx.send(json!({
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}},
             }));
         }
     })

@@ -9,7 +9,9 @@ use std::sync::{Arc, OnceLock};
 
 use agentstack_model::constraint::{ConstraintCompiler, ToolChoice, parse_tool_calls};
 use agentstack_model::engine::{Engine, EngineConfig};
-use agentstack_model::generate::{FinishReason, GenerateRequest, generate, generate_batch};
+use agentstack_model::generate::{
+    FinishReason, GenerateOutput, GenerateRequest, generate, generate_batch,
+};
 use agentstack_model::model::Linear;
 use agentstack_model::{EarlierTurn, LanguageModel, Message, SamplingParams, WeightForm};
 use serde_json::json;
@@ -157,7 +159,11 @@ async fn the_engine_batches_concurrent_requests_without_changing_them() {
         })
         .collect();
     for (request, handle) in requests.iter().zip(handles) {
-        let served = handle.await.unwrap();
+        // Requests that share a prompt's start read it once; what they get is the same.
+        let served = GenerateOutput {
+            cached_tokens: 0,
+            ..handle.await.unwrap()
+        };
         let alone = generate(&lm, request).unwrap();
         assert_eq!(served, alone);
     }
@@ -190,6 +196,21 @@ async fn prefix_caching_reuses_a_conversation_without_changing_it() {
         let request = sampled(prompt.clone(), turn);
         let a = cached.generate(request.clone()).await.unwrap();
         let b = fresh.generate(request).await.unwrap();
+        // After the first turn, all of the prompt but what was added since the last
+        // answer (and the last token, whose logits are needed) comes from the cache.
+        if turn > 0 {
+            assert!(
+                a.cached_tokens + 20 >= a.prompt_tokens,
+                "turn {turn}: {} of {} cached",
+                a.cached_tokens,
+                a.prompt_tokens
+            );
+        }
+        assert_eq!(b.cached_tokens, 0);
+        let a = GenerateOutput {
+            cached_tokens: 0,
+            ..a
+        };
         assert_eq!(a, b, "turn {turn}");
         // The next turn: this answer, then a new user message.
         prompt.extend(&a.tokens);
@@ -402,7 +423,17 @@ async fn a_group_of_one_prompt_reads_it_once_without_changing_it() {
     }
     // Five of the six started from the first one's cache: all but its last token.
     assert_eq!(shared.reused_prompt_tokens(), 5 * (prompt.len() - 1));
+    let cached: Vec<usize> = outputs.iter().map(|o| o.cached_tokens).collect();
+    assert_eq!(
+        cached.iter().sum::<usize>(),
+        5 * (prompt.len() - 1),
+        "{cached:?}"
+    );
     for (request, out) in group.into_iter().zip(outputs) {
+        let out = GenerateOutput {
+            cached_tokens: 0,
+            ..out
+        };
         assert_eq!(out, fresh.generate(request).await.unwrap());
     }
     assert_eq!(fresh.reused_prompt_tokens(), 0);
