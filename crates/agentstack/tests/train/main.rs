@@ -94,16 +94,17 @@ fn train_with(algorithm: &str, config: &Path, runs: &Path, id: &str) -> Command 
     command
 }
 
-/// metrics.jsonl without the wall times (fields ending in `_s` / `_ms`).
+/// metrics.jsonl without the wall times (fields ending in `_s` / `_ms`) and the prefix
+/// cache's hit rates (they depend on what the cache held: it is empty after a resume).
 fn metrics(runs: &Path, id: &str) -> Vec<Value> {
     std::fs::read_to_string(runs.join(id).join("metrics.jsonl"))
         .expect("metrics.jsonl")
         .lines()
         .map(|l| {
             let mut v: Value = serde_json::from_str(l).expect("each line is JSON");
-            v.as_object_mut()
-                .unwrap()
-                .retain(|k, _| !k.ends_with("_s") && !k.ends_with("_ms"));
+            v.as_object_mut().unwrap().retain(|k, _| {
+                !k.ends_with("_s") && !k.ends_with("_ms") && !k.ends_with("prefix_hit_rate")
+            });
             v
         })
         .collect()
@@ -221,6 +222,13 @@ fn a_killed_run_resumes_exactly_as_an_uninterrupted_run() {
             "no step had a gradient: {a:?}"
         );
         assert!(runs.join(&straight).join("reward.png").is_file());
+        // A group's samples share their prompt: the engine runs it once (issue 25).
+        let raw = std::fs::read_to_string(runs.join(&straight).join("metrics.jsonl")).unwrap();
+        for line in raw.lines() {
+            let m: Value = serde_json::from_str(line).unwrap();
+            let rate = m["prefix_hit_rate"].as_f64().unwrap_or(0.0);
+            assert!(rate > 0.5, "step {}: prefix_hit_rate {rate}", m["step"]);
+        }
     }
 }
 

@@ -131,6 +131,15 @@ pub struct StepMetrics {
     /// context policy cut the history.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retokenized_turns: Option<usize>,
+    /// Fraction of the step's prompt tokens the engine read from its cache instead of
+    /// running them (a group's samples share their prompt; a later turn continues the
+    /// earlier one); absent when the model side does not say (a server that does not
+    /// report cached tokens counts 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_hit_rate: Option<f64>,
+    /// The same over the turns after each episode's first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub later_turn_prefix_hit_rate: Option<f64>,
     /// Asynchronous runs: mean updates between the weights that sampled a trained
     /// token and the learner's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -600,6 +609,13 @@ impl Trainer {
         let (later, broken) = continuations(episodes);
         if later > 0 {
             (m.later_turns, m.retokenized_turns) = (Some(later), Some(broken));
+        }
+        let reuse = agentstack_harness::run::PrefixReuse::of(episodes.iter().map(|(_, e)| e));
+        if reuse.prompt_tokens > 0 {
+            m.prefix_hit_rate = Some(reuse.hit_rate);
+        }
+        if reuse.later_turn_prompt_tokens > 0 {
+            m.later_turn_prefix_hit_rate = Some(reuse.later_turn_hit_rate);
         }
         let rewards: Vec<f64> = episodes.iter().map(|(_, e)| e.reward).collect();
         (m.reward_mean, m.reward_std) = mean_std(&rewards);
