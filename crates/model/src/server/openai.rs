@@ -851,6 +851,7 @@ pub(super) async fn completions(
             .into_response());
     }
     let outputs = collect(receivers, index, state.config.request_timeout).await?;
+    let cached_tokens = outputs.iter().map(|o| o.cached_tokens).max().unwrap_or(0);
     let mut completion_tokens = 0;
     let choices: Vec<Json_> = outputs
         .iter()
@@ -868,7 +869,7 @@ pub(super) async fn completions(
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": now(), "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}},
     }))
     .into_response())
 }
