@@ -765,6 +765,18 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
             .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
 }
 
+/// A replica's answer as the client gets it: its hop-by-hop headers dropped and the
+/// replica named.
+fn relayed(
+    response: hyper::Response<hyper::body::Incoming>,
+    replica: &str,
+) -> (axum::http::response::Parts, Body) {
+    let (mut head, incoming) = response.into_parts();
+    strip_hop_by_hop(&mut head.headers);
+    name_replica(&mut head.headers, replica);
+    (head, Body::new(incoming))
+}
+
 /// Removes the hop-by-hop headers, those named in `Connection` included.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<String> = headers
@@ -1019,10 +1031,7 @@ impl Inner {
             Ok(Err(e)) => return Attempt::Broken(agentstack_static::with_causes(&e)),
             Ok(Ok(response)) => response,
         };
-        let (mut head, incoming) = response.into_parts();
-        strip_hop_by_hop(&mut head.headers);
-        name_replica(&mut head.headers, &chosen.id);
-        let body = Body::new(incoming);
+        let (head, body) = relayed(response, &chosen.id);
         if head.status == StatusCode::SERVICE_UNAVAILABLE {
             return Attempt::Unavailable(Response::from_parts(head, body));
         }
@@ -1101,10 +1110,7 @@ impl Inner {
             Ok(Ok(response)) => response,
         };
         if response.status() != StatusCode::SWITCHING_PROTOCOLS {
-            let (mut head, incoming) = response.into_parts();
-            strip_hop_by_hop(&mut head.headers);
-            name_replica(&mut head.headers, &chosen.id);
-            let body = Body::new(incoming);
+            let (head, body) = relayed(response, &chosen.id);
             if head.status == StatusCode::SERVICE_UNAVAILABLE {
                 return Attempt::Unavailable(Response::from_parts(head, body));
             }

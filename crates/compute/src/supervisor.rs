@@ -648,25 +648,9 @@ impl<B: Backend> Supervisor<B> {
                         && u.state == UnitState::Running
                         && u.ready_ms.is_some()
                 })
-                .map(|u| {
-                    let host = u
-                        .hosts
-                        .as_deref()
-                        .and_then(|h| h.split(',').next())
-                        .unwrap_or("127.0.0.1");
-                    let host = if host.contains(':') {
-                        format!("[{host}]")
-                    } else {
-                        host.to_owned()
-                    };
-                    let port = task
-                        .resources
-                        .main_port()
-                        .map_or(80, |p| p.saturating_add(u.replica as u16));
-                    Replica {
-                        id: format!("{}/{}#{}", u.component, u.replica, u.attempt),
-                        url: format!("http://{host}:{port}"),
-                    }
+                .map(|u| Replica {
+                    id: format!("{}/{}#{}", u.component, u.replica, u.attempt),
+                    url: replica_url(task, u),
                 })
                 .collect();
             if ready != *given {
@@ -822,16 +806,7 @@ impl<B: Backend> Supervisor<B> {
             if now - probed.last_probe_ms < (interval * 1000.0) as i64 {
                 continue;
             }
-            let host = u
-                .hosts
-                .as_deref()
-                .and_then(|h| h.split(',').next())
-                .unwrap_or("127.0.0.1");
-            let port = task
-                .resources
-                .main_port()
-                .map_or(80, |p| p.saturating_add(u.replica as u16));
-            let ok = self.probe_once(probe, host, port).await;
+            let ok = self.probe_once(probe, &replica_url(task, u)).await;
             let last_ok_ms = if ok { Some(now) } else { probed.last_ok_ms };
             self.probes.lock().expect("never poisoned").insert(
                 key,
@@ -893,13 +868,9 @@ impl<B: Backend> Supervisor<B> {
         Ok(())
     }
 
-    async fn probe_once(&self, probe: &crate::spec::ReadinessProbe, host: &str, port: u16) -> bool {
-        let host = if host.contains(':') {
-            format!("[{host}]")
-        } else {
-            host.to_owned()
-        };
-        let url = format!("http://{host}:{port}{}", probe.path);
+    /// One probe of the replica at `base` (its [`replica_url`]).
+    async fn probe_once(&self, probe: &crate::spec::ReadinessProbe, base: &str) -> bool {
+        let url = format!("{base}{}", probe.path);
         let mut request = match &probe.post_data {
             Some(body) => self
                 .http
@@ -1528,6 +1499,26 @@ impl<B: Backend> Supervisor<B> {
             addresses.insert(task.name.clone(), endpoints);
         }
         addresses
+    }
+}
+
+/// Where replica `u` of `task` answers HTTP, `http://host:port`: its first host (an
+/// IPv6 one in brackets), on the task's first port plus the replica index (replicas on
+/// one host take consecutive ports).
+fn replica_url(task: &Task, u: &UnitRecord) -> String {
+    let host = u
+        .hosts
+        .as_deref()
+        .and_then(|h| h.split(',').next())
+        .unwrap_or("127.0.0.1");
+    let port = task
+        .resources
+        .main_port()
+        .map_or(80, |p| p.saturating_add(u.replica as u16));
+    if host.contains(':') {
+        format!("http://[{host}]:{port}")
+    } else {
+        format!("http://{host}:{port}")
     }
 }
 
