@@ -811,6 +811,11 @@ pub struct EvalRunArgs {
     /// Compute threads for an in-process model.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Draft tokens verified per pass at most by an in-process model's prompt-lookup
+    /// speculative decoding; drafts run only where they pay, and the results are the
+    /// same with them or without (0 = off).
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=64))]
+    pub speculative_draft: usize,
     /// The Python interpreter for OpenEnv package directories (default python3; empty
     /// = unset).
     #[arg(long, env = agentstack_static::env_vars::AGENTSTACK_PYTHON)]
@@ -1052,6 +1057,11 @@ pub struct ModelServeArgs {
     /// conversation reuses its prefix (0 = off).
     #[arg(long, default_value_t = 1024)]
     pub prefix_cache_mib: usize,
+    /// Draft tokens verified per pass at most by prompt-lookup speculative decoding,
+    /// for requests that do not choose (`"speculative"`); drafts run only where they
+    /// pay, and the output is the same with them or without (0 = off).
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=64))]
+    pub speculative_draft: usize,
     /// Turn off grammar-constrained decoding (response_format, constrained tool calls).
     #[arg(long)]
     pub no_constraints: bool,

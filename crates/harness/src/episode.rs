@@ -85,8 +85,21 @@ pub struct Turn {
     /// contents), and a results file is the same whatever those were.
     #[serde(skip)]
     pub cached_tokens: Option<usize>,
+    /// Speculative decoding's draft tokens verified and kept in this turn, for a turn
+    /// played by this process (not written, for the same reason as `cached_tokens`).
+    #[serde(skip)]
+    pub drafts: Option<DraftCounts>,
     /// Tokens generated.
     pub completion_tokens: usize,
+}
+
+/// A model call's speculative decoding: draft tokens verified, and kept.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftCounts {
+    /// Draft tokens verified.
+    pub drafted: usize,
+    /// Of those, kept.
+    pub accepted: usize,
 }
 
 impl Turn {
@@ -104,6 +117,10 @@ impl Turn {
             done: false,
             prompt_tokens: reply.prompt_tokens,
             cached_tokens: Some(reply.cached_tokens),
+            drafts: Some(DraftCounts {
+                drafted: reply.draft_tokens,
+                accepted: reply.accepted_draft_tokens,
+            }),
             completion_tokens: reply.completion_tokens,
         }
     }
@@ -426,6 +443,8 @@ mod tests {
                 prompt_tokens: 2,
                 cached_tokens: 0,
                 completion_tokens: 1,
+                draft_tokens: 0,
+                accepted_draft_tokens: 0,
             },
         );
         let text = serde_json::to_string(&turn).unwrap();
@@ -437,6 +456,7 @@ mod tests {
         assert_eq!(turn.cached_tokens, Some(0));
         let turn = Turn {
             cached_tokens: None,
+            drafts: None,
             ..turn
         };
         assert_eq!(serde_json::from_str::<Turn>(&text).unwrap(), turn);

@@ -150,6 +150,13 @@ pub struct ChatResponse {
     pub cached_tokens: usize,
     /// Tokens generated.
     pub completion_tokens: usize,
+    /// Draft tokens speculative decoding verified (OpenAI's accepted plus rejected
+    /// prediction tokens; 0 when the model side does not say).
+    #[serde(default)]
+    pub draft_tokens: usize,
+    /// Of those, kept (each saved a forward pass).
+    #[serde(default)]
+    pub accepted_draft_tokens: usize,
 }
 
 /// One model call at the token level, what training learns from: the prompt's and the
@@ -464,6 +471,9 @@ impl EngineModel {
             // As `model serve`'s chat endpoint does by default.
             detect_loops: true,
             constraint,
+            // The engine's (speculative decoding is exact: the same tokens and
+            // log-probabilities as plain decoding, in fewer passes where drafts pay).
+            speculation: None,
         };
         let mut events = self
             .engine
@@ -502,6 +512,8 @@ impl EngineModel {
                         prompt_tokens: prompt.len(),
                         cached_tokens: out.cached_tokens,
                         completion_tokens: out.tokens.len(),
+                        draft_tokens: out.draft_tokens,
+                        accepted_draft_tokens: out.accepted_draft_tokens,
                         tokens: TokenTrace {
                             weights_versions: (!versions.is_empty()
                                 && versions.len() == out.tokens.len())
@@ -627,6 +639,9 @@ fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
         prompt_tokens: usage("prompt_tokens"),
         cached_tokens: usage("prompt_tokens_details/cached_tokens"),
         completion_tokens: usage("completion_tokens"),
+        draft_tokens: usage("completion_tokens_details/accepted_prediction_tokens")
+            + usage("completion_tokens_details/rejected_prediction_tokens"),
+        accepted_draft_tokens: usage("completion_tokens_details/accepted_prediction_tokens"),
     })
 }
 

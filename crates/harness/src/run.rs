@@ -171,6 +171,10 @@ pub struct Summary {
     /// counted).
     #[serde(default)]
     pub prefix_reuse: PrefixReuse,
+    /// The model side's speculative decoding in this invocation's episodes (absent from
+    /// summaries written before it was counted).
+    #[serde(default)]
+    pub speculative_decoding: Drafts,
     /// Wall time of the invocation that finished the run, seconds.
     pub wall_s: f64,
     /// Episodes per second in that invocation.
@@ -229,6 +233,51 @@ impl PrefixReuse {
         self.hit_rate = rate(self.cached_tokens, self.prompt_tokens);
         self.later_turn_hit_rate =
             rate(self.later_turn_cached_tokens, self.later_turn_prompt_tokens);
+    }
+}
+
+/// Speculative decoding in the turns of the episodes this invocation played: how many
+/// of their tokens came from kept drafts (each saved a forward pass). The output is the
+/// same with it or without. A server that does not report drafts counts 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Drafts {
+    /// Tokens generated in the turns played by this invocation.
+    pub completion_tokens: usize,
+    /// Draft tokens verified.
+    pub draft_tokens: usize,
+    /// Of those, kept.
+    pub accepted_draft_tokens: usize,
+    /// `accepted_draft_tokens` over `draft_tokens`.
+    pub acceptance_rate: f64,
+    /// `accepted_draft_tokens` over `completion_tokens`: the share of forward passes
+    /// saved.
+    pub accepted_per_completion_token: f64,
+}
+
+impl Drafts {
+    /// Counts the turns of `episodes` that were played by this process.
+    pub fn of<'a>(episodes: impl Iterator<Item = &'a Episode>) -> Self {
+        let mut drafts = Self::default();
+        for episode in episodes {
+            drafts.add(episode);
+        }
+        drafts
+    }
+
+    /// Adds the turns of `episode` that were played by this process.
+    pub fn add(&mut self, episode: &Episode) {
+        for turn in &episode.turns {
+            let Some(counts) = turn.drafts else {
+                continue;
+            };
+            self.completion_tokens += turn.completion_tokens;
+            self.draft_tokens += counts.drafted;
+            self.accepted_draft_tokens += counts.accepted;
+        }
+        let rate = |part: usize, whole: usize| part as f64 / whole.max(1) as f64;
+        self.acceptance_rate = rate(self.accepted_draft_tokens, self.draft_tokens);
+        self.accepted_per_completion_token =
+            rate(self.accepted_draft_tokens, self.completion_tokens);
     }
 }
 
@@ -472,6 +521,7 @@ impl Run {
         let mut pending = BTreeMap::new();
         let mut next = start;
         let mut reuse = PrefixReuse::default();
+        let mut drafts = Drafts::default();
         while let Some((index, seed, outcome)) = work.next().await {
             let (episode, timing) = outcome.map_err(|source| RunError::Episode {
                 index,
@@ -489,6 +539,7 @@ impl Run {
                 };
                 rewards.push(record.episode.reward);
                 reuse.add(&record.episode);
+                drafts.add(&record.episode);
                 write_line(&mut results, &results_path, &record)?;
                 write_line(
                     &mut timings,
@@ -506,15 +557,17 @@ impl Run {
                 });
             }
         }
-        let wall = started.elapsed();
         let summary = summarize(
             &self.dir,
             &self.config,
             &recover::<EpisodeRecord>(&results_path)?,
-            wall,
-            activity.idle_fraction(),
-            total - start,
-            reuse,
+            Invocation {
+                wall: started.elapsed(),
+                model_idle_fraction: activity.idle_fraction(),
+                played_now: total - start,
+                prefix_reuse: reuse,
+                speculative_decoding: drafts,
+            },
         );
         write_atomic(
             &self.dir.join("summary.json"),
@@ -572,17 +625,35 @@ fn mean(xs: &[f64]) -> f64 {
     }
 }
 
-/// The statistics of a run's records; `prefix_reuse` is what the invocation that
-/// finished the run counted of its own episodes.
+/// What the invocation that finished a run measured of its own episodes.
+#[derive(Debug, Clone, Copy)]
+pub struct Invocation {
+    /// Its wall time.
+    pub wall: Duration,
+    /// Fraction of it in which no model call was running.
+    pub model_idle_fraction: f64,
+    /// Episodes it played.
+    pub played_now: usize,
+    /// Their prompt tokens read from the model side's cache.
+    pub prefix_reuse: PrefixReuse,
+    /// Their speculative decoding.
+    pub speculative_decoding: Drafts,
+}
+
+/// The statistics of a run's records and of the invocation that finished it.
 pub fn summarize(
     dir: &Path,
     config: &EvalConfig,
     records: &[EpisodeRecord],
-    wall: Duration,
-    model_idle_fraction: f64,
-    played_now: usize,
-    prefix_reuse: PrefixReuse,
+    invocation: Invocation,
 ) -> Summary {
+    let Invocation {
+        wall,
+        model_idle_fraction,
+        played_now,
+        prefix_reuse,
+        speculative_decoding,
+    } = invocation;
     let rewards: Vec<f64> = records.iter().map(|r| r.episode.reward).collect();
     let (mean_reward, reward_sd, stderr) = stats::mean_sd_se(&rewards);
     let turns: usize = records
@@ -657,6 +728,7 @@ pub fn summarize(
             .map(|t| t.completion_tokens)
             .sum(),
         prefix_reuse,
+        speculative_decoding,
         wall_s: wall.as_secs_f64(),
         episodes_per_s: played_now as f64 / wall.as_secs_f64().max(1e-9),
         model_idle_fraction,

@@ -19,6 +19,7 @@ use crate::generate::{GenerateOutput, GenerateRequest, Sequence, TokenEvent, com
 use candle_core::Tensor;
 
 use crate::model::{Model, SeqCache};
+use crate::speculate::{PROBE_LEN, PassCosts, Speculation};
 
 /// Limits of the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +35,9 @@ pub struct EngineConfig {
     /// turn of a conversation) runs only the rest through the model; so does one whose
     /// prompt starts like a running sequence's (a group of samples of one prompt).
     pub prefix_cache_bytes: usize,
+    /// Speculative decoding for requests that do not choose
+    /// ([`GenerateRequest::speculation`]); drafts run only where they pay.
+    pub speculation: Speculation,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +47,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             max_batch_tokens: 512,
             prefix_cache_bytes: 1 << 30,
+            speculation: Speculation::default(),
         }
     }
 }
@@ -418,6 +423,7 @@ fn run(
     // Admitted, waiting for a sibling to finish reading the prompt they share.
     let mut deferred: Vec<Running> = Vec::new();
     let mut pool = PrefixPool::new(config.prefix_cache_bytes);
+    let mut costs = PassCosts::default();
     loop {
         // Admit new work: block when idle, otherwise take what is there.
         while running.len() + deferred.len() < config.max_running.max(1) {
@@ -433,7 +439,9 @@ fn run(
                 }
             };
             waiting.fetch_sub(1, Ordering::Relaxed);
-            match Sequence::new(lm, job.request) {
+            let mut request = job.request;
+            request.speculation.get_or_insert(config.speculation);
+            match Sequence::new(lm, request) {
                 Ok(seq) if seq.is_finished() => {
                     let _ = job.events.send(Event::Done(seq.output()));
                 }
@@ -468,7 +476,7 @@ fn run(
         if running.is_empty() {
             continue;
         }
-        if let Err(error) = step(lm, config, &mut running) {
+        if let Err(error) = step(lm, config, &mut running, &mut costs) {
             tracing::error!(%error, "forward pass failed; failing its requests");
             for r in running.drain(..) {
                 let _ = r
@@ -565,9 +573,39 @@ fn start_deferred(
 /// Sequences (index, tokens to take) that run on the same weights.
 type WeightsGroup = (Option<Arc<Slot>>, Vec<(usize, usize)>);
 
+/// Gives the decoding sequences drafts to verify where they pay (see
+/// [`crate::speculate`]), within the pass's token budget.
+fn add_drafts(running: &mut [Running], budget: usize, costs: &PassCosts) {
+    let decoding = running.iter().filter(|r| r.seq.is_decoding()).count();
+    if decoding == 0 {
+        return;
+    }
+    let mut rows = decoding;
+    let mut room = budget.saturating_sub(decoding);
+    for r in running.iter_mut().filter(|r| r.seq.is_decoding()) {
+        let Some(candidate) = r.seq.draft_candidate(room) else {
+            continue;
+        };
+        let available = candidate.tokens.len();
+        let mut k = costs.draft_len(candidate.rate, available, rows, decoding);
+        if k == 0 && candidate.probe {
+            k = PROBE_LEN.min(available);
+        }
+        r.seq.propose(&candidate.tokens[..k]);
+        rows += k;
+        room -= k;
+    }
+}
+
 /// One forward pass over the running sequences.
-fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Result<()> {
+fn step(
+    lm: &LanguageModel,
+    config: EngineConfig,
+    running: &mut [Running],
+    costs: &mut PassCosts,
+) -> Result<()> {
     let mut budget = config.max_batch_tokens.max(1);
+    add_drafts(running, budget, costs);
     // Decoding sequences first (one token each), then prompt chunks.
     let mut order: Vec<usize> = (0..running.len()).collect();
     order.sort_by_key(|&i| !running[i].seq.is_decoding());
@@ -600,6 +638,10 @@ fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Re
         let current = slot.as_ref().map(|s| s.current());
         let version = current.as_ref().map(|(_, v)| *v);
         let model = current.as_ref().map_or(lm.model(), |(m, _)| m.as_ref());
+        // Only passes of decoding sequences (with their drafts) teach the cost of a
+        // pass's rows; a prompt chunk's rows cost differently (no logits, long spans).
+        let decoding = members.iter().all(|&(i, _)| running[i].seq.is_decoding());
+        let rows: usize = members.iter().map(|&(_, take)| take).sum();
         let mut inputs = Vec::with_capacity(members.len());
         let mut taken = Vec::with_capacity(members.len());
         let mut next = members.iter().peekable();
@@ -613,7 +655,11 @@ fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Re
                 taken.push((i, n));
             }
         }
+        let started = std::time::Instant::now();
         let logits = model.forward(&mut inputs)?;
+        if decoding {
+            costs.record(rows, started.elapsed().as_secs_f64());
+        }
         drop(inputs);
         results.extend(
             taken
@@ -627,17 +673,19 @@ fn step(lm: &LanguageModel, config: EngineConfig, running: &mut [Running]) -> Re
         if !r.seq.consumed(n) {
             continue;
         }
-        let row: Vec<f32> = row.squeeze(0)?.to_vec1()?;
-        match r.seq.sample(lm, &row) {
-            Ok(mut event) => {
-                event.weights_version = version;
-                let done = event.finish.is_some();
-                if r.events.send(Event::Token(event)).is_err() {
-                    r.seq.cancel();
-                    continue;
-                }
-                if done {
-                    let _ = r.events.send(Event::Done(r.seq.output()));
+        let rows: Vec<f32> = row.flatten_all()?.to_vec1()?;
+        match r.seq.sample_rows(lm, &rows) {
+            Ok(events) => {
+                for mut event in events {
+                    event.weights_version = version;
+                    let done = event.finish.is_some();
+                    if r.events.send(Event::Token(event)).is_err() {
+                        r.seq.cancel();
+                        break;
+                    }
+                    if done {
+                        let _ = r.events.send(Event::Done(r.seq.output()));
+                    }
                 }
             }
             Err(error) => {

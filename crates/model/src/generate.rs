@@ -8,6 +8,7 @@ use crate::constraint::Constraint;
 use crate::error::{ModelError, Result};
 use crate::model::{Logits, SeqCache, SeqInput};
 use crate::sampling::{self, Sampler, SamplingParams, TokenLogprob};
+use crate::speculate::{self, Acceptance, Speculation};
 use crate::tokenizer::TextStream;
 
 /// Loop detection defaults: a block of up to 32 tokens repeated back to back 4 or more
@@ -39,6 +40,10 @@ pub struct GenerateRequest {
     pub detect_loops: bool,
     /// Restrict tokens to a grammar.
     pub constraint: Option<Constraint>,
+    /// Prompt-lookup speculative decoding, which only the [`crate::engine::Engine`]
+    /// does, where it pays (the output is the same with it on or off); `None`: the
+    /// engine's setting ([`crate::engine::EngineConfig::speculation`]).
+    pub speculation: Option<Speculation>,
 }
 
 impl GenerateRequest {
@@ -54,6 +59,7 @@ impl GenerateRequest {
             top_logprobs: 0,
             detect_loops: false,
             constraint: None,
+            speculation: None,
         }
     }
 }
@@ -122,6 +128,11 @@ pub struct GenerateOutput {
     /// of the conversation, or a sequence of the same prompt) rather than the model;
     /// OpenAI's `usage.prompt_tokens_details.cached_tokens`.
     pub cached_tokens: usize,
+    /// Draft tokens verified by speculative decoding.
+    pub draft_tokens: usize,
+    /// Of those, the tokens kept (each saved a forward pass); OpenAI's
+    /// `usage.completion_tokens_details.accepted_prediction_tokens`.
+    pub accepted_draft_tokens: usize,
 }
 
 /// A sequence being generated.
@@ -147,12 +158,31 @@ pub struct Sequence {
     out: GenerateOutput,
     all_tokens: Vec<u32>,
     finished: bool,
+    speculation: Speculation,
+    acceptance: Acceptance,
+    /// The draft tokens at the end of `pending`, being verified.
+    draft: Vec<u32>,
+}
+
+/// A draft a decoding sequence could verify in its next pass (see
+/// [`Sequence::draft_candidate`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftCandidate {
+    /// The draft's tokens, at most as many as the pass has room for.
+    pub tokens: Vec<u32>,
+    /// The sequence's recent rate of kept draft tokens.
+    pub rate: f64,
+    /// Whether a short draft is due anyway, to see whether the rate has changed.
+    pub probe: bool,
 }
 
 impl Sequence {
     /// Checks a request against the model and prepares its state.
     pub fn new(lm: &LanguageModel, request: GenerateRequest) -> Result<Self> {
         request.sampling.validate()?;
+        if let Some(speculation) = &request.speculation {
+            speculation.validate()?;
+        }
         let vocab = lm
             .tokenizer()
             .vocab_size()
@@ -208,9 +238,19 @@ impl Sequence {
                 finish: FinishReason::Length,
                 prompt_tokens: request.prompt.len(),
                 cached_tokens: 0,
+                draft_tokens: 0,
+                accepted_draft_tokens: 0,
             },
             all_tokens: request.prompt,
             finished: request.max_tokens == 0,
+            // Drafts are verified in passes of several rows: exact only on kernels
+            // whose rows do not depend on the pass.
+            speculation: request
+                .speculation
+                .filter(|_| lm.model().splits_exactly())
+                .unwrap_or_else(Speculation::off),
+            acceptance: Acceptance::default(),
+            draft: Vec::new(),
         })
     }
 
@@ -269,11 +309,62 @@ impl Sequence {
         (self.cache, tokens)
     }
 
+    /// A draft for the next pass of this decoding sequence, with room for at most
+    /// `room` draft tokens: the tokens that followed the latest earlier occurrence of
+    /// its last tokens (see [`crate::speculate`]). `None` when speculation is off, the
+    /// sequence is not decoding, nothing matches, or no draft token could be kept
+    /// (`max_tokens` or the context is reached after the next token).
+    pub fn draft_candidate(&self, room: usize) -> Option<DraftCandidate> {
+        if !self.speculation.is_on()
+            || self.finished
+            || !self.is_decoding()
+            || self.pending.len() != 1
+            || !self.cache.can_truncate()
+        {
+            return None;
+        }
+        let left = self.max_tokens.saturating_sub(self.out.tokens.len() + 1);
+        let room = room
+            .min(self.speculation.max_draft)
+            .min(left)
+            .min(self.context.saturating_sub(self.all_tokens.len()));
+        let found = speculate::lookup(&self.all_tokens, &self.speculation, room)?;
+        Some(DraftCandidate {
+            tokens: found.draft.to_vec(),
+            rate: self.acceptance.rate(),
+            probe: self.acceptance.probe_due() || found.matched >= self.speculation.ngram_max,
+        })
+    }
+
+    /// Adds `draft` to the next pass: its tokens run through the model after the
+    /// pending one, and [`Sequence::sample_rows`] keeps those that equal what is
+    /// sampled. An empty draft is a pass without one although a candidate was found
+    /// (it counts towards the next probe).
+    pub fn propose(&mut self, draft: &[u32]) {
+        if draft.is_empty() || self.pending.len() != 1 {
+            if self.speculation.is_on() && self.is_decoding() {
+                self.acceptance.idle();
+            }
+            return;
+        }
+        self.pending.extend_from_slice(draft);
+        self.draft = draft.to_vec();
+    }
+
     /// Takes up to `budget` pending tokens as this sequence's part of a forward pass.
-    /// The returned input wants logits only when the last pending token is included.
+    /// The returned input wants logits only when the last pending token is included,
+    /// and for every token of a draft being verified (which is taken whole).
     pub fn input(&mut self, budget: usize) -> (SeqInput<'_>, usize) {
-        let n = budget.min(self.pending.len()).max(1);
-        let logits = Logits::Last;
+        let n = if self.draft.is_empty() {
+            budget.min(self.pending.len()).max(1)
+        } else {
+            self.pending.len()
+        };
+        let logits = if self.draft.is_empty() {
+            Logits::Last
+        } else {
+            Logits::All
+        };
         (
             SeqInput {
                 cache: &mut self.cache,
@@ -305,6 +396,43 @@ impl Sequence {
             finish: Some(FinishReason::Cancelled),
             weights_version: None,
         }
+    }
+
+    /// Samples from the rows of logits of a pass: the one row of a plain decoding
+    /// step, or the `1 + draft` rows of a verified draft, in order, while each sampled
+    /// token equals the draft's next token. Returns a token per row sampled (the first
+    /// that differs from the draft is the last). The draft tokens that were not kept
+    /// leave the cache. Each token is sampled exactly as [`Sequence::sample`] samples
+    /// it from the same logits, so the output does not depend on the drafts.
+    pub fn sample_rows(&mut self, lm: &LanguageModel, rows: &[f32]) -> Result<Vec<TokenEvent>> {
+        let draft = std::mem::take(&mut self.draft);
+        if draft.is_empty() {
+            return Ok(vec![self.sample(lm, rows)?]);
+        }
+        let width = rows.len() / (draft.len() + 1);
+        let mut events = Vec::with_capacity(draft.len() + 1);
+        let mut kept = 0;
+        for (i, row) in rows.chunks_exact(width).enumerate() {
+            let event = self.sample(lm, row)?;
+            let go_on = event.finish.is_none() && draft.get(i) == Some(&event.token.id);
+            events.push(event);
+            if !go_on {
+                break;
+            }
+            kept += 1;
+        }
+        // The cache holds the pending token and the whole draft; keep the positions of
+        // the pending token and the draft tokens that were sampled.
+        let keep = self.cache.len() - (draft.len() - kept);
+        self.cache.truncate(keep);
+        // Each kept token was also queued as pending; only the last sampled token has
+        // not been through the model.
+        let unread = self.pending.len().min(usize::from(!self.finished));
+        self.pending.drain(..self.pending.len() - unread);
+        self.out.draft_tokens += draft.len();
+        self.out.accepted_draft_tokens += kept;
+        self.acceptance.record(draft.len(), kept);
+        Ok(events)
     }
 
     /// Samples the next token from the last row of logits and checks the stops.

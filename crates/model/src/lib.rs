@@ -34,6 +34,7 @@ pub mod pull;
 pub mod repack_cache;
 pub mod sampling;
 pub mod server;
+pub mod speculate;
 pub mod tokenizer;
 
 use std::path::{Path, PathBuf};

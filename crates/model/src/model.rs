@@ -73,6 +73,17 @@ pub enum Linear {
 }
 
 impl Linear {
+    /// Whether each output row is the same bits whatever the other rows of the input
+    /// (this crate's kernels, and adapters over them at inference); candle's matmuls
+    /// may sum in another order for another number of rows.
+    pub fn is_batch_invariant(&self) -> bool {
+        match self {
+            Self::Fast { .. } => true,
+            Self::Adapted { base, .. } => base.is_batch_invariant(),
+            Self::Quantized { .. } | Self::Dense { .. } => false,
+        }
+    }
+
     /// Applies the layer to `x`, `[n, in]` → `[n, out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, bias) = match self {
@@ -716,6 +727,22 @@ impl Model {
     /// Mutable access to the output projection (the embedding table when tied).
     pub fn output_mut(&mut self) -> &mut Linear {
         &mut self.output
+    }
+
+    /// Whether a position's logits are the same bits however its sequence is split into
+    /// passes and whatever else is in the batch: the quantized form with every layer
+    /// on this crate's kernels (every quantized GGUF type). Float weights run on
+    /// candle's matmuls and the dense form on the training path's operations, which
+    /// differ in the last bits between a pass of one row and of several. Speculative
+    /// decoding is exact only where this holds, and is used only there.
+    pub fn splits_exactly(&self) -> bool {
+        matches!(self.form, WeightForm::Quantized)
+            && self.output.is_batch_invariant()
+            && self.blocks.iter().all(|b| {
+                [&b.q, &b.k, &b.v, &b.o, &b.gate, &b.up, &b.down]
+                    .iter()
+                    .all(|l| l.is_batch_invariant())
+            })
     }
 
     /// The longest sequence the rotary tables cover.

@@ -150,6 +150,11 @@ pub struct RolloutSection {
     /// updates behind the learner a group may start and a token may be sampled (older
     /// tokens are masked out of the loss).
     pub max_staleness: usize,
+    /// Draft tokens verified per pass at most by the in-process engine's prompt-lookup
+    /// speculative decoding (0 = off). Drafts run only where they pay; each token is
+    /// still sampled from the policy's own logits, so the rollouts (tokens and
+    /// log-probabilities) are the same with it or without.
+    pub speculative_draft: usize,
 }
 
 /// How rollouts and learning take turns (`rollout.mode`).
@@ -179,6 +184,7 @@ impl Default for RolloutSection {
             mode: RolloutMode::Sync,
             servers: Vec::new(),
             max_staleness: 0,
+            speculative_draft: 16,
         }
     }
 }
@@ -489,6 +495,13 @@ impl TrainConfig {
                     "rollout.servers: `{server}` is not a server's base URL; write http://host:port"
                 )));
             }
+        }
+        if self.rollout.speculative_draft > agentstack_model::speculate::MAX_DRAFT_LIMIT {
+            return Err(ConfigError(format!(
+                "rollout.speculative_draft must be at most {}, got {}",
+                agentstack_model::speculate::MAX_DRAFT_LIMIT,
+                self.rollout.speculative_draft
+            )));
         }
         match self.rollout.mode {
             RolloutMode::Sync if self.rollout.max_staleness > 1 => {

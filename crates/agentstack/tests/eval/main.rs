@@ -8,7 +8,9 @@
 //!   evaluated the same way;
 //! - `kill -9` mid-run, then the same command again: complete, no episode missing or
 //!   repeated;
-//! - `eval compare` writes a PNG.
+//! - `eval compare` writes a PNG;
+//! - greedy results over every built-in environment are the same with speculative
+//!   decoding on and off.
 //!
 //! Every test needs the model (and the last-but-one the OpenEnv venv) from
 //! `scripts/install-peers`, so each is `#[ignore]`d; CI runs ignored tests.
@@ -78,6 +80,66 @@ fn assert_tokens_recorded(records: &[Value]) {
             );
         }
     }
+}
+
+/// Greedy evaluation over every built-in environment gives byte-identical
+/// `results.jsonl` with speculative decoding on (the default) and off, and the drafts
+/// were tried and kept (summary.json counts them).
+#[test]
+#[ignore = "needs the SmolLM2 model from scripts/install-peers"]
+fn greedy_results_are_the_same_with_speculative_decoding_on_and_off() {
+    let model = test_model();
+    let model = model.to_str().expect("utf-8 path");
+    let runs = tempfile::tempdir().expect("a temp dir");
+    let cases: [(&str, &[&str]); 5] = [
+        ("echo", &["--episodes", "4", "--max-tokens", "48"]),
+        ("arithmetic", &["--episodes", "8", "--max-tokens", "96"]),
+        (
+            "connect_four",
+            &[
+                "--episodes",
+                "4",
+                "--options",
+                r#"{"strength": 0}"#,
+                "--constrain",
+                "--max-turns",
+                "6",
+                "--max-tokens",
+                "12",
+            ],
+        ),
+        (
+            "word_guess",
+            &["--episodes", "4", "--max-turns", "4", "--max-tokens", "48"],
+        ),
+        ("coding", &["--episodes", "3", "--max-tokens", "200"]),
+    ];
+    let (mut drafted, mut kept) = (0, 0);
+    for (env, extra) in cases {
+        let args = [&["--env", env, "--model", model, "--seed", "3"][..], extra].concat();
+        let on = format!("{env}-speculative");
+        let off = format!("{env}-plain");
+        eval(runs.path(), &on, &args);
+        eval(
+            runs.path(),
+            &off,
+            &[&args[..], &["--speculative-draft", "0"]].concat(),
+        );
+        assert_eq!(
+            results(runs.path(), &on),
+            results(runs.path(), &off),
+            "{env}: greedy results must not depend on speculative decoding"
+        );
+        let drafts = &summary(runs.path(), &on)["speculative_decoding"];
+        println!("{env}: {drafts}");
+        drafted += drafts["draft_tokens"].as_u64().expect("draft_tokens");
+        kept += drafts["accepted_draft_tokens"]
+            .as_u64()
+            .expect("accepted_draft_tokens");
+        let plain = &summary(runs.path(), &off)["speculative_decoding"];
+        assert_eq!(plain["draft_tokens"], 0, "{env}: {plain}");
+    }
+    assert!(kept > 0, "{kept} of {drafted} draft tokens kept");
 }
 
 #[test]

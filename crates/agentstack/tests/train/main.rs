@@ -94,8 +94,9 @@ fn train_with(algorithm: &str, config: &Path, runs: &Path, id: &str) -> Command 
     command
 }
 
-/// metrics.jsonl without the wall times (fields ending in `_s` / `_ms`) and the prefix
-/// cache's hit rates (they depend on what the cache held: it is empty after a resume).
+/// metrics.jsonl without the wall times (fields ending in `_s` / `_ms`), the prefix
+/// cache's hit rates (they depend on what the cache held: it is empty after a resume)
+/// and the share of tokens from speculative drafts (decided by measured pass times).
 fn metrics(runs: &Path, id: &str) -> Vec<Value> {
     std::fs::read_to_string(runs.join(id).join("metrics.jsonl"))
         .expect("metrics.jsonl")
@@ -103,7 +104,12 @@ fn metrics(runs: &Path, id: &str) -> Vec<Value> {
         .map(|l| {
             let mut v: Value = serde_json::from_str(l).expect("each line is JSON");
             v.as_object_mut().unwrap().retain(|k, _| {
-                !k.ends_with("_s") && !k.ends_with("_ms") && !k.ends_with("prefix_hit_rate")
+                // Timings, and what the engine's caches and drafts saved (they depend on
+                // timing and on what ran before; the rollouts do not).
+                !k.ends_with("_s")
+                    && !k.ends_with("_ms")
+                    && !k.ends_with("prefix_hit_rate")
+                    && k != "accepted_draft_rate"
             });
             v
         })

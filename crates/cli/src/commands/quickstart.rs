@@ -5,6 +5,7 @@
 use std::io::Write;
 
 use agentstack_harness::compare;
+use agentstack_model::speculate::Speculation;
 use agentstack_static::env_vars;
 use anyhow::anyhow;
 
@@ -55,6 +56,7 @@ pub async fn run(args: QuickstartArgs) -> Result<(), Exit> {
             runs_dir: args.runs_dir.clone(),
             fresh: false,
             threads: args.threads,
+            speculative_draft: Speculation::default().max_draft,
             python: None,
             json: false,
             post: false,

@@ -19,6 +19,7 @@ use crate::constraint::{Constraint, ToolChoice, parse_tool_calls};
 use crate::engine::Event;
 use crate::generate::{FinishReason, GenerateOutput, GenerateRequest, TokenEvent};
 use crate::sampling::{SamplingParams, TokenLogprob};
+use crate::speculate::Speculation;
 
 /// `stop`: one string or several.
 #[derive(Debug, Clone, Deserialize)]
@@ -52,7 +53,22 @@ pub(super) struct SamplingFields {
     stop_token_ids: Option<Vec<u32>>,
     ignore_eos: Option<bool>,
     pub(super) detect_loops: Option<bool>,
+    /// Prompt-lookup speculative decoding: `true` (the server's settings), `false`, or
+    /// vLLM's knobs `{"num_speculative_tokens", "prompt_lookup_max",
+    /// "prompt_lookup_min"}`, each defaulting to the server's.
+    speculative: Option<Json_>,
 }
+
+/// The `speculative` field's object form.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SpeculativeFields {
+    num_speculative_tokens: Option<usize>,
+    prompt_lookup_max: Option<usize>,
+    prompt_lookup_min: Option<usize>,
+}
+
+const SPECULATIVE_FORM: &str = "must be true, false, or an object with any of num_speculative_tokens, prompt_lookup_max and prompt_lookup_min (non-negative integers)";
 
 impl SamplingFields {
     pub(super) fn params(&self, choice: usize) -> SamplingParams {
@@ -70,6 +86,42 @@ impl SamplingFields {
         }
     }
 
+    /// The speculation a request asks for (`None`: the engine's, `default`; the
+    /// object form's missing knobs are `default`'s too).
+    pub(super) fn speculation(
+        &self,
+        default: Speculation,
+    ) -> Result<Option<Speculation>, ApiError> {
+        let on = if default.is_on() {
+            default
+        } else {
+            Speculation {
+                max_draft: Speculation::default().max_draft,
+                ..default
+            }
+        };
+        let chosen = match &self.speculative {
+            None => return Ok(None),
+            Some(Json_::Bool(true)) => on,
+            Some(Json_::Bool(false)) => Speculation::off(),
+            Some(object @ Json_::Object(_)) => {
+                let fields = SpeculativeFields::deserialize(object).map_err(|e| {
+                    ApiError::invalid("speculative", format!("{SPECULATIVE_FORM}: {e}"))
+                })?;
+                Speculation {
+                    max_draft: fields.num_speculative_tokens.unwrap_or(on.max_draft),
+                    ngram_max: fields.prompt_lookup_max.unwrap_or(on.ngram_max),
+                    ngram_min: fields.prompt_lookup_min.unwrap_or(on.ngram_min),
+                }
+            }
+            Some(_) => return Err(ApiError::invalid("speculative", SPECULATIVE_FORM)),
+        };
+        chosen
+            .validate()
+            .map_err(|e| ApiError::invalid("speculative", e.to_string()))?;
+        Ok(Some(chosen))
+    }
+
     pub(super) fn request(
         &self,
         prompt: Vec<u32>,
@@ -77,6 +129,7 @@ impl SamplingFields {
         top_logprobs: usize,
         constraint: Option<Constraint>,
         choice: usize,
+        speculation: Option<Speculation>,
     ) -> GenerateRequest {
         GenerateRequest {
             prompt,
@@ -92,6 +145,7 @@ impl SamplingFields {
             top_logprobs,
             detect_loops: self.detect_loops.unwrap_or(true),
             constraint,
+            speculation,
         }
     }
 
@@ -417,6 +471,7 @@ pub(super) async fn chat_completions(
         sampling,
     } = req;
     sampling.check()?;
+    let speculation = sampling.speculation(state.engine.config().speculation)?;
     let adapter = state.adapter_for(model.as_deref());
     if stream && return_token_ids {
         return Err(ApiError::invalid(
@@ -460,6 +515,7 @@ pub(super) async fn chat_completions(
             top_logprobs,
             constraint.clone(),
             i,
+            speculation,
         );
         let rx = state.engine.submit_with(request, adapter.as_deref())?;
         receivers.insert(i, UnboundedReceiverStream::new(rx));
@@ -487,11 +543,9 @@ pub(super) async fn chat_completions(
     let outputs = collect(receivers, n, state.config.request_timeout).await?;
     // The prompt is counted once; so are its tokens read from a cache (the most any
     // choice reused).
-    let cached_tokens = outputs.iter().map(|o| o.cached_tokens).max().unwrap_or(0);
+    let usage = Usage::of(prompt.len(), &outputs);
     let mut choices = Vec::with_capacity(n);
-    let mut completion_tokens = 0;
     for (index, out) in outputs.into_iter().enumerate() {
-        completion_tokens += out.tokens.len();
         let (calls, text) = if has_tools {
             parse_tool_calls(&out.text)
         } else {
@@ -531,17 +585,60 @@ pub(super) async fn chat_completions(
         "created": now(),
         "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt.len(),
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt.len() + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        },
+        "usage": usage.json(),
     });
     if return_token_ids {
         body["prompt_token_ids"] = json!(prompt);
     }
     Ok(Json(body).into_response())
+}
+
+/// A response's `usage`.
+#[derive(Debug, Default)]
+struct Usage {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// The prompt is counted once; so are its tokens read from a cache (the most any
+    /// choice reused).
+    cached_tokens: usize,
+    /// Speculative decoding's draft tokens verified and kept, over all choices.
+    draft_tokens: usize,
+    accepted_draft_tokens: usize,
+}
+
+impl Usage {
+    fn of(prompt_tokens: usize, outputs: &[GenerateOutput]) -> Self {
+        let mut usage = Self {
+            prompt_tokens,
+            ..Self::default()
+        };
+        for out in outputs {
+            usage.add(out);
+        }
+        usage
+    }
+
+    fn add(&mut self, out: &GenerateOutput) {
+        self.completion_tokens += out.tokens.len();
+        self.cached_tokens = self.cached_tokens.max(out.cached_tokens);
+        self.draft_tokens += out.draft_tokens;
+        self.accepted_draft_tokens += out.accepted_draft_tokens;
+    }
+
+    /// OpenAI's fields; the draft tokens as its predicted outputs' accepted and
+    /// rejected prediction tokens.
+    fn json(&self) -> Json_ {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": self.accepted_draft_tokens,
+                "rejected_prediction_tokens": self.draft_tokens - self.accepted_draft_tokens,
+            },
+        })
+    }
 }
 
 /// Waits for all choices; a timeout cancels them (dropping the receivers).
@@ -598,8 +695,10 @@ fn chat_stream(
         };
         let mut started = std::collections::HashSet::new();
         let mut held: std::collections::HashMap<usize, String> = Default::default();
-        let mut completion_tokens = 0;
-        let mut cached_tokens = 0;
+        let mut usage = Usage {
+            prompt_tokens,
+            ..Usage::default()
+        };
         while let Some((index, event)) = receivers.next().await {
             if started.insert(index) {
                 let first = chunk(
@@ -620,7 +719,6 @@ fn chat_stream(
                     finish,
                     ..
                 }) => {
-                    completion_tokens += 1;
                     let lp = if logprobs {
                         json!({"content": [chat_logprob_entry(&state, &token, &top)]})
                     } else {
@@ -644,7 +742,7 @@ fn chat_stream(
                     let _ = finish;
                 }
                 Event::Done(out) => {
-                    cached_tokens = cached_tokens.max(out.cached_tokens);
+                    usage.add(&out);
                     let mut calls = Vec::new();
                     if has_tools {
                         let (c, rest) =
@@ -691,7 +789,7 @@ fn chat_stream(
             let _ = tx.send(json!({
                 "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}},
+                "usage": usage.json(),
             }));
         }
     })
@@ -757,6 +855,9 @@ pub(super) async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     req.sampling.check()?;
+    let speculation = req
+        .sampling
+        .speculation(state.engine.config().speculation)?;
     let adapter = state.adapter_for(req.model.as_deref());
     if req.echo {
         return Err(ApiError::invalid(
@@ -801,9 +902,9 @@ pub(super) async fn completions(
         prompt_tokens += prompt.len();
         let max_tokens = max_tokens_for(&state, prompt.len(), Some(req.max_tokens.unwrap_or(16)))?;
         for i in 0..n {
-            let request = req
-                .sampling
-                .request(prompt.clone(), max_tokens, top, None, i);
+            let request =
+                req.sampling
+                    .request(prompt.clone(), max_tokens, top, None, i, speculation);
             let rx = state.engine.submit_with(request, adapter.as_deref())?;
             receivers.insert(index, UnboundedReceiverStream::new(rx));
             index += 1;
@@ -851,13 +952,11 @@ pub(super) async fn completions(
             .into_response());
     }
     let outputs = collect(receivers, index, state.config.request_timeout).await?;
-    let cached_tokens = outputs.iter().map(|o| o.cached_tokens).max().unwrap_or(0);
-    let mut completion_tokens = 0;
+    let usage = Usage::of(prompt_tokens, &outputs);
     let choices: Vec<Json_> = outputs
         .iter()
         .enumerate()
         .map(|(i, out)| {
-            completion_tokens += out.tokens.len();
             json!({
                 "index": i,
                 "text": out.text,
@@ -869,7 +968,7 @@ pub(super) async fn completions(
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": now(), "model": model,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}},
+        "usage": usage.json(),
     }))
     .into_response())
 }

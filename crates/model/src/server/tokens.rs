@@ -71,7 +71,15 @@ pub(super) async fn generate(
     let mut sampling = body.sampling;
     // Token-level callers get exactly the tokens they asked for unless they opt in.
     sampling.detect_loops = Some(sampling.detect_loops.unwrap_or(false));
-    let request = sampling.request(prompt.clone(), body.max_tokens, body.top_logprobs, None, 0);
+    let speculation = sampling.speculation(state.engine.config().speculation)?;
+    let request = sampling.request(
+        prompt.clone(),
+        body.max_tokens,
+        body.top_logprobs,
+        None,
+        0,
+        speculation,
+    );
     let adapter = state.adapter_for(body.model.as_deref());
     let receiver = state.engine.submit_with(request, adapter.as_deref())?;
     if body.stream {
@@ -122,6 +130,9 @@ pub(super) async fn generate(
         "finish_reason": out.finish,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.tokens.len(),
+        "cached_tokens": out.cached_tokens,
+        "draft_tokens": out.draft_tokens,
+        "accepted_draft_tokens": out.accepted_draft_tokens,
     }))
     .into_response())
 }

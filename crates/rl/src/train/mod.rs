@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use agentstack_harness::prompt::Presenter;
 use agentstack_harness::{EnvHandle, ModelClient, Profile};
 use agentstack_model::engine::{Engine, EngineConfig};
+use agentstack_model::speculate::Speculation;
 use agentstack_model::{LanguageModel, WeightForm};
 use candle_core::DType;
 use serde::{Deserialize, Serialize};
@@ -140,6 +141,11 @@ pub struct StepMetrics {
     /// The same over the turns after each episode's first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub later_turn_prefix_hit_rate: Option<f64>,
+    /// Fraction of the step's generated tokens that came from kept speculative drafts
+    /// (forward passes saved; the rollouts are the same with drafts or without);
+    /// absent when the model side does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accepted_draft_rate: Option<f64>,
     /// Asynchronous runs: mean updates between the weights that sampled a trained
     /// token and the learner's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -361,6 +367,10 @@ impl Trainer {
             Arc::new(rollout_lm),
             EngineConfig {
                 max_running: config.rollout.concurrency.max(1),
+                speculation: Speculation {
+                    max_draft: config.rollout.speculative_draft,
+                    ..Speculation::default()
+                },
                 ..EngineConfig::default()
             },
         );
@@ -616,6 +626,10 @@ impl Trainer {
         }
         if reuse.later_turn_prompt_tokens > 0 {
             m.later_turn_prefix_hit_rate = Some(reuse.later_turn_hit_rate);
+        }
+        let drafts = agentstack_harness::run::Drafts::of(episodes.iter().map(|(_, e)| e));
+        if drafts.completion_tokens > 0 {
+            m.accepted_draft_rate = Some(drafts.accepted_per_completion_token);
         }
         let rewards: Vec<f64> = episodes.iter().map(|(_, e)| e.reward).collect();
         (m.reward_mean, m.reward_std) = mean_std(&rewards);

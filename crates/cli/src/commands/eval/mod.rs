@@ -15,6 +15,7 @@ use agentstack_harness::model::Sampling;
 use agentstack_harness::reference::{EnvReference, ModelReference};
 use agentstack_harness::{EnvHandle, EvalConfig, ModelClient, Profile, Run, Summary};
 use agentstack_model::engine::{Engine, EngineConfig};
+use agentstack_model::speculate::Speculation;
 use anyhow::{Context, anyhow};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value};
@@ -129,6 +130,7 @@ pub(crate) async fn open_model(
     name: Option<&str>,
     api_key_env: &str,
     threads: Option<usize>,
+    speculation: Speculation,
 ) -> anyhow::Result<ModelClient> {
     let local = match reference {
         ModelReference::Local(local) => local,
@@ -157,7 +159,13 @@ pub(crate) async fn open_model(
     let name = name
         .map(str::to_owned)
         .unwrap_or_else(|| lm.info().name.clone());
-    let engine = Engine::start(lm, EngineConfig::default());
+    let engine = Engine::start(
+        lm,
+        EngineConfig {
+            speculation,
+            ..EngineConfig::default()
+        },
+    );
     Ok(ModelClient::engine(engine, &name))
 }
 
@@ -269,6 +277,8 @@ pub struct EvalSettings {
     pub fresh: bool,
     /// Compute threads for an in-process model.
     pub threads: Option<usize>,
+    /// An in-process model's speculative decoding (`--speculative-draft`).
+    pub speculation: Speculation,
     /// The Python for OpenEnv package directories: `--python`, else
     /// `AGENTSTACK_PYTHON`, else `python3`.
     pub python: String,
@@ -342,6 +352,10 @@ impl EvalSettings {
             runs_dir: runs_dir(args.runs_dir.clone()),
             fresh: args.fresh,
             threads: args.threads,
+            speculation: Speculation {
+                max_draft: args.speculative_draft,
+                ..Speculation::default()
+            },
             python: settings::python(args.python.as_deref()),
             post: args.post,
         })
@@ -359,6 +373,7 @@ pub(crate) async fn evaluate(settings: EvalSettings) -> Result<(Summary, PathBuf
         settings.model_name.as_deref(),
         &settings.api_key_env,
         settings.threads,
+        settings.speculation,
     )
     .await?;
     let config = EvalConfig {

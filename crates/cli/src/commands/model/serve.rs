@@ -7,6 +7,7 @@ use std::sync::Arc;
 use agentstack_model::constraint::ConstraintCompiler;
 use agentstack_model::engine::{Engine, EngineConfig};
 use agentstack_model::server::{AppState, ServerConfig, serve};
+use agentstack_model::speculate::Speculation;
 use agentstack_static::env_vars;
 use anyhow::Context;
 
@@ -36,6 +37,10 @@ pub async fn run(args: ModelServeArgs) -> Result<(), Exit> {
             max_waiting: args.max_waiting.max(1),
             max_batch_tokens: args.max_batch_tokens.max(1),
             prefix_cache_bytes: args.prefix_cache_mib << 20,
+            speculation: Speculation {
+                max_draft: args.speculative_draft,
+                ..Speculation::default()
+            },
         },
     );
     let state = AppState::new(
