@@ -11,8 +11,10 @@ Two workloads, greedy, one request at a time:
 
 Servers, all on the same GGUF file and --threads:
   agentstack, requests with "speculative": false (plain) and without the field (the
-  default: drafts where they pay); llama-server plain; llama-server with each
-  --spec-type in --llama-spec (its n-gram speculative types; their own defaults).
+  default: drafts where they pay); llama-server plain; llama-server with each setting
+  in --llama-spec (by default its n-gram types ngram-simple and ngram-mod with their
+  own defaults, and ngram-simple with a 3-token lookup and 16-token drafts, closer to
+  ours).
 
 Per round, every prompt goes to every configuration, the order of configurations
 rotating by round. Decode speed is (completion tokens - 1) / (time of the last
@@ -50,8 +52,11 @@ parser.add_argument(
 )
 parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--rounds", type=int, default=3)
-parser.add_argument("--llama-spec", default="ngram-simple,ngram-mod",
-                    help="comma-separated llama-server --spec-type values to compare")
+parser.add_argument(
+    "--llama-spec",
+    default="ngram-simple;ngram-mod;ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 16",
+    help="';'-separated llama-server speculative settings to compare: a --spec-type value, "
+         "then any further llama-server arguments")
 parser.add_argument("--chat-tokens", type=int, default=256)
 parser.add_argument("--write-results")
 args = parser.parse_args()
@@ -120,16 +125,17 @@ def start_agentstack():
     return process, url
 
 
-def start_llama(spec_type):
+def start_llama(spec):
     port = free_port()
     command = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
                "-t", str(args.threads), "-tb", str(args.threads), "-c", "8192", "-np", "1",
                "--no-webui"]
-    if spec_type:
-        command += ["--spec-type", spec_type]
+    if spec:
+        spec_type, *extra = spec.split()
+        command += ["--spec-type", spec_type, *extra]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(process, url, f"llama-server {spec_type or ''}")
+    wait_healthy(process, url, f"llama-server {spec or ''}")
     return process, url
 
 
@@ -190,7 +196,7 @@ def main():
         plain = start_llama(None)
         servers.append(plain[0])
         configs.append(("llama-server plain", plain[1], {}))
-        for spec in [s for s in args.llama_spec.split(",") if s]:
+        for spec in [s.strip() for s in args.llama_spec.split(";") if s.strip()]:
             server = start_llama(spec)
             servers.append(server[0])
             configs.append((f"llama-server {spec}", server[1], {}))

@@ -1243,3 +1243,71 @@ async fn speculation_leaves_rl_rollouts_unchanged() {
         "{kept} of {drafted} draft tokens kept"
     );
 }
+
+/// The server's `speculative` field: on, off and vLLM's knobs give the same answer,
+/// with the drafts counted in `usage`; anything else is refused with what to send.
+#[tokio::test]
+async fn the_server_takes_speculative_per_request_and_refuses_bad_values() {
+    let f = fixture();
+    let q8 = f.gguf.with_file_name("tiny-q8_0.gguf");
+    write_gguf_as(&q8, GgmlDType::Q8_0);
+    let lm = Arc::new(LanguageModel::load(&q8, WeightForm::Quantized).unwrap());
+    let state = AppState::new(
+        Engine::start(lm, EngineConfig::default()),
+        None,
+        ServerConfig::default(),
+    );
+    let ask = |speculative: Option<Value>| {
+        let mut body = json!({"prompt": "abcabcabcabcabc", "max_tokens": 40, "temperature": 0, "ignore_eos": true});
+        if let Some(s) = speculative {
+            body["speculative"] = s;
+        }
+        body
+    };
+    let mut texts = Vec::new();
+    let mut drafted = 0;
+    for speculative in [
+        None,
+        Some(json!(true)),
+        Some(json!(false)),
+        Some(json!({"num_speculative_tokens": 4, "prompt_lookup_min": 1})),
+    ] {
+        let off = speculative == Some(json!(false));
+        let (status, answer) =
+            call(&state, "POST", "/v1/completions", Some(ask(speculative))).await;
+        assert_eq!(status, 200, "{answer}");
+        let details = &answer["usage"]["completion_tokens_details"];
+        let accepted = details["accepted_prediction_tokens"].as_u64().unwrap();
+        let rejected = details["rejected_prediction_tokens"].as_u64().unwrap();
+        if off {
+            assert_eq!(accepted + rejected, 0, "{answer}");
+        }
+        drafted += accepted + rejected;
+        texts.push(answer["choices"][0]["text"].clone());
+    }
+    assert!(drafted > 0);
+    assert!(texts.windows(2).all(|w| w[0] == w[1]), "{texts:?}");
+    for (bad, says) in [
+        (json!("yes"), "must be true, false, or an object"),
+        (json!({"num_speculative_tokens": 65}), "at most 64"),
+        (
+            json!({"prompt_lookup_min": 5, "prompt_lookup_max": 2}),
+            "1 <= min <= max",
+        ),
+        (json!({"draft_model": "x"}), "unknown field `draft_model`"),
+    ] {
+        let (status, answer) = call(
+            &state,
+            "POST",
+            "/v1/completions",
+            Some(ask(Some(bad.clone()))),
+        )
+        .await;
+        assert_eq!(status, 400, "{bad}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("speculative") && message.contains(says),
+            "{bad}: {message}"
+        );
+    }
+}
