@@ -13,7 +13,7 @@
 //!
 //! A draft costs rows in the pass. Whether one pays is decided per sequence and pass,
 //! from the sequence's recent acceptance rate and the engine's measured cost of passes
-//! of each size ([`PassCosts`]): a draft runs only when the tokens it is expected to
+//! of each size: a draft runs only when the tokens it is expected to
 //! save are worth more than the rows it adds. A sequence whose drafts stop being
 //! accepted backs off, trying a short draft again after 8, 16, … 256 tokens. This is
 //! what keeps speculation from slowing plain text down.
