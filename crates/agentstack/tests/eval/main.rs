@@ -82,6 +82,18 @@ fn assert_tokens_recorded(records: &[Value]) {
     }
 }
 
+/// connect_four's settings: constrained, since a 135M model does not write the JSON
+/// action on its own.
+const CONNECT_FOUR: &[&str] = &[
+    "--options",
+    r#"{"strength": 0}"#,
+    "--constrain",
+    "--max-turns",
+    "6",
+    "--max-tokens",
+    "12",
+];
+
 /// Greedy evaluation over every built-in environment gives byte-identical
 /// `results.jsonl` with speculative decoding on (the default) and off, and the drafts
 /// were tried and kept (summary.json counts them).
@@ -96,17 +108,7 @@ fn greedy_results_are_the_same_with_speculative_decoding_on_and_off() {
         ("arithmetic", &["--episodes", "8", "--max-tokens", "96"]),
         (
             "connect_four",
-            &[
-                "--episodes",
-                "4",
-                "--options",
-                r#"{"strength": 0}"#,
-                "--constrain",
-                "--max-turns",
-                "6",
-                "--max-tokens",
-                "12",
-            ],
+            &[&["--episodes", "4"], CONNECT_FOUR].concat(),
         ),
         (
             "word_guess",
@@ -150,19 +152,7 @@ fn in_process_runs_are_deterministic_on_arithmetic_and_connect_four() {
     let runs = tempfile::tempdir().expect("a temp dir");
     let cases: [(&str, &[&str]); 2] = [
         ("arithmetic", &["--max-tokens", "96"]),
-        (
-            "connect_four",
-            // Constrained: a 135M model does not write the JSON action on its own.
-            &[
-                "--options",
-                r#"{"strength": 0}"#,
-                "--constrain",
-                "--max-turns",
-                "6",
-                "--max-tokens",
-                "12",
-            ],
-        ),
+        ("connect_four", CONNECT_FOUR),
     ];
     for (env, extra) in cases {
         let mut args = vec![
