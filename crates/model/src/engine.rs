@@ -1,7 +1,9 @@
 //! Continuous batching: one thread owns the model and runs a loop in which every
 //! running sequence advances together. Each pass takes one token from every decoding
 //! sequence and fills the rest of a token budget with prompt chunks of new ones, so
-//! long prompts do not stall other requests' decoding. Requests join and leave between
+//! long prompts do not stall other requests' decoding; a decoding sequence may also
+//! bring a draft of its next tokens to verify (speculative decoding, [`crate::speculate`]),
+//! where the measured cost of the pass says it pays. Requests join and leave between
 //! passes; a request whose receiver is dropped (client gone) is cancelled at the next
 //! pass; a full waiting queue refuses new work (back-pressure) instead of growing.
 
