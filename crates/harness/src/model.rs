@@ -474,6 +474,7 @@ impl EngineModel {
             // The engine's (speculative decoding is exact: the same tokens and
             // log-probabilities as plain decoding, in fewer passes where drafts pay).
             speculation: None,
+            prediction: Vec::new(),
         };
         let mut events = self
             .engine

@@ -44,6 +44,10 @@ pub struct GenerateRequest {
     /// does, where it pays (the output is the same with it on or off); `None`: the
     /// engine's setting ([`crate::engine::EngineConfig::speculation`]).
     pub speculation: Option<Speculation>,
+    /// The output the caller expects (OpenAI's predicted outputs), as token ids: with
+    /// speculation on, its tokens are drafts too — from its start while the output
+    /// follows it, and after wherever the output's last tokens occur in it.
+    pub prediction: Vec<u32>,
 }
 
 impl GenerateRequest {
@@ -60,6 +64,7 @@ impl GenerateRequest {
             detect_loops: false,
             constraint: None,
             speculation: None,
+            prediction: Vec::new(),
         }
     }
 }
@@ -162,6 +167,8 @@ pub struct Sequence {
     acceptance: Acceptance,
     /// The draft tokens at the end of `pending`, being verified.
     draft: Vec<u32>,
+    /// The caller's predicted output.
+    prediction: Vec<u32>,
 }
 
 /// A draft a decoding sequence could verify in its next pass (see
@@ -192,7 +199,12 @@ impl Sequence {
                 "the prompt is empty; give at least one token".into(),
             ));
         }
-        if let Some(bad) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
+        if let Some(bad) = request
+            .prompt
+            .iter()
+            .chain(&request.prediction)
+            .find(|&&t| t as usize >= vocab)
+        {
             return Err(ModelError::InvalidRequest(format!(
                 "token id {bad} is out of range; the vocabulary has {vocab} tokens (0..{vocab})"
             )));
@@ -251,6 +263,7 @@ impl Sequence {
                 .unwrap_or_else(Speculation::off),
             acceptance: Acceptance::default(),
             draft: Vec::new(),
+            prediction: request.prediction,
         })
     }
 
@@ -328,7 +341,25 @@ impl Sequence {
             .min(self.speculation.max_draft)
             .min(left)
             .min(self.context.saturating_sub(self.all_tokens.len()));
-        let found = speculate::lookup(&self.all_tokens, &self.speculation, room)?;
+        let output = &self.out.tokens;
+        // The output so far follows the prediction: its next tokens, however short
+        // the output is yet.
+        if self.prediction.len() > output.len() && self.prediction.starts_with(output) {
+            let rest = &self.prediction[output.len()..];
+            return Some(DraftCandidate {
+                tokens: rest[..rest.len().min(room)].to_vec(),
+                rate: self.acceptance.rate(),
+                probe: true,
+            })
+            .filter(|c| !c.tokens.is_empty());
+        }
+        let own = speculate::lookup(&self.all_tokens, &self.speculation, room);
+        let predicted =
+            speculate::lookup_in(&self.prediction, &self.all_tokens, &self.speculation, room);
+        let found = match (own, predicted) {
+            (Some(a), Some(b)) => Some(if b.matched > a.matched { b } else { a }),
+            (a, b) => a.or(b),
+        }?;
         Some(DraftCandidate {
             tokens: found.draft.to_vec(),
             rate: self.acceptance.rate(),

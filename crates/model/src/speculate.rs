@@ -95,19 +95,30 @@ pub(crate) fn lookup<'a>(
     settings: &Speculation,
     max: usize,
 ) -> Option<Found<'a>> {
-    let n = tokens.len();
-    let (&last, _) = tokens.split_last()?;
-    if max == 0 || n < settings.ngram_min + 1 {
+    lookup_in(tokens, tokens, settings, max)
+}
+
+/// [`lookup`] of `tail`'s last tokens in `corpus` (which may be `tail` itself: a match
+/// must leave at least one token after it).
+pub(crate) fn lookup_in<'a>(
+    corpus: &'a [u32],
+    tail: &[u32],
+    settings: &Speculation,
+    max: usize,
+) -> Option<Found<'a>> {
+    let n = tail.len();
+    let (&last, _) = tail.split_last()?;
+    if max == 0 || n < settings.ngram_min || corpus.len() < 2 {
         return None;
     }
     let mut best: Option<(usize, usize)> = None;
-    for end in (0..n - 1).rev() {
-        if tokens[end] != last {
+    for end in (0..corpus.len() - 1).rev() {
+        if corpus[end] != last {
             continue;
         }
-        let longest = settings.ngram_max.min(end + 1);
+        let longest = settings.ngram_max.min(end + 1).min(n);
         let matched = (0..longest)
-            .take_while(|&k| tokens[end - k] == tokens[n - 1 - k])
+            .take_while(|&k| corpus[end - k] == tail[n - 1 - k])
             .count();
         if matched >= settings.ngram_min && best.is_none_or(|(_, m)| matched > m) {
             best = Some((end, matched));
@@ -117,7 +128,7 @@ pub(crate) fn lookup<'a>(
         }
     }
     let (end, matched) = best?;
-    let draft = &tokens[end + 1..n.min(end + 1 + max)];
+    let draft = &corpus[end + 1..corpus.len().min(end + 1 + max)];
     Some(Found { matched, draft })
 }
 

@@ -57,6 +57,9 @@ pub(super) struct SamplingFields {
     /// vLLM's knobs `{"num_speculative_tokens", "prompt_lookup_max",
     /// "prompt_lookup_min"}`, each defaulting to the server's.
     speculative: Option<Json_>,
+    /// OpenAI's predicted outputs: `{"type": "content", "content": text or text
+    /// parts}`, the output the caller expects; its tokens become drafts.
+    prediction: Option<Json_>,
 }
 
 /// The `speculative` field's object form.
@@ -101,6 +104,8 @@ impl SamplingFields {
             }
         };
         let chosen = match &self.speculative {
+            // A prediction is only of use to drafts.
+            None if self.prediction.is_some() => on,
             None => return Ok(None),
             Some(Json_::Bool(true)) => on,
             Some(Json_::Bool(false)) => Speculation::off(),
@@ -120,6 +125,33 @@ impl SamplingFields {
             .validate()
             .map_err(|e| ApiError::invalid("speculative", e.to_string()))?;
         Ok(Some(chosen))
+    }
+
+    /// The prediction's token ids (none without one); its form is checked.
+    pub(super) fn prediction(&self, tokenizer: &crate::Tokenizer) -> Result<Vec<u32>, ApiError> {
+        const FORM: &str = r#"must be {"type": "content", "content": "text"} (content may also be a list of {"type": "text", "text": ...} parts)"#;
+        let Some(prediction) = &self.prediction else {
+            return Ok(Vec::new());
+        };
+        if prediction.get("type").and_then(Json_::as_str) != Some("content") {
+            return Err(ApiError::invalid("prediction", FORM));
+        }
+        let text = match prediction.get("content") {
+            Some(Json_::String(text)) => text.clone(),
+            Some(Json_::Array(parts)) => parts
+                .iter()
+                .map(|part| match (part.get("type"), part.get("text")) {
+                    (Some(Json_::String(kind)), Some(Json_::String(text))) if kind == "text" => {
+                        Ok(text.as_str())
+                    }
+                    _ => Err(ApiError::invalid("prediction", FORM)),
+                })
+                .collect::<Result<String, _>>()?,
+            _ => return Err(ApiError::invalid("prediction", FORM)),
+        };
+        tokenizer
+            .encode(&text, false)
+            .map_err(|e| ApiError::invalid("prediction", e.to_string()))
     }
 
     pub(super) fn request(
@@ -146,6 +178,7 @@ impl SamplingFields {
             detect_loops: self.detect_loops.unwrap_or(true),
             constraint,
             speculation,
+            prediction: Vec::new(),
         }
     }
 
@@ -472,6 +505,7 @@ pub(super) async fn chat_completions(
     } = req;
     sampling.check()?;
     let speculation = sampling.speculation(state.engine.config().speculation)?;
+    let prediction = sampling.prediction(state.engine.model().tokenizer())?;
     let adapter = state.adapter_for(model.as_deref());
     if stream && return_token_ids {
         return Err(ApiError::invalid(
@@ -517,6 +551,10 @@ pub(super) async fn chat_completions(
             i,
             speculation,
         );
+        let request = GenerateRequest {
+            prediction: prediction.clone(),
+            ..request
+        };
         let rx = state.engine.submit_with(request, adapter.as_deref())?;
         receivers.insert(i, UnboundedReceiverStream::new(rx));
     }
@@ -858,6 +896,7 @@ pub(super) async fn completions(
     let speculation = req
         .sampling
         .speculation(state.engine.config().speculation)?;
+    let prediction = req.sampling.prediction(state.engine.model().tokenizer())?;
     let adapter = state.adapter_for(req.model.as_deref());
     if req.echo {
         return Err(ApiError::invalid(
@@ -905,6 +944,10 @@ pub(super) async fn completions(
             let request =
                 req.sampling
                     .request(prompt.clone(), max_tokens, top, None, i, speculation);
+            let request = GenerateRequest {
+                prediction: prediction.clone(),
+                ..request
+            };
             let rx = state.engine.submit_with(request, adapter.as_deref())?;
             receivers.insert(index, UnboundedReceiverStream::new(rx));
             index += 1;

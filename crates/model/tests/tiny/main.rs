@@ -1311,3 +1311,109 @@ async fn the_server_takes_speculative_per_request_and_refuses_bad_values() {
         );
     }
 }
+
+/// OpenAI's predicted outputs: a prediction of the answer makes its tokens drafts (from
+/// the start, even where the server's default is off), the answer stays the same, and a
+/// malformed prediction is refused.
+#[tokio::test]
+async fn a_prediction_drafts_the_answer_without_changing_it() {
+    let f = fixture();
+    let q8 = f.gguf.with_file_name("tiny-q8_0.gguf");
+    write_gguf_as(&q8, GgmlDType::Q8_0);
+    let lm = Arc::new(LanguageModel::load(&q8, WeightForm::Quantized).unwrap());
+    let state = AppState::new(
+        Engine::start(
+            lm,
+            EngineConfig {
+                // Predictions draft even where the server's default is off.
+                speculation: agentstack_model::speculate::Speculation::off(),
+                ..EngineConfig::default()
+            },
+        ),
+        None,
+        ServerConfig::default(),
+    );
+    let ask = |prediction: Option<Value>| {
+        let mut body = json!({"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 30, "temperature": 0, "ignore_eos": true});
+        if let Some(p) = prediction {
+            body["prediction"] = p;
+        }
+        body
+    };
+    let (status, plain) = call(&state, "POST", "/v1/chat/completions", Some(ask(None))).await;
+    assert_eq!(status, 200, "{plain}");
+    let text = plain["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let details = |answer: &Value, key: &str| {
+        answer["usage"]["completion_tokens_details"][key]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(details(&plain, "accepted_prediction_tokens"), 0);
+    for prediction in [
+        json!({"type": "content", "content": text}),
+        json!({"type": "content", "content": [{"type": "text", "text": text}]}),
+    ] {
+        let (status, answer) = call(
+            &state,
+            "POST",
+            "/v1/chat/completions",
+            Some(ask(Some(prediction))),
+        )
+        .await;
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(answer["choices"][0]["message"]["content"], text.as_str());
+        // The random model's bytes are not UTF-8: its text does not tokenize back to
+        // what it sampled, and the drafts are tried and missed.
+        assert!(
+            details(&answer, "rejected_prediction_tokens") > 0,
+            "{answer}"
+        );
+    }
+    // The sampled token ids as the prediction: drafted from the start and kept.
+    let engine = Engine::start(
+        Arc::new(LanguageModel::load(&q8, WeightForm::Quantized).unwrap()),
+        EngineConfig::default(),
+    );
+    let request = GenerateRequest {
+        ignore_eos: true,
+        ..GenerateRequest::greedy(vec![5, 6, 7], 30)
+    };
+    let alone = engine.generate(request.clone()).await.unwrap();
+    let predicted = engine
+        .generate(GenerateRequest {
+            prediction: alone.tokens.clone(),
+            ..request
+        })
+        .await
+        .unwrap();
+    assert_eq!(predicted.tokens, alone.tokens);
+    assert_eq!(predicted.logprobs, alone.logprobs);
+    // Every draft kept; how long the drafts were is the measured pass costs' call, but
+    // each pass drafts at least two tokens while the answer follows the prediction.
+    assert!(
+        predicted.accepted_draft_tokens == predicted.draft_tokens
+            && predicted.accepted_draft_tokens * 2 >= alone.tokens.len(),
+        "{} of {} kept",
+        predicted.accepted_draft_tokens,
+        predicted.draft_tokens
+    );
+    for bad in [
+        json!("text"),
+        json!({"type": "file", "content": "x"}),
+        json!({"type": "content", "content": [{"type": "image"}]}),
+    ] {
+        let (status, answer) = call(
+            &state,
+            "POST",
+            "/v1/chat/completions",
+            Some(ask(Some(bad.clone()))),
+        )
+        .await;
+        assert_eq!(status, 400, "{bad}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("prediction"), "{bad}: {message}");
+    }
+}
