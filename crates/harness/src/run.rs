@@ -229,10 +229,9 @@ impl PrefixReuse {
                 self.later_turn_cached_tokens += cached;
             }
         }
-        let rate = |part: usize, whole: usize| part as f64 / whole.max(1) as f64;
-        self.hit_rate = rate(self.cached_tokens, self.prompt_tokens);
+        self.hit_rate = share(self.cached_tokens, self.prompt_tokens);
         self.later_turn_hit_rate =
-            rate(self.later_turn_cached_tokens, self.later_turn_prompt_tokens);
+            share(self.later_turn_cached_tokens, self.later_turn_prompt_tokens);
     }
 }
 
@@ -274,11 +273,15 @@ impl Drafts {
             self.draft_tokens += counts.drafted;
             self.accepted_draft_tokens += counts.accepted;
         }
-        let rate = |part: usize, whole: usize| part as f64 / whole.max(1) as f64;
-        self.acceptance_rate = rate(self.accepted_draft_tokens, self.draft_tokens);
+        self.acceptance_rate = share(self.accepted_draft_tokens, self.draft_tokens);
         self.accepted_per_completion_token =
-            rate(self.accepted_draft_tokens, self.completion_tokens);
+            share(self.accepted_draft_tokens, self.completion_tokens);
     }
+}
+
+/// `part` over `whole` (0 when `whole` is).
+fn share(part: usize, whole: usize) -> f64 {
+    part as f64 / whole.max(1) as f64
 }
 
 /// Progress, reported after each episode is written.

@@ -71,6 +71,14 @@ struct SpeculativeFields {
     prompt_lookup_min: Option<usize>,
 }
 
+/// A request's speculative decoding and predicted output, resolved once for all its
+/// choices ([`SamplingFields::drafting`]).
+#[derive(Debug, Clone, Default)]
+pub(super) struct Drafting {
+    speculation: Option<Speculation>,
+    prediction: Vec<u32>,
+}
+
 const SPECULATIVE_FORM: &str = "must be true, false, or an object with any of num_speculative_tokens, prompt_lookup_max and prompt_lookup_min (non-negative integers)";
 
 impl SamplingFields {
@@ -89,12 +97,17 @@ impl SamplingFields {
         }
     }
 
+    /// The request's `speculative` and `prediction` fields, checked, on `engine`.
+    pub(super) fn drafting(&self, engine: &crate::engine::Engine) -> Result<Drafting, ApiError> {
+        Ok(Drafting {
+            speculation: self.speculation(engine.config().speculation)?,
+            prediction: self.prediction(engine.model().tokenizer())?,
+        })
+    }
+
     /// The speculation a request asks for (`None`: the engine's, `default`; the
     /// object form's missing knobs are `default`'s too).
-    pub(super) fn speculation(
-        &self,
-        default: Speculation,
-    ) -> Result<Option<Speculation>, ApiError> {
+    fn speculation(&self, default: Speculation) -> Result<Option<Speculation>, ApiError> {
         let on = if default.is_on() {
             default
         } else {
@@ -128,7 +141,7 @@ impl SamplingFields {
     }
 
     /// The prediction's token ids (none without one); its form is checked.
-    pub(super) fn prediction(&self, tokenizer: &crate::Tokenizer) -> Result<Vec<u32>, ApiError> {
+    fn prediction(&self, tokenizer: &crate::Tokenizer) -> Result<Vec<u32>, ApiError> {
         const FORM: &str = r#"must be {"type": "content", "content": "text"} (content may also be a list of {"type": "text", "text": ...} parts)"#;
         let Some(prediction) = &self.prediction else {
             return Ok(Vec::new());
@@ -161,7 +174,7 @@ impl SamplingFields {
         top_logprobs: usize,
         constraint: Option<Constraint>,
         choice: usize,
-        speculation: Option<Speculation>,
+        drafting: &Drafting,
     ) -> GenerateRequest {
         GenerateRequest {
             prompt,
@@ -177,8 +190,8 @@ impl SamplingFields {
             top_logprobs,
             detect_loops: self.detect_loops.unwrap_or(true),
             constraint,
-            speculation,
-            prediction: Vec::new(),
+            speculation: drafting.speculation,
+            prediction: drafting.prediction.clone(),
         }
     }
 
@@ -504,8 +517,7 @@ pub(super) async fn chat_completions(
         sampling,
     } = req;
     sampling.check()?;
-    let speculation = sampling.speculation(state.engine.config().speculation)?;
-    let prediction = sampling.prediction(state.engine.model().tokenizer())?;
+    let drafting = sampling.drafting(&state.engine)?;
     let adapter = state.adapter_for(model.as_deref());
     if stream && return_token_ids {
         return Err(ApiError::invalid(
@@ -549,12 +561,8 @@ pub(super) async fn chat_completions(
             top_logprobs,
             constraint.clone(),
             i,
-            speculation,
+            &drafting,
         );
-        let request = GenerateRequest {
-            prediction: prediction.clone(),
-            ..request
-        };
         let rx = state.engine.submit_with(request, adapter.as_deref())?;
         receivers.insert(i, UnboundedReceiverStream::new(rx));
     }
@@ -579,8 +587,6 @@ pub(super) async fn chat_completions(
             .into_response());
     }
     let outputs = collect(receivers, n, state.config.request_timeout).await?;
-    // The prompt is counted once; so are its tokens read from a cache (the most any
-    // choice reused).
     let usage = Usage::of(prompt.len(), &outputs);
     let mut choices = Vec::with_capacity(n);
     for (index, out) in outputs.into_iter().enumerate() {
@@ -893,10 +899,7 @@ pub(super) async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     req.sampling.check()?;
-    let speculation = req
-        .sampling
-        .speculation(state.engine.config().speculation)?;
-    let prediction = req.sampling.prediction(state.engine.model().tokenizer())?;
+    let drafting = req.sampling.drafting(&state.engine)?;
     let adapter = state.adapter_for(req.model.as_deref());
     if req.echo {
         return Err(ApiError::invalid(
@@ -941,13 +944,9 @@ pub(super) async fn completions(
         prompt_tokens += prompt.len();
         let max_tokens = max_tokens_for(&state, prompt.len(), Some(req.max_tokens.unwrap_or(16)))?;
         for i in 0..n {
-            let request =
-                req.sampling
-                    .request(prompt.clone(), max_tokens, top, None, i, speculation);
-            let request = GenerateRequest {
-                prediction: prediction.clone(),
-                ..request
-            };
+            let request = req
+                .sampling
+                .request(prompt.clone(), max_tokens, top, None, i, &drafting);
             let rx = state.engine.submit_with(request, adapter.as_deref())?;
             receivers.insert(index, UnboundedReceiverStream::new(rx));
             index += 1;

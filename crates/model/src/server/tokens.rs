@@ -17,7 +17,6 @@ use super::openai::{SamplingFields, async_stream};
 use super::{ApiError, ApiJson, AppState};
 use crate::chat::Message;
 use crate::engine::Event;
-use crate::generate::GenerateRequest;
 
 #[derive(Debug, Deserialize)]
 pub(super) struct GenerateBody {
@@ -72,18 +71,15 @@ pub(super) async fn generate(
     let mut sampling = body.sampling;
     // Token-level callers get exactly the tokens they asked for unless they opt in.
     sampling.detect_loops = Some(sampling.detect_loops.unwrap_or(false));
-    let speculation = sampling.speculation(state.engine.config().speculation)?;
-    let request = GenerateRequest {
-        prediction: sampling.prediction(lm.tokenizer())?,
-        ..sampling.request(
-            prompt.clone(),
-            body.max_tokens,
-            body.top_logprobs,
-            None,
-            0,
-            speculation,
-        )
-    };
+    let drafting = sampling.drafting(&state.engine)?;
+    let request = sampling.request(
+        prompt.clone(),
+        body.max_tokens,
+        body.top_logprobs,
+        None,
+        0,
+        &drafting,
+    );
     let adapter = state.adapter_for(body.model.as_deref());
     let receiver = state.engine.submit_with(request, adapter.as_deref())?;
     if body.stream {

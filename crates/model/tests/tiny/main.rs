@@ -279,6 +279,14 @@ fn fixture() -> Fixture {
     }
 }
 
+/// The fixture's model as a Q8_0 GGUF file beside it: on this crate's kernels, so its
+/// passes are exact in pieces (what speculative decoding needs).
+fn q8_gguf(f: &Fixture) -> PathBuf {
+    let q8 = f.gguf.with_file_name("tiny-q8_0.gguf");
+    write_gguf_as(&q8, GgmlDType::Q8_0);
+    q8
+}
+
 fn all_logits(lm: &LanguageModel, tokens: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = lm.model().new_cache();
     let out = lm
@@ -1152,8 +1160,7 @@ fn dense_passes_in_pieces_and_shared_prompts_give_the_logits_of_one_pass() {
 async fn speculation_leaves_rl_rollouts_unchanged() {
     use agentstack_model::speculate::Speculation;
     let f = fixture();
-    let q8 = f.gguf.with_file_name("tiny-q8_0.gguf");
-    write_gguf_as(&q8, GgmlDType::Q8_0);
+    let q8 = q8_gguf(&f);
     let (mut drafted, mut kept) = (0, 0);
     for (file, form) in [
         (&q8, WeightForm::Quantized),
@@ -1249,8 +1256,7 @@ async fn speculation_leaves_rl_rollouts_unchanged() {
 #[tokio::test]
 async fn the_server_takes_speculative_per_request_and_refuses_bad_values() {
     let f = fixture();
-    let q8 = f.gguf.with_file_name("tiny-q8_0.gguf");
-    write_gguf_as(&q8, GgmlDType::Q8_0);
+    let q8 = q8_gguf(&f);
     let lm = Arc::new(LanguageModel::load(&q8, WeightForm::Quantized).unwrap());
     let state = AppState::new(
         Engine::start(lm, EngineConfig::default()),
@@ -1318,12 +1324,11 @@ async fn the_server_takes_speculative_per_request_and_refuses_bad_values() {
 #[tokio::test]
 async fn a_prediction_drafts_the_answer_without_changing_it() {
     let f = fixture();
-    let q8 = f.gguf.with_file_name("tiny-q8_0.gguf");
-    write_gguf_as(&q8, GgmlDType::Q8_0);
+    let q8 = q8_gguf(&f);
     let lm = Arc::new(LanguageModel::load(&q8, WeightForm::Quantized).unwrap());
     let state = AppState::new(
         Engine::start(
-            lm,
+            lm.clone(),
             EngineConfig {
                 // Predictions draft even where the server's default is off.
                 speculation: agentstack_model::speculate::Speculation::off(),
@@ -1373,10 +1378,7 @@ async fn a_prediction_drafts_the_answer_without_changing_it() {
         );
     }
     // The sampled token ids as the prediction: drafted from the start and kept.
-    let engine = Engine::start(
-        Arc::new(LanguageModel::load(&q8, WeightForm::Quantized).unwrap()),
-        EngineConfig::default(),
-    );
+    let engine = Engine::start(lm, EngineConfig::default());
     let request = GenerateRequest {
         ignore_eos: true,
         ..GenerateRequest::greedy(vec![5, 6, 7], 30)
