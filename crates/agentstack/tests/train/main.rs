@@ -641,6 +641,10 @@ fn bad_train_configs_are_refused_with_the_key_named() {
             "rollout.servers: `127.0.0.1:8000` is not a server's base URL; write http://host:port",
         ),
         (
+            "model = \"m.gguf\"\nsteps = 1\n[rollout]\nspeculative_draft = 65\n",
+            "rollout.speculative_draft must be at most 64, got 65",
+        ),
+        (
             "model = \"m.gguf\"\nsteps = 1\n[loss]\nis_mask = [2.0, 0.5]\n",
             "loss.is_mask = [2, 0.5] must hold 1 inside",
         ),
