@@ -213,6 +213,24 @@ mod tests {
         }
     }
 
+    /// A decode's groups read as several streams in lockstep give each group's bits.
+    #[test]
+    fn decode_in_streams_gives_each_group_s_bits() {
+        for ty in TYPES {
+            let (out, k) = (200, 512);
+            let fast = FastLinear::from_raw(&sample(ty, out, k, 7)).unwrap();
+            let xs: Vec<f32> = (0..k)
+                .map(|i| ((i * 41 % 89) as f32 - 44.0) / 9.0)
+                .collect();
+            let rows = fast.quantize(&xs);
+            super::super::tests::assert_decodes_as_groups(
+                &fast.packed,
+                &rows[0],
+                &format!("{ty:?}"),
+            );
+        }
+    }
+
     /// The kernel this CPU runs (AVX-512, AVX2 or scalar) gives the scalar kernel's bits
     /// on the converted weights: codebook values down to −127 and scales of both signs.
     #[test]

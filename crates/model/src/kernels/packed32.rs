@@ -41,7 +41,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::memory::Weights;
-use super::{ActRow, QK, QuantKind, ROW_TILE, per_group, word_at};
+use super::{
+    ActRow, QK, QuantKind, ROW_TILE, STREAM_PREFETCH, STREAMS, in_streams, per_group, word_at,
+};
 
 /// Weight rows per group.
 pub(super) const LANES: usize = 16;
@@ -513,6 +515,42 @@ impl Packed32 {
             super::Simd::Scalar => {}
         }
         self.group_scalar(g, rows, out);
+    }
+
+    /// Groups `groups`' sixteen outputs each for one activation row (decode), into
+    /// `out` (`16·groups.len()`): [`Self::group`]'s bits. With AVX-512 the groups go
+    /// [`STREAMS`] at a time, one from each of as many equal runs of the range, block by
+    /// block in lockstep, so that the core reads that many sequential streams of quants.
+    pub(super) fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
+        let n = groups.len();
+        assert!(groups.end <= self.groups && out.len() >= n * LANES);
+        let row = std::slice::from_ref(row);
+        #[cfg(target_arch = "x86_64")]
+        if super::simd() == super::Simd::Avx512Vnni && n >= STREAMS {
+            let r = &row[0];
+            assert!(
+                r.qs.len() >= self.nb * QK
+                    && r.d.len() >= self.nb
+                    && r.isums.len() >= self.nb
+                    && (!self.has_min() || r.s.len() >= self.nb)
+            );
+            let rest = in_streams(groups.clone(), |gs| {
+                #[expect(unsafe_code, reason = "the CPU was checked for these features")]
+                // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA; the row and
+                // `out` were checked.
+                unsafe {
+                    avx512::streams::<STREAMS>(self, gs, groups.start, r, out)
+                };
+            });
+            for g in rest {
+                let at = (g - groups.start) * LANES;
+                self.group(g, row, &mut out[at..at + LANES]);
+            }
+            return;
+        }
+        for (g, d) in groups.zip(out.chunks_exact_mut(LANES)) {
+            self.group(g, row, d);
+        }
     }
 
     /// Group `g`'s blocks unpacked for [`Self::amx_tile`] (`nb·512` bytes), into `w`.

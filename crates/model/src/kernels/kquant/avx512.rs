@@ -6,7 +6,9 @@ use std::arch::x86_64::*;
 #[cfg(doc)]
 use super::ROW_TILE;
 use super::lowk::avx512::q23k;
-use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
+use super::{
+    ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, STREAM_PREFETCH, pair, word_at,
+};
 
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
@@ -24,30 +26,56 @@ pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f3
                     low_k(p, g, rows, out);
                 }
             }
-            (KType::Q4K, 1) => q4k::<1, false>(p, g, rows, out),
-            (KType::Q4K, 2) => q4k::<2, false>(p, g, rows, out),
-            (KType::Q4K, 3) => q4k::<3, false>(p, g, rows, out),
-            (KType::Q4K, 4) => q4k::<4, false>(p, g, rows, out),
-            (KType::Q4K, 5) => q4k::<5, false>(p, g, rows, out),
-            (KType::Q4K, 6) => q4k::<6, false>(p, g, rows, out),
-            (KType::Q4K, 7) => q4k::<7, false>(p, g, rows, out),
-            (KType::Q4K, _) => q4k::<8, false>(p, g, rows, out),
-            (KType::Q5K, 1) => q4k::<1, true>(p, g, rows, out),
-            (KType::Q5K, 2) => q4k::<2, true>(p, g, rows, out),
-            (KType::Q5K, 3) => q4k::<3, true>(p, g, rows, out),
-            (KType::Q5K, 4) => q4k::<4, true>(p, g, rows, out),
-            (KType::Q5K, 5) => q4k::<5, true>(p, g, rows, out),
-            (KType::Q5K, 6) => q4k::<6, true>(p, g, rows, out),
-            (KType::Q5K, 7) => q4k::<7, true>(p, g, rows, out),
-            (KType::Q5K, _) => q4k::<8, true>(p, g, rows, out),
-            (KType::Q6K, 1) => q6k::<1>(p, g, rows, out),
-            (KType::Q6K, 2) => q6k::<2>(p, g, rows, out),
-            (KType::Q6K, 3) => q6k::<3>(p, g, rows, out),
-            (KType::Q6K, 4) => q6k::<4>(p, g, rows, out),
-            (KType::Q6K, 5) => q6k::<5>(p, g, rows, out),
-            (KType::Q6K, 6) => q6k::<6>(p, g, rows, out),
-            (KType::Q6K, 7) => q6k::<7>(p, g, rows, out),
-            (KType::Q6K, _) => q6k::<8>(p, g, rows, out),
+            (KType::Q4K, 1) => q4k::<1, 1, false>(p, ([g], g), rows, out),
+            (KType::Q4K, 2) => q4k::<1, 2, false>(p, ([g], g), rows, out),
+            (KType::Q4K, 3) => q4k::<1, 3, false>(p, ([g], g), rows, out),
+            (KType::Q4K, 4) => q4k::<1, 4, false>(p, ([g], g), rows, out),
+            (KType::Q4K, 5) => q4k::<1, 5, false>(p, ([g], g), rows, out),
+            (KType::Q4K, 6) => q4k::<1, 6, false>(p, ([g], g), rows, out),
+            (KType::Q4K, 7) => q4k::<1, 7, false>(p, ([g], g), rows, out),
+            (KType::Q4K, _) => q4k::<1, 8, false>(p, ([g], g), rows, out),
+            (KType::Q5K, 1) => q4k::<1, 1, true>(p, ([g], g), rows, out),
+            (KType::Q5K, 2) => q4k::<1, 2, true>(p, ([g], g), rows, out),
+            (KType::Q5K, 3) => q4k::<1, 3, true>(p, ([g], g), rows, out),
+            (KType::Q5K, 4) => q4k::<1, 4, true>(p, ([g], g), rows, out),
+            (KType::Q5K, 5) => q4k::<1, 5, true>(p, ([g], g), rows, out),
+            (KType::Q5K, 6) => q4k::<1, 6, true>(p, ([g], g), rows, out),
+            (KType::Q5K, 7) => q4k::<1, 7, true>(p, ([g], g), rows, out),
+            (KType::Q5K, _) => q4k::<1, 8, true>(p, ([g], g), rows, out),
+            (KType::Q6K, 1) => q6k::<1, 1>(p, ([g], g), rows, out),
+            (KType::Q6K, 2) => q6k::<1, 2>(p, ([g], g), rows, out),
+            (KType::Q6K, 3) => q6k::<1, 3>(p, ([g], g), rows, out),
+            (KType::Q6K, 4) => q6k::<1, 4>(p, ([g], g), rows, out),
+            (KType::Q6K, 5) => q6k::<1, 5>(p, ([g], g), rows, out),
+            (KType::Q6K, 6) => q6k::<1, 6>(p, ([g], g), rows, out),
+            (KType::Q6K, 7) => q6k::<1, 7>(p, ([g], g), rows, out),
+            (KType::Q6K, _) => q6k::<1, 8>(p, ([g], g), rows, out),
+        }
+    }
+}
+
+/// Decode: one activation row through the `S` groups `gs`, block by block in lockstep,
+/// so that the core reads that many sequential streams of quants (`STREAMS`). Each group's arithmetic is [`group`]'s with one row, in its
+/// order, so each output is the same bits; group `gs[s]`'s sixteen outputs go to
+/// `out[(gs[s] − first)·16..]`.
+///
+/// # Safety
+/// As [`group`] with the one row, for every group of `gs`; `out` must hold them.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn streams<const S: usize>(
+    p: &KPacked,
+    at: ([usize; S], usize),
+    row: &[ActRow],
+    out: &mut [f32],
+) {
+    // SAFETY: every arm calls with what this function requires.
+    unsafe {
+        match p.ty {
+            KType::Q2K => q23k::<S, 1, false>(p, at, row, out),
+            KType::Q3K => q23k::<S, 1, true>(p, at, row, out),
+            KType::Q4K => q4k::<S, 1, false>(p, at, row, out),
+            KType::Q5K => q4k::<S, 1, true>(p, at, row, out),
+            KType::Q6K => q6k::<S, 1>(p, at, row, out),
         }
     }
 }
@@ -61,14 +89,14 @@ unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
     // SAFETY: every arm calls with what this function requires.
     unsafe {
         match (p.ty, rows.len()) {
-            (KType::Q2K, 1) => q23k::<1, false>(p, g, rows, out),
-            (KType::Q2K, 2) => q23k::<2, false>(p, g, rows, out),
-            (KType::Q2K, 3) => q23k::<3, false>(p, g, rows, out),
-            (KType::Q2K, _) => q23k::<4, false>(p, g, rows, out),
-            (KType::Q3K, 1) => q23k::<1, true>(p, g, rows, out),
-            (KType::Q3K, 2) => q23k::<2, true>(p, g, rows, out),
-            (KType::Q3K, 3) => q23k::<3, true>(p, g, rows, out),
-            (KType::Q3K, _) => q23k::<4, true>(p, g, rows, out),
+            (KType::Q2K, 1) => q23k::<1, 1, false>(p, ([g], g), rows, out),
+            (KType::Q2K, 2) => q23k::<1, 2, false>(p, ([g], g), rows, out),
+            (KType::Q2K, 3) => q23k::<1, 3, false>(p, ([g], g), rows, out),
+            (KType::Q2K, _) => q23k::<1, 4, false>(p, ([g], g), rows, out),
+            (KType::Q3K, 1) => q23k::<1, 1, true>(p, ([g], g), rows, out),
+            (KType::Q3K, 2) => q23k::<1, 2, true>(p, ([g], g), rows, out),
+            (KType::Q3K, 3) => q23k::<1, 3, true>(p, ([g], g), rows, out),
+            (KType::Q3K, _) => q23k::<1, 4, true>(p, ([g], g), rows, out),
             _ => {}
         }
     }
@@ -82,12 +110,13 @@ unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn q4k<const R: usize, const FIVE: bool>(
+unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
     p: &KPacked,
-    g: usize,
+    (gs, first): ([usize; S], usize),
     rows: &[ActRow],
     out: &mut [f32],
 ) {
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let low = _mm512_set1_epi8(0x0F);
     let sixteen = _mm512_set1_epi8(16);
     // With one or two rows, two accumulators per row (even and odd steps), so that a
@@ -95,102 +124,106 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
     let chains = if R <= 2 { 2 } else { 1 };
     // Each row's quants, whose lengths `group` asserted.
     let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); R];
+    let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let q = blk.quants.as_ptr();
-        let small = blk.small.as_ptr();
-        let mut isum = [_mm512_setzero_si512(); R];
-        for i in 0..4 {
-            // Sub-block 2i + half: the low (half 0) or high nibbles of steps (i, t).
-            for half in 0..2 {
-                let mut w = [_mm512_setzero_si512(); 8];
-                for (t, w) in w.iter_mut().enumerate() {
-                    // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them, and
-                    // its half's mask 8 of the 512 bytes of fifth bits.
-                    unsafe {
-                        if half == 0 {
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
-                            );
-                        }
-                        let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
-                        let x = if half == 0 {
-                            x
-                        } else {
-                            _mm512_srli_epi16::<4>(x)
-                        };
-                        *w = _mm512_and_si512(x, low);
-                        if FIVE {
-                            // Step (i, t)'s fifth bits of this nibble half: bit j for
-                            // byte j, a byte mask as it is.
-                            let m = blk
-                                .high
-                                .as_ptr()
-                                .add(((i * 8 + t) * 2 + half) * 8)
-                                .cast::<u64>()
-                                .read_unaligned();
-                            *w = _mm512_mask_add_epi8(*w, m, *w, sixteen);
+        for (&g, acc) in gs.iter().zip(&mut accs) {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            let mut isum = [_mm512_setzero_si512(); R];
+            for i in 0..4 {
+                // Sub-block 2i + half: the low (half 0) or high nibbles of steps (i, t).
+                for half in 0..2 {
+                    let mut w = [_mm512_setzero_si512(); 8];
+                    for (t, w) in w.iter_mut().enumerate() {
+                        // SAFETY: 128·16 bytes per block: step (i, t) is 64 of them, and
+                        // its half's mask 8 of the 512 bytes of fifth bits.
+                        unsafe {
+                            if half == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    q.wrapping_add((i * 8 + t) * 64 + ahead).cast(),
+                                );
+                            }
+                            let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
+                            let x = if half == 0 {
+                                x
+                            } else {
+                                _mm512_srli_epi16::<4>(x)
+                            };
+                            *w = _mm512_and_si512(x, low);
+                            if FIVE {
+                                // Step (i, t)'s fifth bits of this nibble half: bit j for
+                                // byte j, a byte mask as it is.
+                                let m = blk
+                                    .high
+                                    .as_ptr()
+                                    .add(((i * 8 + t) * 2 + half) * 8)
+                                    .cast::<u64>()
+                                    .read_unaligned();
+                                *w = _mm512_mask_add_epi8(*w, m, *w, sixteen);
+                            }
                         }
                     }
+                    // SAFETY: scale 2i + half, 16 bytes within the 256.
+                    let sc = unsafe {
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                            small.add((2 * i + half) * LANES).cast(),
+                        ))
+                    };
+                    for r in 0..R {
+                        let mut s = [_mm512_setzero_si512(); 2];
+                        for (t, &w) in w.iter().enumerate() {
+                            // SAFETY: the activation word lies within the row's
+                            // super-block.
+                            let x = unsafe {
+                                word_at(qs[r].add(b * QK_K + 64 * i + 32 * half + 4 * t))
+                            };
+                            let c = t % chains;
+                            s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(x));
+                        }
+                        let sum = if chains == 2 {
+                            _mm512_add_epi32(s[0], s[1])
+                        } else {
+                            s[0]
+                        };
+                        isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sum, sc));
+                    }
                 }
-                // SAFETY: scale 2i + half, 16 bytes within the 256.
-                let sc = unsafe {
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128(small.add((2 * i + half) * LANES).cast()))
+            }
+            let mut msum = [_mm512_setzero_si512(); R];
+            for pr in 0..4 {
+                // SAFETY: minimum pair pr, 32 bytes at 128 + 32·pr, within the 256.
+                let m = unsafe {
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
                 };
                 for r in 0..R {
-                    let mut s = [_mm512_setzero_si512(); 2];
-                    for (t, &w) in w.iter().enumerate() {
-                        // SAFETY: the activation word lies within the row's
-                        // super-block.
-                        let x =
-                            unsafe { word_at(qs[r].add(b * QK_K + 64 * i + 32 * half + 4 * t)) };
-                        let c = t % chains;
-                        s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(x));
-                    }
-                    let sum = if chains == 2 {
-                        _mm512_add_epi32(s[0], s[1])
-                    } else {
-                        s[0]
-                    };
-                    isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(sum, sc));
+                    let s = &rows[r].sums[b * K_SUMS..];
+                    let two = pair(
+                        i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                        i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                    );
+                    msum[r] =
+                        _mm512_add_epi32(msum[r], _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
                 }
             }
-        }
-        let mut msum = [_mm512_setzero_si512(); R];
-        for pr in 0..4 {
-            // SAFETY: minimum pair pr, 32 bytes at 128 + 32·pr, within the 256.
-            let m = unsafe {
-                _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
+            // SAFETY: 16 f32 values each.
+            let (d, dmin) = unsafe {
+                (
+                    _mm512_loadu_ps(blk.d.as_ptr()),
+                    _mm512_loadu_ps(blk.dmin.as_ptr()),
+                )
             };
             for r in 0..R {
-                let s = &rows[r].sums[b * K_SUMS..];
-                let two = pair(
-                    i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
-                    i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
-                );
-                msum[r] = _mm512_add_epi32(msum[r], _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
+                // q4k_step, lane by lane.
+                let da = _mm512_set1_ps(rows[r].d[b]);
+                let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+                let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum[r]));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
             }
         }
-        // SAFETY: 16 f32 values each.
-        let (d, dmin) = unsafe {
-            (
-                _mm512_loadu_ps(blk.d.as_ptr()),
-                _mm512_loadu_ps(blk.dmin.as_ptr()),
-            )
-        };
-        for r in 0..R {
-            // q4k_step, lane by lane.
-            let da = _mm512_set1_ps(rows[r].d[b]);
-            let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
-            let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum[r]));
-            acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
-        }
     }
-    for (r, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16·R values.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
-    }
+    // SAFETY: as `store` requires.
+    unsafe { store(&accs, (gs, first), out) };
 }
 
 /// Q6_K: per 16-value group, `vpdpbusd` of the unsigned 6-bit weights (no overflow),
@@ -202,84 +235,115 @@ unsafe fn q4k<const R: usize, const FIVE: bool>(
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn q6k<const R: usize>(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
+unsafe fn q6k<const S: usize, const R: usize>(
+    p: &KPacked,
+    (gs, first): ([usize; S], usize),
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let low = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
     // Each row's arrays, whose lengths `group` asserted.
     let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
     let sums: [*const i16; R] = std::array::from_fn(|r| rows[r].sums.as_ptr());
-    let mut acc = [_mm512_setzero_ps(); R];
+    let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let q = blk.quants.as_ptr();
-        let small = blk.small.as_ptr();
-        let mut isum = [_mm512_setzero_si512(); R];
-        let hp = blk.high.as_ptr();
-        for g8 in 0..8 {
-            // Groups g8 (low nibbles, w[t]) and g8 + 8 (high nibbles, w[4 + t]) of
-            // steps (g8, t).
-            let mut w = [_mm512_setzero_si512(); 8];
-            for t in 0..4 {
-                let step = g8 * 4 + t;
-                // SAFETY: step's 64 of the block's 2048 nibble bytes and its pair's 64
-                // of its 1024 top-bit bytes.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + PREFETCH).cast());
-                    let x = _mm512_loadu_si512(q.add(step * 64).cast());
-                    let top = _mm512_loadu_si512(hp.add((step / 2) * 64).cast());
-                    // The step's fields at bits 4-5 (bits shifted in from a neighbouring
-                    // byte fall outside them), or-ed onto the nibbles: A | (B & C).
-                    let (tl, th) = if step % 2 == 0 {
-                        (_mm512_slli_epi16::<4>(top), _mm512_slli_epi16::<2>(top))
-                    } else {
-                        (top, _mm512_srli_epi16::<2>(top))
-                    };
-                    w[t] = _mm512_ternarylogic_epi32::<0xF8>(_mm512_and_si512(x, low), tl, bits45);
-                    w[4 + t] = _mm512_ternarylogic_epi32::<0xF8>(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(x), low),
-                        th,
-                        bits45,
-                    );
-                }
-            }
-            // SAFETY: scales g8 and g8 + 8, 16 bytes each within the 256.
-            let (sl, sh) = unsafe {
-                (
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(g8 * LANES).cast())),
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add((g8 + 8) * LANES).cast())),
-                )
-            };
-            for r in 0..R {
-                // SAFETY: super-block b of the row's quants and sums; the activation
-                // words lie within it.
-                unsafe {
-                    let a = qs[r].add(b * QK_K);
-                    let s = sums[r].add(b * K_SUMS);
-                    let mut lo = _mm512_set1_epi32(-32 * i32::from(*s.add(g8)));
-                    let mut hi = _mm512_set1_epi32(-32 * i32::from(*s.add(g8 + 8)));
-                    for t in 0..4 {
-                        let xl = _mm512_set1_epi32(word_at(a.add(16 * g8 + 4 * t)));
-                        let xh = _mm512_set1_epi32(word_at(a.add(16 * (g8 + 8) + 4 * t)));
-                        lo = _mm512_dpbusd_epi32(lo, w[t], xl);
-                        hi = _mm512_dpbusd_epi32(hi, w[4 + t], xh);
+        for (&g, acc) in gs.iter().zip(&mut accs) {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            let mut isum = [_mm512_setzero_si512(); R];
+            let hp = blk.high.as_ptr();
+            for g8 in 0..8 {
+                // Groups g8 (low nibbles, w[t]) and g8 + 8 (high nibbles, w[4 + t]) of
+                // steps (g8, t).
+                let mut w = [_mm512_setzero_si512(); 8];
+                for t in 0..4 {
+                    let step = g8 * 4 + t;
+                    // SAFETY: step's 64 of the block's 2048 nibble bytes and its pair's 64
+                    // of its 1024 top-bit bytes.
+                    unsafe {
+                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + ahead).cast());
+                        let x = _mm512_loadu_si512(q.add(step * 64).cast());
+                        let top = _mm512_loadu_si512(hp.add((step / 2) * 64).cast());
+                        // The step's fields at bits 4-5 (bits shifted in from a neighbouring
+                        // byte fall outside them), or-ed onto the nibbles: A | (B & C).
+                        let (tl, th) = if step % 2 == 0 {
+                            (_mm512_slli_epi16::<4>(top), _mm512_slli_epi16::<2>(top))
+                        } else {
+                            (top, _mm512_srli_epi16::<2>(top))
+                        };
+                        w[t] =
+                            _mm512_ternarylogic_epi32::<0xF8>(_mm512_and_si512(x, low), tl, bits45);
+                        w[4 + t] = _mm512_ternarylogic_epi32::<0xF8>(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(x), low),
+                            th,
+                            bits45,
+                        );
                     }
-                    let x =
-                        _mm512_add_epi32(_mm512_mullo_epi32(lo, sl), _mm512_mullo_epi32(hi, sh));
-                    isum[r] = _mm512_add_epi32(isum[r], x);
+                }
+                // SAFETY: scales g8 and g8 + 8, 16 bytes each within the 256.
+                let (sl, sh) = unsafe {
+                    (
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add(g8 * LANES).cast())),
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add((g8 + 8) * LANES).cast())),
+                    )
+                };
+                for r in 0..R {
+                    // SAFETY: super-block b of the row's quants and sums; the activation
+                    // words lie within it.
+                    unsafe {
+                        let a = qs[r].add(b * QK_K);
+                        let s = sums[r].add(b * K_SUMS);
+                        let mut lo = _mm512_set1_epi32(-32 * i32::from(*s.add(g8)));
+                        let mut hi = _mm512_set1_epi32(-32 * i32::from(*s.add(g8 + 8)));
+                        for t in 0..4 {
+                            let xl = _mm512_set1_epi32(word_at(a.add(16 * g8 + 4 * t)));
+                            let xh = _mm512_set1_epi32(word_at(a.add(16 * (g8 + 8) + 4 * t)));
+                            lo = _mm512_dpbusd_epi32(lo, w[t], xl);
+                            hi = _mm512_dpbusd_epi32(hi, w[4 + t], xh);
+                        }
+                        let x = _mm512_add_epi32(
+                            _mm512_mullo_epi32(lo, sl),
+                            _mm512_mullo_epi32(hi, sh),
+                        );
+                        isum[r] = _mm512_add_epi32(isum[r], x);
+                    }
                 }
             }
-        }
-        // SAFETY: 16 f32 values.
-        let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
-        for r in 0..R {
-            // q6k_step, lane by lane.
-            let da = _mm512_set1_ps(rows[r].d[b]);
-            let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
-            acc[r] = _mm512_add_ps(acc[r], i);
+            // SAFETY: 16 f32 values.
+            let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
+            for r in 0..R {
+                // q6k_step, lane by lane.
+                let da = _mm512_set1_ps(rows[r].d[b]);
+                let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+                acc[r] = _mm512_add_ps(acc[r], i);
+            }
         }
     }
-    for (r, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16·R values.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    // SAFETY: as `store` requires.
+    unsafe { store(&accs, (gs, first), out) };
+}
+
+/// Stores group `gs[s]`'s sixteen outputs for row `r` at `out[((gs[s] − first)·R +
+/// r)·16..]`: with one group (`first` = it), row `r`'s at `out[16·r..]`.
+///
+/// # Safety
+/// AVX-512 F; `out` must hold every one of them.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(super) unsafe fn store<const S: usize, const R: usize>(
+    accs: &[[__m512; R]; S],
+    (gs, first): ([usize; S], usize),
+    out: &mut [f32],
+) {
+    for (&g, acc) in gs.iter().zip(accs) {
+        for (r, &v) in acc.iter().enumerate() {
+            let at = ((g - first) * R + r) * LANES;
+            debug_assert!(at + LANES <= out.len());
+            // SAFETY: `out` holds the group's values, as the caller guarantees.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(at), v) };
+        }
     }
 }

@@ -3,7 +3,8 @@
 use std::arch::x86_64::*;
 
 use super::super::super::word_at;
-use super::super::{PREFETCH, pair};
+use super::super::avx512::store;
+use super::super::{PREFETCH, STREAM_PREFETCH, pair};
 use super::{ActRow, K_SUMS, KPacked, QK_K};
 
 /// Per shift `j` of half `n`: `vpdpbusd` of the sixteen rows' 2-bit (Q3_K: 3-bit
@@ -15,101 +16,103 @@ use super::{ActRow, K_SUMS, KPacked, QK_K};
 /// As `kquant`'s `avx512::group`: AVX-512 F/BW/VL/VNNI, AVX2 and FMA; `R` rows
 /// holding `p.nb` super-blocks each, `out` `16·R` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(in super::super) unsafe fn q23k<const R: usize, const THREE: bool>(
+pub(in super::super) unsafe fn q23k<const S: usize, const R: usize, const THREE: bool>(
     p: &KPacked,
-    g: usize,
+    (gs, first): ([usize; S], usize),
     rows: &[ActRow],
     out: &mut [f32],
 ) {
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let two_bits = _mm512_set1_epi8(3);
     let four = _mm512_set1_epi8(4);
-    let mut acc = [_mm512_setzero_ps(); R];
+    let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let (q, small, hp) = (blk.quants.as_ptr(), blk.small.as_ptr(), blk.high.as_ptr());
-        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
-        let mut isum = [_mm512_setzero_si512(); R];
-        // Q2_K: Σ min·Σ a; Q3_K: Σ scale·Σ a.
-        let mut msum = [_mm512_setzero_si512(); R];
-        for n in 0..2 {
-            for j in 0..4 {
-                let shift = _mm_cvtsi32_si128(2 * j as i32);
-                let bit = _mm512_set1_epi8((1u8 << (4 * n + j)) as i8);
-                let mut sums = [[_mm512_setzero_si512(); R]; 2];
-                for t in 0..8 {
-                    // SAFETY: step (n, t) is 64 of the block's 1024 quant bytes (Q3_K:
-                    // step t 64 of its 512 high-bit bytes); the activation words lie
-                    // within the row's super-block.
-                    unsafe {
-                        if R == 1 && j == 0 {
-                            // The first of the four shifts to read step (n, t).
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                q.wrapping_add((n * 8 + t) * 64 + PREFETCH).cast(),
-                            );
-                        }
-                        let w = _mm512_loadu_si512(q.add((n * 8 + t) * 64).cast());
-                        let mut w = _mm512_and_si512(_mm512_srl_epi16(w, shift), two_bits);
-                        if THREE {
-                            let h = _mm512_loadu_si512(hp.add(t * 64).cast());
-                            let set = _mm512_test_epi8_mask(h, bit);
-                            w = _mm512_mask_add_epi8(w, set, w, four);
-                        }
-                        for r in 0..R {
-                            let x = word_at(a[r].add(128 * n + 32 * j + 4 * t));
-                            let s = &mut sums[t / 4][r];
-                            *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(x));
+        for (&g, acc) in gs.iter().zip(&mut accs) {
+            let blk = p.block(g, b);
+            let (q, small, hp) = (blk.quants.as_ptr(), blk.small.as_ptr(), blk.high.as_ptr());
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [_mm512_setzero_si512(); R];
+            // Q2_K: Σ min·Σ a; Q3_K: Σ scale·Σ a.
+            let mut msum = [_mm512_setzero_si512(); R];
+            for n in 0..2 {
+                for j in 0..4 {
+                    let shift = _mm_cvtsi32_si128(2 * j as i32);
+                    let bit = _mm512_set1_epi8((1u8 << (4 * n + j)) as i8);
+                    let mut sums = [[_mm512_setzero_si512(); R]; 2];
+                    for t in 0..8 {
+                        // SAFETY: step (n, t) is 64 of the block's 1024 quant bytes (Q3_K:
+                        // step t 64 of its 512 high-bit bytes); the activation words lie
+                        // within the row's super-block.
+                        unsafe {
+                            if R == 1 && j == 0 {
+                                // The first of the four shifts to read step (n, t).
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    q.wrapping_add((n * 8 + t) * 64 + ahead).cast(),
+                                );
+                            }
+                            let w = _mm512_loadu_si512(q.add((n * 8 + t) * 64).cast());
+                            let mut w = _mm512_and_si512(_mm512_srl_epi16(w, shift), two_bits);
+                            if THREE {
+                                let h = _mm512_loadu_si512(hp.add(t * 64).cast());
+                                let set = _mm512_test_epi8_mask(h, bit);
+                                w = _mm512_mask_add_epi8(w, set, w, four);
+                            }
+                            for r in 0..R {
+                                let x = word_at(a[r].add(128 * n + 32 * j + 4 * t));
+                                let s = &mut sums[t / 4][r];
+                                *s = _mm512_dpbusd_epi32(*s, w, _mm512_set1_epi32(x));
+                            }
                         }
                     }
+                    // SAFETY: pair 4n + j, 32 bytes of the block's 256.
+                    let pairs = unsafe {
+                        _mm256_loadu_si256(small.add((4 * n + j) * 32).cast::<__m256i>())
+                    };
+                    let (scales, mins) = if THREE {
+                        (_mm512_cvtepi8_epi16(pairs), _mm512_setzero_si512())
+                    } else {
+                        let x = _mm512_cvtepu8_epi16(pairs);
+                        (
+                            _mm512_and_si512(x, _mm512_set1_epi16(0x0F)),
+                            _mm512_srli_epi16::<4>(x),
+                        )
+                    };
+                    for r in 0..R {
+                        let both = _mm512_mask_blend_epi16(
+                            0xAAAA_AAAA,
+                            sums[0][r],
+                            _mm512_slli_epi32::<16>(sums[1][r]),
+                        );
+                        isum[r] = _mm512_dpwssd_epi32(isum[r], both, scales);
+                        let s = &rows[r].sums[b * K_SUMS + 8 * n + 2 * j..];
+                        let two = _mm512_set1_epi32(pair(i32::from(s[0]), i32::from(s[1])));
+                        let by = if THREE { scales } else { mins };
+                        msum[r] = _mm512_dpwssd_epi32(msum[r], by, two);
+                    }
                 }
-                // SAFETY: pair 4n + j, 32 bytes of the block's 256.
-                let pairs =
-                    unsafe { _mm256_loadu_si256(small.add((4 * n + j) * 32).cast::<__m256i>()) };
-                let (scales, mins) = if THREE {
-                    (_mm512_cvtepi8_epi16(pairs), _mm512_setzero_si512())
+            }
+            // SAFETY: 16 f32 values each (Q3_K: no dmin, unused).
+            let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
+            for r in 0..R {
+                let da = _mm512_set1_ps(rows[r].d[b]);
+                if THREE {
+                    // q6k_step, lane by lane, on Σ scale·(Σ u·a − 4·Σ a).
+                    let total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<2>(msum[r]));
+                    let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(total));
+                    acc[r] = _mm512_add_ps(acc[r], i);
                 } else {
-                    let x = _mm512_cvtepu8_epi16(pairs);
-                    (
-                        _mm512_and_si512(x, _mm512_set1_epi16(0x0F)),
-                        _mm512_srli_epi16::<4>(x),
-                    )
-                };
-                for r in 0..R {
-                    let both = _mm512_mask_blend_epi16(
-                        0xAAAA_AAAA,
-                        sums[0][r],
-                        _mm512_slli_epi32::<16>(sums[1][r]),
-                    );
-                    isum[r] = _mm512_dpwssd_epi32(isum[r], both, scales);
-                    let s = &rows[r].sums[b * K_SUMS + 8 * n + 2 * j..];
-                    let two = _mm512_set1_epi32(pair(i32::from(s[0]), i32::from(s[1])));
-                    let by = if THREE { scales } else { mins };
-                    msum[r] = _mm512_dpwssd_epi32(msum[r], by, two);
+                    // q4k_step, lane by lane.
+                    // SAFETY: 16 f32 values.
+                    let dmin = unsafe { _mm512_loadu_ps(blk.dmin.as_ptr()) };
+                    let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
+                    let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum[r]));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
                 }
             }
         }
-        // SAFETY: 16 f32 values each (Q3_K: no dmin, unused).
-        let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
-        for r in 0..R {
-            let da = _mm512_set1_ps(rows[r].d[b]);
-            if THREE {
-                // q6k_step, lane by lane, on Σ scale·(Σ u·a − 4·Σ a).
-                let total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<2>(msum[r]));
-                let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(total));
-                acc[r] = _mm512_add_ps(acc[r], i);
-            } else {
-                // q4k_step, lane by lane.
-                // SAFETY: 16 f32 values.
-                let dmin = unsafe { _mm512_loadu_ps(blk.dmin.as_ptr()) };
-                let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
-                let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum[r]));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
-            }
-        }
     }
-    for (r, &v) in acc.iter().enumerate() {
-        // SAFETY: `out` holds 16·R values.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * 16), v) };
-    }
+    // SAFETY: as `store` requires.
+    unsafe { store(&accs, (gs, first), out) };
 }
