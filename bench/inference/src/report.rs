@@ -119,6 +119,13 @@ pub struct PpTg {
     pub agentstack_tg_of_ceiling: f64,
     /// llama.cpp's decode mean / the ceiling.
     pub llamacpp_tg_of_ceiling: f64,
+    /// The ceiling from read-only bandwidth ([`crate::bandwidth::measure_read`]) at up
+    /// to this many threads, tok/s.
+    pub read_ceiling: f64,
+    /// Our decode mean / the read ceiling.
+    pub agentstack_tg_of_read_ceiling: f64,
+    /// llama.cpp's decode mean / the read ceiling.
+    pub llamacpp_tg_of_read_ceiling: f64,
 }
 
 /// Everything measured on one model file.
@@ -203,6 +210,8 @@ pub struct Results {
     pub plan: Plan,
     /// `memcpy` bandwidth per thread count.
     pub bandwidth: Vec<Bandwidth>,
+    /// Read-only bandwidth per thread count.
+    pub read_bandwidth: Vec<Bandwidth>,
     /// Each model's figures.
     pub models: Vec<ModelResults>,
     /// The cost floor, from `plan.price_per_hour`.
@@ -299,9 +308,9 @@ pub fn table(results: &Results) -> String {
     };
     let _ = writeln!(
         out,
-        "| Model (weights read per decoded token) | Throughput, tok/s (mean ± sd of {runs}) | agentstack | llama.cpp | agentstack / llama.cpp (above 1× is faster) | decode ceiling, tok/s (memcpy bandwidth / weight bytes per token) | agentstack, % of ceiling | llama.cpp, % of ceiling |"
+        "| Model (weights read per decoded token) | Throughput, tok/s (mean ± sd of {runs}) | agentstack | llama.cpp | agentstack / llama.cpp (above 1× is faster) | decode ceiling, tok/s (memcpy bandwidth / weight bytes per token) | agentstack, % of ceiling | llama.cpp, % of ceiling | read ceiling, tok/s (read bandwidth / weight bytes per token) | agentstack, % of read ceiling | llama.cpp, % of read ceiling |"
     );
-    let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|");
+    let _ = writeln!(out, "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|");
     let several_kernels = plan.kernels.len() > 1 || plan.kernels != [Kernels::Native];
     for m in &results.models {
         let mut first = true;
@@ -332,7 +341,7 @@ pub fn table(results: &Results) -> String {
             };
             let _ = writeln!(
                 out,
-                "| {} | pp{}, {}{kernels}: prefill | {} | {} | {} | | | |",
+                "| {} | pp{}, {}{kernels}: prefill | {} | {} | {} | | | | | | |",
                 model_cell(),
                 plan.prompt_tokens,
                 threads(r.threads),
@@ -342,7 +351,7 @@ pub fn table(results: &Results) -> String {
             );
             let _ = writeln!(
                 out,
-                "| {} | tg{}, {}{kernels}: decode | {} | {} | {} | {} | {} | {} |",
+                "| {} | tg{}, {}{kernels}: decode | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 model_cell(),
                 plan.gen_tokens,
                 threads(r.threads),
@@ -351,13 +360,16 @@ pub fn table(results: &Results) -> String {
                 fmt_ratio(r.tg_ratio),
                 fmt_significant(r.decode_ceiling),
                 fmt_percent(r.agentstack_tg_of_ceiling),
-                fmt_percent(r.llamacpp_tg_of_ceiling)
+                fmt_percent(r.llamacpp_tg_of_ceiling),
+                fmt_significant(r.read_ceiling),
+                fmt_percent(r.agentstack_tg_of_read_ceiling),
+                fmt_percent(r.llamacpp_tg_of_read_ceiling)
             );
         }
         for c in &m.concurrent {
             let _ = writeln!(
                 out,
-                "| {} | {} concurrent × {} tokens, {}: aggregate | {} | {} | {} | | | |",
+                "| {} | {} concurrent × {} tokens, {}: aggregate | {} | {} | {} | | | | | | |",
                 model_cell(),
                 plan.requests,
                 plan.max_tokens,
@@ -371,25 +383,37 @@ pub fn table(results: &Results) -> String {
     out
 }
 
-/// The `memcpy` bandwidth line under the table.
+/// The bandwidth lines under the table: `memcpy`'s, then the reads'.
 pub fn bandwidth_line(results: &Results) -> String {
-    let figures: Vec<String> = results
-        .bandwidth
-        .iter()
-        .map(|b| {
-            format!(
-                "{}: best {:.1} GB/s (median {:.1})",
-                threads(b.threads),
-                b.best_bytes_per_second / 1e9,
-                b.median_bytes_per_second / 1e9
-            )
-        })
-        .collect();
-    format!(
+    let figures = |measured: &[Bandwidth]| {
+        measured
+            .iter()
+            .map(|b| {
+                format!(
+                    "{}: best {:.1} GB/s (median {:.1})",
+                    threads(b.threads),
+                    b.best_bytes_per_second / 1e9,
+                    b.median_bytes_per_second / 1e9
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let mut line = format!(
         "memcpy bandwidth (memory traffic, read + written, per second; a {} MiB buffer): {}.\n",
         results.bandwidth.first().map_or(0, |b| b.bytes >> 20),
-        figures.join("; ")
-    )
+        figures(&results.bandwidth)
+    );
+    if !results.read_bandwidth.is_empty() {
+        let _ = write!(
+            line,
+            "\nRead bandwidth (bytes read per second; a {} MiB buffer, {} streams per thread): {}.\n",
+            results.read_bandwidth.first().map_or(0, |b| b.bytes >> 20),
+            crate::bandwidth::READ_STREAMS,
+            figures(&results.read_bandwidth)
+        );
+    }
+    line
 }
 
 /// An error in a table cell: its first line, short, without pipes.
