@@ -191,7 +191,7 @@ fn read_streams(part: &[u64]) -> u64 {
 #[target_feature(enable = "avx2")]
 unsafe fn read_streams_avx2(part: &[u64], run: usize) -> u64 {
     use std::arch::x86_64::*;
-    assert!(part.len() >= READ_STREAMS * run && run % STEP_WORDS == 0);
+    assert!(part.len() >= READ_STREAMS * run && run.is_multiple_of(STEP_WORDS));
     let base = part.as_ptr();
     let mut acc = [_mm256_setzero_si256(); 4];
     for i in (0..run).step_by(STEP_WORDS) {
