@@ -42,8 +42,8 @@ use rayon::prelude::*;
 
 use super::memory::Weights;
 use super::{
-    ActRow, K_SUMS, QK_K, ROW_TILE, STREAM_PREFETCH, STREAMS, in_streams, per_group, q4k_step,
-    q6k_step, unpack_q4k_scales, word_at,
+    ActRow, K_SUMS, QK_K, ROW_TILE, STREAM_PREFETCH, STREAMS, decode_with, in_streams, per_group,
+    q4k_step, q6k_step, unpack_q4k_scales, word_at,
 };
 
 mod lowk;
@@ -482,31 +482,26 @@ impl KPacked {
     /// [`STREAMS`] at a time, one from each of as many equal runs of the range, block by
     /// block in lockstep, so that the core reads that many sequential streams of quants.
     pub(super) fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
-        assert!(groups.end <= self.groups && out.len() >= groups.len() * LANES);
-        let row = std::slice::from_ref(row);
-        #[cfg(target_arch = "x86_64")]
-        if super::simd() == super::Simd::Avx512Vnni && groups.len() >= STREAMS {
-            let r = &row[0];
-            assert!(
-                r.qs.len() >= self.nb * QK_K
-                    && r.d.len() >= self.nb
-                    && r.sums.len() >= self.nb * K_SUMS
-            );
-            // Q6_K reads two arrays (quants and top bits): two groups at a time.
-            let rest = if self.ty == KType::Q6K {
-                self.streams::<2>(groups.clone(), row, out)
-            } else {
-                self.streams::<STREAMS>(groups.clone(), row, out)
-            };
-            for g in rest {
-                let at = (g - groups.start) * LANES;
-                self.group(g, row, &mut out[at..at + LANES]);
+        assert!(groups.end <= self.groups);
+        let rows = std::slice::from_ref(row);
+        let streamed = |out: &mut [f32]| {
+            #[cfg(target_arch = "x86_64")]
+            if super::simd() == super::Simd::Avx512Vnni && groups.len() >= STREAMS {
+                assert!(
+                    row.qs.len() >= self.nb * QK_K
+                        && row.d.len() >= self.nb
+                        && row.sums.len() >= self.nb * K_SUMS
+                );
+                // Q6_K reads two arrays (quants and top bits): two groups at a time.
+                return if self.ty == KType::Q6K {
+                    self.streams::<2>(groups.clone(), rows, out)
+                } else {
+                    self.streams::<STREAMS>(groups.clone(), rows, out)
+                };
             }
-            return;
-        }
-        for (g, d) in groups.zip(out.chunks_exact_mut(LANES)) {
-            self.group(g, row, d);
-        }
+            groups.clone()
+        };
+        decode_with(groups.clone(), out, streamed, |g, d| self.group(g, rows, d));
     }
 
     /// [`Self::decode`]'s groups `S` at a time with AVX-512 (`in_streams`); returns the
@@ -522,7 +517,7 @@ impl KPacked {
         in_streams::<S>(groups.clone(), |gs| {
             #[expect(unsafe_code, reason = "the CPU was checked for these features")]
             // SAFETY: `decode` found AVX-512 F/BW/VL/VNNI, AVX2 and FMA and checked the
-            // row and `out`; the blocks are checked by `block`.
+            // row, `decode_with` `out`; the blocks are checked by `block`.
             unsafe {
                 avx512::streams::<S>(self, (gs, groups.start), row, out)
             };

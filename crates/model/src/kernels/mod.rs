@@ -108,6 +108,24 @@ fn in_streams<const S: usize>(
     groups.start + S * run..groups.end
 }
 
+/// A packing's decode of `groups` into `out` (16 per group): `streamed` computes what
+/// it can with a streams kernel and returns the groups left over (all of them where it
+/// cannot), `group` computes one group's sixteen outputs.
+fn decode_with(
+    groups: std::ops::Range<usize>,
+    out: &mut [f32],
+    streamed: impl FnOnce(&mut [f32]) -> std::ops::Range<usize>,
+    mut group: impl FnMut(usize, &mut [f32]),
+) {
+    let start = groups.start;
+    assert!(out.len() >= groups.len() * LANES);
+    let rest = streamed(out);
+    for g in rest {
+        let at = (g - start) * LANES;
+        group(g, &mut out[at..at + LANES]);
+    }
+}
+
 /// The widest kernel family this CPU runs, detected once. `AGENTSTACK_KERNELS=avx2` or
 /// `=scalar` caps it (to compare kernel families on one machine); AMX (`amx.rs`) comes
 /// on top of AVX-512 VNNI for prefill, and `=avx512` turns it off.

@@ -42,7 +42,8 @@ use rayon::prelude::*;
 
 use super::memory::Weights;
 use super::{
-    ActRow, QK, QuantKind, ROW_TILE, STREAM_PREFETCH, STREAMS, in_streams, per_group, word_at,
+    ActRow, QK, QuantKind, ROW_TILE, STREAM_PREFETCH, STREAMS, decode_with, in_streams, per_group,
+    word_at,
 };
 
 /// Weight rows per group.
@@ -99,6 +100,15 @@ impl Form {
             },
             QuantKind::Iq4Nl | QuantKind::Iq4Xs => Self::Codebook,
             _ => Self::Bytes,
+        }
+    }
+
+    /// What the kernels take off each quant as held (nibbles: the type's offset;
+    /// codebook values and bytes are held plus 128).
+    pub(super) fn offset(self) -> i32 {
+        match self {
+            Self::Nibbles { offset, .. } => offset,
+            Self::Codebook | Self::Bytes => 128,
         }
     }
 
@@ -522,35 +532,29 @@ impl Packed32 {
     /// [`STREAMS`] at a time, one from each of as many equal runs of the range, block by
     /// block in lockstep, so that the core reads that many sequential streams of quants.
     pub(super) fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
-        let n = groups.len();
-        assert!(groups.end <= self.groups && out.len() >= n * LANES);
-        let row = std::slice::from_ref(row);
-        #[cfg(target_arch = "x86_64")]
-        if super::simd() == super::Simd::Avx512Vnni && n >= STREAMS {
-            let r = &row[0];
-            assert!(
-                r.qs.len() >= self.nb * QK
-                    && r.d.len() >= self.nb
-                    && r.isums.len() >= self.nb
-                    && (!self.has_min() || r.s.len() >= self.nb)
-            );
-            let rest = in_streams(groups.clone(), |gs| {
-                #[expect(unsafe_code, reason = "the CPU was checked for these features")]
-                // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA; the row and
-                // `out` were checked.
-                unsafe {
-                    avx512::streams::<STREAMS>(self, gs, groups.start, r, out)
-                };
-            });
-            for g in rest {
-                let at = (g - groups.start) * LANES;
-                self.group(g, row, &mut out[at..at + LANES]);
+        assert!(groups.end <= self.groups);
+        let rows = std::slice::from_ref(row);
+        let streamed = |out: &mut [f32]| {
+            #[cfg(target_arch = "x86_64")]
+            if super::simd() == super::Simd::Avx512Vnni && groups.len() >= STREAMS {
+                assert!(
+                    row.qs.len() >= self.nb * QK
+                        && row.d.len() >= self.nb
+                        && row.isums.len() >= self.nb
+                        && (!self.has_min() || row.s.len() >= self.nb)
+                );
+                return in_streams(groups.clone(), |gs| {
+                    #[expect(unsafe_code, reason = "the CPU was checked for these features")]
+                    // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA; the row
+                    // was checked, and `out` by `decode_with`.
+                    unsafe {
+                        avx512::streams::<STREAMS>(self, gs, groups.start, row, out)
+                    };
+                });
             }
-            return;
-        }
-        for (g, d) in groups.zip(out.chunks_exact_mut(LANES)) {
-            self.group(g, row, d);
-        }
+            groups.clone()
+        };
+        decode_with(groups.clone(), out, streamed, |g, d| self.group(g, rows, d));
     }
 
     /// Group `g`'s blocks unpacked for [`Self::amx_tile`] (`nb·512` bytes), into `w`.

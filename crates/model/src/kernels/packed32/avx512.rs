@@ -79,10 +79,7 @@ unsafe fn rows_n<const R: usize, const F: u8>(
 ) {
     let low = _mm512_set1_epi8(0x0F);
     let table = _mm512_broadcast_i32x4(codebook_shifted());
-    let offset = match p.form {
-        Form::Nibbles { offset, .. } => offset,
-        Form::Codebook | Form::Bytes => 128,
-    };
+    let offset = p.form.offset();
     // Each row's arrays, whose lengths `group` asserted.
     let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
     let da: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
@@ -173,10 +170,7 @@ unsafe fn streams_f<const S: usize, const F: u8>(
 ) {
     let low = _mm512_set1_epi8(0x0F);
     let table = _mm512_broadcast_i32x4(codebook_shifted());
-    let offset = match p.form {
-        Form::Nibbles { offset, .. } => offset,
-        Form::Codebook | Form::Bytes => 128,
-    };
+    let offset = p.form.offset();
     let has_min = p.has_min();
     let mut acc = [_mm512_setzero_ps(); S];
     for b in 0..p.nb {
