@@ -442,16 +442,22 @@ impl KPacked {
         }
     }
 
+    /// Panics unless `row` holds what the SIMD kernels read of it: `nb` super-blocks of
+    /// quants, scales and sums.
+    fn check_row(&self, row: &ActRow) {
+        assert!(
+            row.qs.len() >= self.nb * QK_K
+                && row.d.len() >= self.nb
+                && row.sums.len() >= self.nb * K_SUMS
+        );
+    }
+
     /// Group `g`'s sixteen outputs for each of `rows` (at most four): `out[r·16 + lane]`
     /// is the product of weight row `16g + lane` with activation row `r`.
     pub(super) fn group(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
         assert!(rows.len() <= ROW_TILE && out.len() >= rows.len() * LANES);
         for row in rows {
-            assert!(
-                row.qs.len() >= self.nb * QK_K
-                    && row.d.len() >= self.nb
-                    && row.sums.len() >= self.nb * K_SUMS
-            );
+            self.check_row(row);
         }
         #[cfg(target_arch = "x86_64")]
         match super::simd() {
@@ -487,11 +493,7 @@ impl KPacked {
         let streamed = |out: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
             if super::simd() == super::Simd::Avx512Vnni && groups.len() >= STREAMS {
-                assert!(
-                    row.qs.len() >= self.nb * QK_K
-                        && row.d.len() >= self.nb
-                        && row.sums.len() >= self.nb * K_SUMS
-                );
+                self.check_row(row);
                 // Q6_K reads two arrays (quants and top bits): two groups at a time.
                 return if self.ty == KType::Q6K {
                     self.streams::<2>(groups.clone(), rows, out)

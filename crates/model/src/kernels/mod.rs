@@ -94,9 +94,9 @@ pub(super) const STREAMS: usize = 4;
 /// thread (2 KiB 21.4, 8 KiB 22.2, 16 KiB 21.5), from 37 to 39 at two.
 const STREAM_PREFETCH: usize = 4 << 10;
 
-/// Calls `each` with the groups of `groups` [`STREAMS`] at a time, one from each of
-/// [`STREAMS`] equal runs of the range (the `i`-th of every run together), and returns
-/// the groups left over at its end; a range of fewer groups is all left over.
+/// Calls `each` with the groups of `groups` `S` at a time, one from each of `S` equal
+/// runs of the range (the `i`-th of every run together), and returns the groups left
+/// over at its end; a range of fewer than `S` groups is all left over.
 fn in_streams<const S: usize>(
     groups: std::ops::Range<usize>,
     mut each: impl FnMut([usize; S]),

@@ -492,17 +492,23 @@ impl Packed32 {
         }));
     }
 
+    /// Panics unless `row` holds what the SIMD kernels read of it: `nb` blocks of
+    /// quants, scales, integer sums and (with minimums) sums.
+    fn check_row(&self, row: &ActRow) {
+        assert!(
+            row.qs.len() >= self.nb * QK
+                && row.d.len() >= self.nb
+                && row.isums.len() >= self.nb
+                && (!self.has_min() || row.s.len() >= self.nb)
+        );
+    }
+
     /// Group `g`'s sixteen outputs for each of `rows` (at most [`ROW_TILE`]):
     /// `out[r·16 + lane]`.
     pub(super) fn group(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
         assert!(rows.len() <= ROW_TILE && out.len() >= rows.len() * LANES);
         for row in rows {
-            assert!(
-                row.qs.len() >= self.nb * QK
-                    && row.d.len() >= self.nb
-                    && row.isums.len() >= self.nb
-                    && (!self.has_min() || row.s.len() >= self.nb)
-            );
+            self.check_row(row);
         }
         #[cfg(target_arch = "x86_64")]
         match super::simd() {
@@ -537,12 +543,7 @@ impl Packed32 {
         let streamed = |out: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
             if super::simd() == super::Simd::Avx512Vnni && groups.len() >= STREAMS {
-                assert!(
-                    row.qs.len() >= self.nb * QK
-                        && row.d.len() >= self.nb
-                        && row.isums.len() >= self.nb
-                        && (!self.has_min() || row.s.len() >= self.nb)
-                );
+                self.check_row(row);
                 return in_streams(groups.clone(), |gs| {
                     #[expect(unsafe_code, reason = "the CPU was checked for these features")]
                     // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA; the row

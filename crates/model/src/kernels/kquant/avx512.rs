@@ -55,9 +55,9 @@ pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f3
 }
 
 /// Decode: one activation row through the `S` groups `gs`, block by block in lockstep,
-/// so that the core reads that many sequential streams of quants (`STREAMS`). Each group's arithmetic is [`group`]'s with one row, in its
-/// order, so each output is the same bits; group `gs[s]`'s sixteen outputs go to
-/// `out[(gs[s] − first)·16..]`.
+/// so that the core reads that many sequential streams of quants (`STREAMS`). Each
+/// group's arithmetic is [`group`]'s with one row, in its order, so each output is the
+/// same bits; group `gs[s]`'s sixteen outputs go to `out[(gs[s] − first)·16..]`.
 ///
 /// # Safety
 /// As [`group`] with the one row, for every group of `gs`; `out` must hold them.
@@ -108,7 +108,8 @@ unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
 /// products from them, so the unpacking serves up to eight rows.
 ///
 /// # Safety
-/// As [`group`].
+/// As [`group`] for each group of `gs` (none below `first`); `out` must hold what
+/// [`store`] writes there.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
     p: &KPacked,
@@ -233,7 +234,8 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
 /// words broadcast from memory, so the unpacking serves up to eight rows.
 ///
 /// # Safety
-/// As [`group`].
+/// As [`group`] for each group of `gs` (none below `first`); `out` must hold what
+/// [`store`] writes there.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn q6k<const S: usize, const R: usize>(
     p: &KPacked,

@@ -14,7 +14,8 @@ use super::{ActRow, K_SUMS, KPacked, QK_K};
 ///
 /// # Safety
 /// As `kquant`'s `avx512::group`: AVX-512 F/BW/VL/VNNI, AVX2 and FMA; `R` rows
-/// holding `p.nb` super-blocks each, `out` `16·R` values.
+/// holding `p.nb` super-blocks each; `gs` groups of `p`, none below `first`, and `out`
+/// holding what `store` writes there (`16·R` values for one group).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub(in super::super) unsafe fn q23k<const S: usize, const R: usize, const THREE: bool>(
     p: &KPacked,
