@@ -241,33 +241,35 @@ async fn run(args: Args) -> Result<()> {
     if plan.phases.contains(&Phase::PpTg) {
         let mut counts = vec![1];
         counts.extend(plan.threads.iter().copied().filter(|&t| t != 1));
+        // One measurement with a spinner, then its figures on stderr.
+        let measure = |what: &str, bytes: usize, threads: usize, run: fn(usize) -> Result<_>| {
+            let progress = spinner(format!(
+                "{what} bandwidth, {} MiB, {threads} thread(s)",
+                bytes >> 20
+            ));
+            let measured: Result<bandwidth::Bandwidth> = run(threads);
+            progress.finish_and_clear();
+            let measured = measured?;
+            eprintln!(
+                "{what} bandwidth, {threads} thread(s): best {:.1} GB/s, median {:.1} GB/s",
+                measured.best_bytes_per_second / 1e9,
+                measured.median_bytes_per_second / 1e9
+            );
+            Ok::<_, anyhow::Error>(measured)
+        };
         for threads in counts {
-            let copying = spinner(format!(
-                "memcpy bandwidth, {} MiB, {threads} thread(s)",
-                bandwidth::BUFFER_BYTES >> 20
-            ));
-            let measured = bandwidth::measure(threads);
-            copying.finish_and_clear();
-            let measured = measured?;
-            eprintln!(
-                "memcpy bandwidth, {threads} thread(s): best {:.1} GB/s, median {:.1} GB/s",
-                measured.best_bytes_per_second / 1e9,
-                measured.median_bytes_per_second / 1e9
-            );
-            bandwidths.push(measured);
-            let reading = spinner(format!(
-                "read bandwidth, {} MiB, {threads} thread(s)",
-                bandwidth::read_buffer_bytes() >> 20
-            ));
-            let measured = bandwidth::measure_read(threads);
-            reading.finish_and_clear();
-            let measured = measured?;
-            eprintln!(
-                "read bandwidth, {threads} thread(s): best {:.1} GB/s, median {:.1} GB/s",
-                measured.best_bytes_per_second / 1e9,
-                measured.median_bytes_per_second / 1e9
-            );
-            reads.push(measured);
+            bandwidths.push(measure(
+                "memcpy",
+                bandwidth::BUFFER_BYTES,
+                threads,
+                bandwidth::measure,
+            )?);
+            reads.push(measure(
+                "read",
+                bandwidth::read_buffer_bytes(),
+                threads,
+                bandwidth::measure_read,
+            )?);
         }
     }
 
