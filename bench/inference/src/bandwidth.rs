@@ -52,29 +52,36 @@ pub struct Bandwidth {
 
 /// Measures `memcpy` of [`BUFFER_BYTES`] at `threads` threads (a pool of its own).
 pub fn measure(threads: usize) -> Result<Bandwidth> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .context("starting the copy threads")?;
     // Touched before timing (non-zero, so no page stays a shared zero page).
     let src = vec![1u8; BUFFER_BYTES];
     let mut dst = vec![2u8; BUFFER_BYTES];
     let chunk = BUFFER_BYTES.div_ceil(threads);
-    let mut samples = Vec::with_capacity(COPIES);
-    for copy in 0..=COPIES {
-        let start = Instant::now();
-        pool.install(|| {
-            dst.par_chunks_mut(chunk)
-                .zip(src.par_chunks(chunk))
-                .for_each(|(d, s)| d.copy_from_slice(s));
-        });
-        let seconds = start.elapsed().as_secs_f64();
+    let samples = timed(threads, 2 * BUFFER_BYTES, || {
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| d.copy_from_slice(s));
         std::hint::black_box(&dst);
-        if copy > 0 {
-            samples.push(2.0 * BUFFER_BYTES as f64 / seconds.max(f64::MIN_POSITIVE));
+    })?;
+    Ok(Bandwidth::of(threads, BUFFER_BYTES, samples))
+}
+
+/// Bytes per second of [`COPIES`] timed runs of `run` on a pool of `threads` threads
+/// of its own, after one untimed run; each run counts `counted` bytes.
+fn timed(threads: usize, counted: usize, mut run: impl FnMut() + Send) -> Result<Vec<f64>> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("starting the measuring threads")?;
+    let mut samples = Vec::with_capacity(COPIES);
+    for pass in 0..=COPIES {
+        let start = Instant::now();
+        pool.install(&mut run);
+        let seconds = start.elapsed().as_secs_f64();
+        if pass > 0 {
+            samples.push(counted as f64 / seconds.max(f64::MIN_POSITIVE));
         }
     }
-    Ok(Bandwidth::of(threads, BUFFER_BYTES, samples))
+    Ok(samples)
 }
 
 impl Bandwidth {
@@ -108,7 +115,10 @@ fn last_level_cache_bytes() -> Option<usize> {
     dir.filter_map(|entry| {
         let size = std::fs::read_to_string(entry.ok()?.path().join("size")).ok()?;
         let size = size.trim();
-        let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit())?);
+        let (digits, unit) = size.split_at(
+            size.find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(size.len()),
+        );
         let n: usize = digits.parse().ok()?;
         Some(match unit {
             "K" => n << 10,
@@ -125,29 +135,17 @@ fn last_level_cache_bytes() -> Option<usize> {
 /// [`READ_STREAMS`] sequential streams in lockstep and summed, as a decode reads its
 /// weights. `bytes` and the rates count bytes read.
 pub fn measure_read(threads: usize) -> Result<Bandwidth> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .context("starting the reading threads")?;
     let bytes = read_buffer_bytes();
     // Touched before timing (non-zero, so no page stays a shared zero page).
     let words = vec![1u64; bytes / 8];
     let chunk = words.len().div_ceil(threads);
-    let mut samples = Vec::with_capacity(COPIES);
-    for pass in 0..=COPIES {
-        let start = Instant::now();
-        let sum: u64 = pool.install(|| {
-            words
-                .par_chunks(chunk)
-                .map(read_streams)
-                .reduce(|| 0, u64::wrapping_add)
-        });
-        let seconds = start.elapsed().as_secs_f64();
+    let samples = timed(threads, bytes, || {
+        let sum: u64 = words
+            .par_chunks(chunk)
+            .map(read_streams)
+            .reduce(|| 0, u64::wrapping_add);
         std::hint::black_box(sum);
-        if pass > 0 {
-            samples.push(bytes as f64 / seconds.max(f64::MIN_POSITIVE));
-        }
-    }
+    })?;
     Ok(Bandwidth::of(threads, bytes, samples))
 }
 
