@@ -1,8 +1,11 @@
 //! Quick timing of one quantized matmul, our kernels against candle's, for kernel work:
-//! `cargo run --release -p agentstack-model --example kernel_speed -- [TYPES] [OUT] [IN]`
+//! `cargo run --release -p agentstack-model --example kernel_speed -- [TYPES] [OUT] [IN] [ROWS]`
 //! with `TYPES` a comma-separated list (`q4_0,q4k,q6k`, default every type with a
-//! kernel). Runs on the current thread pool (`RAYON_NUM_THREADS`); `AGENTSTACK_KERNELS=avx2`
-//! caps our kernels' instruction set. Decode is one activation row, prefill 64.
+//! kernel) and `ROWS` a comma-separated list of activation row counts (default
+//! `1,4,64`). Runs on the current thread pool (`RAYON_NUM_THREADS`);
+//! `AGENTSTACK_KERNELS=avx2` caps our kernels' instruction set. Decode is one activation
+//! row, prefill many. A weight that fits in L2 (`1024 2048`) times the kernels' arithmetic;
+//! a larger one (`8192 8192`) the cache or memory they read from.
 //! (The side-by-side benchmark against llama.cpp is `bench/inference`.)
 
 use std::time::Instant;
@@ -52,6 +55,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "q4_1,q8_0,q4k,q6k".to_owned());
     let out: usize = args.next().map_or(Ok(2048), |a| a.parse())?;
     let inp: usize = args.next().map_or(Ok(2048), |a| a.parse())?;
+    let row_counts = args
+        .next()
+        .unwrap_or_else(|| "1,4,64".to_owned())
+        .split(',')
+        .map(str::parse)
+        .collect::<Result<Vec<usize>, _>>()?;
     let dev = Device::Cpu;
     let w = Tensor::randn(0f32, 0.05, (out, inp), &dev)?;
     println!(
@@ -70,7 +79,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let fast = FastLinear::from_qtensor(&q)?;
         let candle = QMatMul::from_qtensor(q)?;
-        for rows in [1usize, 4, 64] {
+        for &rows in &row_counts {
             let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
             let ours = time(|| {
                 fast.forward(&x).expect("forward");

@@ -7,10 +7,17 @@ use super::super::avx512::store;
 use super::super::{PREFETCH, STREAM_PREFETCH, pair};
 use super::{ActRow, K_SUMS, KPacked, QK_K};
 
-/// Per shift `j` of half `n`: `vpdpbusd` of the sixteen rows' 2-bit (Q3_K: 3-bit
+/// Per field `j` of half `n`: `vpdpbusd` of the sixteen rows' 2-bit (Q3_K: 3-bit
 /// unsigned) weights with four broadcast activation bytes, steps 0–3 and 4–7 (the
 /// two sub-blocks) in two sums, which fit in 16 bits (16·7·127 < 2¹⁵): one
 /// `vpdpwssd` with the pair of scales then adds both.
+///
+/// Q2_K takes field `j` where it lies in the quant byte (bits `e..e + 2`, `e = 2j`),
+/// as its value times `2^e` (no shift per step), and divides the two sums after,
+/// exactly, since each is a multiple of `2^e`: 8% to 20% faster from L2 here. Q3_K
+/// shifts each field down (`e = 0`) before adding its high bit; taking it in place
+/// there (with the last field moved to bits 4–6, so that `7·2^e` fits a byte) was no
+/// faster.
 ///
 /// # Safety
 /// As `kquant`'s `avx512::group`: AVX-512 F/BW/VL/VNNI, AVX2 and FMA; `R` rows
@@ -24,8 +31,6 @@ pub(in super::super) unsafe fn q23k<const S: usize, const R: usize, const THREE:
     out: &mut [f32],
 ) {
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
-    let two_bits = _mm512_set1_epi8(3);
-    let four = _mm512_set1_epi8(4);
     let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
         for (&g, acc) in gs.iter().zip(&mut accs) {
@@ -39,7 +44,10 @@ pub(in super::super) unsafe fn q23k<const S: usize, const R: usize, const THREE:
             let mut msum = [_mm512_setzero_si512(); R];
             for n in 0..2 {
                 for j in 0..4 {
-                    let shift = _mm_cvtsi32_si128(2 * j as i32);
+                    let e = if THREE { 0 } else { 2 * j as i32 };
+                    let shift = _mm_cvtsi32_si128(2 * j as i32 - e);
+                    let field = _mm512_set1_epi8((3u8 << e) as i8);
+                    let four = _mm512_set1_epi8((4u8 << e) as i8);
                     let bit = _mm512_set1_epi8((1u8 << (4 * n + j)) as i8);
                     let mut sums = [[_mm512_setzero_si512(); R]; 2];
                     for t in 0..8 {
@@ -54,7 +62,8 @@ pub(in super::super) unsafe fn q23k<const S: usize, const R: usize, const THREE:
                                 );
                             }
                             let w = _mm512_loadu_si512(q.add((n * 8 + t) * 64).cast());
-                            let mut w = _mm512_and_si512(_mm512_srl_epi16(w, shift), two_bits);
+                            let w = if THREE { _mm512_srl_epi16(w, shift) } else { w };
+                            let mut w = _mm512_and_si512(w, field);
                             if THREE {
                                 let h = _mm512_loadu_si512(hp.add(t * 64).cast());
                                 let set = _mm512_test_epi8_mask(h, bit);
@@ -81,11 +90,10 @@ pub(in super::super) unsafe fn q23k<const S: usize, const R: usize, const THREE:
                         )
                     };
                     for r in 0..R {
-                        let both = _mm512_mask_blend_epi16(
-                            0xAAAA_AAAA,
-                            sums[0][r],
-                            _mm512_slli_epi32::<16>(sums[1][r]),
-                        );
+                        // Exact: each sum is a multiple of 2^e.
+                        let low = _mm512_sra_epi32(sums[0][r], _mm_cvtsi32_si128(e));
+                        let high = _mm512_sll_epi32(sums[1][r], _mm_cvtsi32_si128(16 - e));
+                        let both = _mm512_mask_blend_epi16(0xAAAA_AAAA, low, high);
                         isum[r] = _mm512_dpwssd_epi32(isum[r], both, scales);
                         let s = &rows[r].sums[b * K_SUMS + 8 * n + 2 * j..];
                         let two = _mm512_set1_epi32(pair(i32::from(s[0]), i32::from(s[1])));
