@@ -484,15 +484,16 @@ impl KPacked {
     }
 
     /// Groups `groups`' sixteen outputs each for one activation row (decode), into
-    /// `out` (`16·groups.len()`): [`Self::group`]'s bits. With AVX-512 the groups go
-    /// [`STREAMS`] at a time, one from each of as many equal runs of the range, block by
-    /// block in lockstep, so that the core reads that many sequential streams of quants.
+    /// `out` (`16·groups.len()`): [`Self::group`]'s bits. With AVX-512 or AVX2 the
+    /// groups go [`STREAMS`] at a time, one from each of as many equal runs of the
+    /// range, block by block in lockstep, so that the core reads that many sequential
+    /// streams of quants.
     pub(super) fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
         assert!(groups.end <= self.groups);
         let rows = std::slice::from_ref(row);
         let streamed = |out: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
-            if super::simd() == super::Simd::Avx512Vnni && groups.len() >= STREAMS {
+            if super::simd() >= super::Simd::Avx2 && groups.len() >= STREAMS {
                 self.check_row(row);
                 // Q6_K reads two arrays (quants and top bits): two groups at a time.
                 return if self.ty == KType::Q6K {
@@ -506,8 +507,8 @@ impl KPacked {
         decode_with(groups.clone(), out, streamed, |g, d| self.group(g, rows, d));
     }
 
-    /// [`Self::decode`]'s groups `S` at a time with AVX-512 (`in_streams`); returns the
-    /// groups left over. The caller has checked the CPU, `row` and `out`.
+    /// [`Self::decode`]'s groups `S` at a time with AVX-512 or AVX2 (`in_streams`);
+    /// returns the groups left over. The caller has checked the CPU, `row` and `out`.
     #[cfg(target_arch = "x86_64")]
     fn streams<const S: usize>(
         &self,
@@ -515,13 +516,19 @@ impl KPacked {
         row: &[ActRow],
         out: &mut [f32],
     ) -> std::ops::Range<usize> {
-        debug_assert!(super::simd() == super::Simd::Avx512Vnni);
+        let avx512 = super::simd() == super::Simd::Avx512Vnni;
+        debug_assert!(avx512 || super::simd() == super::Simd::Avx2);
         in_streams::<S>(groups.clone(), |gs| {
             #[expect(unsafe_code, reason = "the CPU was checked for these features")]
-            // SAFETY: `decode` found AVX-512 F/BW/VL/VNNI, AVX2 and FMA and checked the
-            // row, `decode_with` `out`; the blocks are checked by `block`.
+            // SAFETY: `decode` found AVX-512 F/BW/VL/VNNI, AVX2 and FMA (or AVX2 and
+            // FMA) and checked the row, `decode_with` `out`; the blocks are checked by
+            // `block`.
             unsafe {
-                avx512::streams::<S>(self, (gs, groups.start), row, out)
+                if avx512 {
+                    avx512::streams::<S>(self, (gs, groups.start), row, out);
+                } else {
+                    avx2::streams::<S>(self, (gs, groups.start), row, out);
+                }
             };
         })
     }
@@ -815,6 +822,72 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 and AVX-512 streams kernels (decode) give the scalar kernel's bits for
+    /// each of their groups: four groups and two, from runs of a range that starts past
+    /// group 0 and ends with a group with padding rows; every type, one and three
+    /// super-blocks, extreme weights and each extreme activation row.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_streams_kernels_equal_the_scalar_one() {
+        fn check<const S: usize>(
+            packed: &KPacked,
+            (gs, first): ([usize; S], usize),
+            row: &[ActRow],
+            at: &str,
+        ) {
+            let avx512 = detected_simd() >= Simd::Avx512Vnni;
+            let mut want = vec![0f32; (packed.groups - first) * LANES];
+            for &g in &gs {
+                packed.group_scalar(g, row, &mut want[(g - first) * LANES..]);
+            }
+            let bits = |y: &[f32], g: usize| {
+                y[(g - first) * LANES..][..LANES]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            for family in ["AVX2", "AVX-512"] {
+                if family == "AVX-512" && !avx512 {
+                    continue;
+                }
+                let mut got = vec![f32::NAN; want.len()];
+                #[expect(unsafe_code, reason = "the features were checked by the caller")]
+                // SAFETY: detected_simd() found AVX2 and FMA (and AVX-512 VNNI for it);
+                // `got` holds every group from `first`.
+                unsafe {
+                    if family == "AVX2" {
+                        avx2::streams::<S>(packed, (gs, first), row, &mut got);
+                    } else {
+                        avx512::streams::<S>(packed, (gs, first), row, &mut got);
+                    }
+                }
+                for &g in &gs {
+                    assert_eq!(
+                        bits(&got, g),
+                        bits(&want, g),
+                        "{family}: {at}, groups {gs:?}"
+                    );
+                }
+            }
+        }
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        for ty in TYPES {
+            for nb in [1, 3] {
+                // 88 outputs: 6 groups, the last with 8 padding lanes.
+                let packed = KPacked::pack(ty, &extreme_weight(ty, 88, nb), 88, nb);
+                let rows = extreme_rows(nb, 3);
+                for r in 0..rows.len() {
+                    let at = format!("{ty:?}, {nb} super-blocks, row {r}");
+                    check::<4>(&packed, ([1, 2, 4, 5], 1), &rows[r..=r], &at);
+                    check::<2>(&packed, ([2, 5], 1), &rows[r..=r], &at);
                 }
             }
         }

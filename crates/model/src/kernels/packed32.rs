@@ -534,22 +534,28 @@ impl Packed32 {
     }
 
     /// Groups `groups`' sixteen outputs each for one activation row (decode), into
-    /// `out` (`16·groups.len()`): [`Self::group`]'s bits. With AVX-512 the groups go
-    /// [`STREAMS`] at a time, one from each of as many equal runs of the range, block by
-    /// block in lockstep, so that the core reads that many sequential streams of quants.
+    /// `out` (`16·groups.len()`): [`Self::group`]'s bits. With AVX-512 or AVX2 the
+    /// groups go [`STREAMS`] at a time, one from each of as many equal runs of the
+    /// range, block by block in lockstep, so that the core reads that many sequential
+    /// streams of quants.
     pub(super) fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
         assert!(groups.end <= self.groups);
         let rows = std::slice::from_ref(row);
         let streamed = |out: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
-            if super::simd() == super::Simd::Avx512Vnni && groups.len() >= STREAMS {
+            if super::simd() >= super::Simd::Avx2 && groups.len() >= STREAMS {
                 self.check_row(row);
+                let avx512 = super::simd() == super::Simd::Avx512Vnni;
                 return in_streams(groups.clone(), |gs| {
                     #[expect(unsafe_code, reason = "the CPU was checked for these features")]
-                    // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA; the row
-                    // was checked, and `out` by `decode_with`.
+                    // SAFETY: simd() found AVX-512 F/BW/VL/VNNI, AVX2 and FMA (or AVX2,
+                    // FMA and F16C); the row was checked, and `out` by `decode_with`.
                     unsafe {
-                        avx512::streams::<STREAMS>(self, gs, groups.start, row, out)
+                        if avx512 {
+                            avx512::streams::<STREAMS>(self, gs, groups.start, row, out);
+                        } else {
+                            avx2::streams::<STREAMS>(self, gs, groups.start, row, out);
+                        }
                     };
                 });
             }
@@ -789,6 +795,81 @@ mod tests {
                                 );
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 and AVX-512 streams kernels (decode) give the scalar kernel's bits for
+    /// each of their groups: four groups and two, from runs of a range that starts past
+    /// group 0 and ends with a group with padding rows; every form, with and without
+    /// minimums, one and three blocks, each extreme activation row.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn simd_streams_kernels_equal_the_scalar_one() {
+        fn check<const S: usize>(packed: &Packed32, gs: [usize; S], row: &ActRow, at: &str) {
+            let first = 1;
+            let avx512 = detected_simd() >= Simd::Avx512Vnni;
+            let mut want = vec![0f32; (packed.groups - first) * LANES];
+            for &g in &gs {
+                let at = (g - first) * LANES;
+                packed.group_scalar(g, std::slice::from_ref(row), &mut want[at..at + LANES]);
+            }
+            let bits = |y: &[f32], g: usize| {
+                y[(g - first) * LANES..][..LANES]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            for family in ["AVX2", "AVX-512"] {
+                if family == "AVX-512" && !avx512 {
+                    continue;
+                }
+                let mut got = vec![f32::NAN; want.len()];
+                #[expect(unsafe_code, reason = "the features were checked by the caller")]
+                // SAFETY: detected_simd() found AVX2, FMA and F16C (and AVX-512 VNNI for
+                // it); `got` holds every group from `first`.
+                unsafe {
+                    if family == "AVX2" {
+                        avx2::streams::<S>(packed, gs, first, row, &mut got);
+                    } else {
+                        avx512::streams::<S>(packed, gs, first, row, &mut got);
+                    }
+                }
+                for &g in &gs {
+                    assert_eq!(
+                        bits(&got, g),
+                        bits(&want, g),
+                        "{family}: {at}, groups {gs:?}"
+                    );
+                }
+            }
+        }
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        for (form, f32_scales) in NUMERIC_FORMS
+            .into_iter()
+            .chain([Form::Codebook])
+            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
+        {
+            for with_min in [false, true] {
+                for nb in [1, 3] {
+                    // 88 outputs: 6 groups, the last with 8 padding lanes.
+                    let (q, mut d, m) = rows_of(form, 88, nb, with_min);
+                    if f32_scales {
+                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
+                    }
+                    let packed = Packed32::pack(form, &q, &d, &m, 88, nb);
+                    for (r, row) in act_rows(nb * QK, 3).iter().enumerate() {
+                        let at = format!(
+                            "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} \
+                             blocks, row {r}"
+                        );
+                        check::<4>(&packed, [1, 2, 4, 5], row, &at);
+                        check::<2>(&packed, [2, 5], row, &at);
                     }
                 }
             }

@@ -6,7 +6,9 @@ use std::arch::x86_64::*;
 #[cfg(doc)]
 use super::ROW_TILE;
 use super::lowk::avx2::q23k;
-use super::{ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, word_at};
+use super::{
+    ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, STREAM_PREFETCH, pair, word_at,
+};
 
 /// # Safety
 /// The CPU must support AVX2 and FMA; `rows` (at most [`ROW_TILE`]) must hold
@@ -19,17 +21,44 @@ pub(super) unsafe fn group(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f3
         // SAFETY: as this function requires.
         unsafe {
             match p.ty {
-                KType::Q4K => return q4k::<1, false, 2>(p, g, 0, rows, out),
-                KType::Q5K => return q4k::<1, true, 2>(p, g, 0, rows, out),
-                KType::Q6K => return q6k::<1, 2>(p, g, 0, rows, out),
-                KType::Q2K => return q23k::<1, false, 2>(p, g, 0, rows, out),
-                KType::Q3K => return q23k::<1, true, 2>(p, g, 0, rows, out),
+                KType::Q4K => return q4k::<1, 1, false, 2>(p, ([g], g), 0, rows, out),
+                KType::Q5K => return q4k::<1, 1, true, 2>(p, ([g], g), 0, rows, out),
+                KType::Q6K => return q6k::<1, 1, 2>(p, ([g], g), 0, rows, out),
+                KType::Q2K => return q23k::<1, 1, false, 2>(p, ([g], g), 0, rows, out),
+                KType::Q3K => return q23k::<1, 1, true, 2>(p, ([g], g), 0, rows, out),
             }
         }
     }
     for (rows, out) in rows.chunks(4).zip(out.chunks_mut(4 * LANES)) {
         // SAFETY: as this function requires.
         unsafe { group4(p, g, rows, out) };
+    }
+}
+
+/// Decode: one activation row through the `S` groups `gs`, block by block in lockstep,
+/// so that the core reads that many sequential streams of quants (`STREAMS`). Each
+/// group's arithmetic is [`group`]'s with one row (both halves in one pass), in its
+/// order, so each output is the same bits; group `gs[s]`'s sixteen outputs go to
+/// `out[(gs[s] − first)·16..]`.
+///
+/// # Safety
+/// As [`group`] with the one row, for every group of `gs`; `out` must hold them.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn streams<const S: usize>(
+    p: &KPacked,
+    at: ([usize; S], usize),
+    row: &[ActRow],
+    out: &mut [f32],
+) {
+    // SAFETY: every arm calls with what this function requires.
+    unsafe {
+        match p.ty {
+            KType::Q4K => q4k::<S, 1, false, 2>(p, at, 0, row, out),
+            KType::Q5K => q4k::<S, 1, true, 2>(p, at, 0, row, out),
+            KType::Q6K => q6k::<S, 1, 2>(p, at, 0, row, out),
+            KType::Q2K => q23k::<S, 1, false, 2>(p, at, 0, row, out),
+            KType::Q3K => q23k::<S, 1, true, 2>(p, at, 0, row, out),
+        }
     }
 }
 
@@ -46,26 +75,26 @@ unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
         unsafe {
             match (p.ty, rows.len()) {
                 (_, 0) => {}
-                (KType::Q2K, 1) => q23k::<1, false, 1>(p, g, h, rows, out),
-                (KType::Q2K, 2) => q23k::<2, false, 1>(p, g, h, rows, out),
-                (KType::Q2K, 3) => q23k::<3, false, 1>(p, g, h, rows, out),
-                (KType::Q2K, _) => q23k::<4, false, 1>(p, g, h, rows, out),
-                (KType::Q3K, 1) => q23k::<1, true, 1>(p, g, h, rows, out),
-                (KType::Q3K, 2) => q23k::<2, true, 1>(p, g, h, rows, out),
-                (KType::Q3K, 3) => q23k::<3, true, 1>(p, g, h, rows, out),
-                (KType::Q3K, _) => q23k::<4, true, 1>(p, g, h, rows, out),
-                (KType::Q4K, 1) => q4k::<1, false, 1>(p, g, h, rows, out),
-                (KType::Q4K, 2) => q4k::<2, false, 1>(p, g, h, rows, out),
-                (KType::Q4K, 3) => q4k::<3, false, 1>(p, g, h, rows, out),
-                (KType::Q4K, _) => q4k::<4, false, 1>(p, g, h, rows, out),
-                (KType::Q5K, 1) => q4k::<1, true, 1>(p, g, h, rows, out),
-                (KType::Q5K, 2) => q4k::<2, true, 1>(p, g, h, rows, out),
-                (KType::Q5K, 3) => q4k::<3, true, 1>(p, g, h, rows, out),
-                (KType::Q5K, _) => q4k::<4, true, 1>(p, g, h, rows, out),
-                (KType::Q6K, 1) => q6k::<1, 1>(p, g, h, rows, out),
-                (KType::Q6K, 2) => q6k::<2, 1>(p, g, h, rows, out),
-                (KType::Q6K, 3) => q6k::<3, 1>(p, g, h, rows, out),
-                (KType::Q6K, _) => q6k::<4, 1>(p, g, h, rows, out),
+                (KType::Q2K, 1) => q23k::<1, 1, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q2K, 2) => q23k::<1, 2, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q2K, 3) => q23k::<1, 3, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q2K, _) => q23k::<1, 4, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q3K, 1) => q23k::<1, 1, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q3K, 2) => q23k::<1, 2, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q3K, 3) => q23k::<1, 3, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q3K, _) => q23k::<1, 4, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q4K, 1) => q4k::<1, 1, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q4K, 2) => q4k::<1, 2, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q4K, 3) => q4k::<1, 3, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q4K, _) => q4k::<1, 4, false, 1>(p, ([g], g), h, rows, out),
+                (KType::Q5K, 1) => q4k::<1, 1, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q5K, 2) => q4k::<1, 2, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q5K, 3) => q4k::<1, 3, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q5K, _) => q4k::<1, 4, true, 1>(p, ([g], g), h, rows, out),
+                (KType::Q6K, 1) => q6k::<1, 1, 1>(p, ([g], g), h, rows, out),
+                (KType::Q6K, 2) => q6k::<1, 2, 1>(p, ([g], g), h, rows, out),
+                (KType::Q6K, 3) => q6k::<1, 3, 1>(p, ([g], g), h, rows, out),
+                (KType::Q6K, _) => q6k::<1, 4, 1>(p, ([g], g), h, rows, out),
             }
         }
     }
@@ -110,6 +139,9 @@ fn p_high(blk: &super::Block<'_>) -> *const u8 {
 /// sub-block's 8 steps (no overflow: 8·2·15·128 < 2¹⁵), then `vpmaddwd` with the lane's
 /// scale in both halves.
 ///
+/// The `S` groups `gs` go block by block (one row when `S > 1`: `streams`); row `r`
+/// of group `g` goes to `out[(g − first + r)·16..]`.
+///
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx2,fma")]
@@ -117,118 +149,134 @@ fn p_high(blk: &super::Block<'_>) -> *const u8 {
     clippy::needless_range_loop,
     reason = "a half's index places its bytes and picks its accumulators alike"
 )]
-unsafe fn q4k<const R: usize, const FIVE: bool, const H: usize>(
+unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
     p: &KPacked,
-    g: usize,
+    (gs, first): ([usize; S], usize),
     h0: usize,
     rows: &[ActRow],
     out: &mut [f32],
 ) {
+    debug_assert!(S == 1 || R == 1);
     let low = _mm256_set1_epi8(0x0F);
     // Q5_K's 5-bit values: pair sums up to 2·31·128, so at most 4 steps fit in 16 bits.
     let flush = if FIVE { 4 } else { 8 };
-    let mut acc = [[_mm256_setzero_ps(); H]; R];
+    let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let q = blk.quants.as_ptr();
-        let small = blk.small.as_ptr();
-        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
-        let mut isum = [[_mm256_setzero_si256(); H]; R];
-        for j in 0..8 {
-            // Sub-block j: chunk j / 2, the low nibbles for even j, the high for odd
-            // (one nibble half at a time: 16 registers hold four rows' sums then).
-            let (i, shift) = (j / 2, 4 * (j % 2) as i32);
-            let s: [__m256i; H] = std::array::from_fn(|hh| {
-                // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
-                doubled(_mm256_cvtepu8_epi32(unsafe {
-                    _mm_loadl_epi64(small.add(j * LANES + 8 * (h0 + hh)).cast())
-                }))
-            });
-            let mut sum16 = [[_mm256_setzero_si256(); H]; R];
-            for t in 0..8 {
-                for hh in 0..H {
-                    let h = h0 + hh;
-                    // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
-                    // them; the activation words lie within the row's super-block.
-                    unsafe {
-                        if R == 1 && j % 2 == 0 && hh == 0 {
-                            // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                q.wrapping_add((i * 8 + t) * 64 + PREFETCH).cast(),
+        for (&g, acc) in gs.iter().zip(&mut accs) {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [[_mm256_setzero_si256(); H]; R];
+            for j in 0..8 {
+                // Sub-block j: chunk j / 2, the low nibbles for even j, the high for odd
+                // (one nibble half at a time: 16 registers hold four rows' sums then).
+                let (i, shift) = (j / 2, 4 * (j % 2) as i32);
+                let s: [__m256i; H] = std::array::from_fn(|hh| {
+                    // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
+                    doubled(_mm256_cvtepu8_epi32(unsafe {
+                        _mm_loadl_epi64(small.add(j * LANES + 8 * (h0 + hh)).cast())
+                    }))
+                });
+                let mut sum16 = [[_mm256_setzero_si256(); H]; R];
+                for t in 0..8 {
+                    for hh in 0..H {
+                        let h = h0 + hh;
+                        // SAFETY: step (i, t) is 64 bytes of the block's 2048, half h 32 of
+                        // them; the activation words lie within the row's super-block.
+                        unsafe {
+                            if R == 1 && j % 2 == 0 && hh == 0 {
+                                // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    q.wrapping_add((i * 8 + t) * 64 + ahead).cast(),
+                                );
+                            }
+                            let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
+                            let mut w = _mm256_and_si256(
+                                _mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)),
+                                low,
                             );
-                        }
-                        let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
-                        let mut w =
-                            _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(shift)), low);
-                        if FIVE {
-                            // Bits 32h.. of the step's fifth-bit mask for this nibble
-                            // half, one per byte of `w`.
-                            let m = p_high(&blk)
-                                .add(((i * 8 + t) * 2 + j % 2) * 8 + 4 * h)
-                                .cast::<i32>()
-                                .read_unaligned();
-                            w = _mm256_or_si256(w, sixteen_where(m));
-                        }
-                        for r in 0..R {
-                            let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
-                            sum16[r][hh] =
-                                _mm256_add_epi16(sum16[r][hh], _mm256_maddubs_epi16(w, x));
+                            if FIVE {
+                                // Bits 32h.. of the step's fifth-bit mask for this nibble
+                                // half, one per byte of `w`.
+                                let m = p_high(&blk)
+                                    .add(((i * 8 + t) * 2 + j % 2) * 8 + 4 * h)
+                                    .cast::<i32>()
+                                    .read_unaligned();
+                                w = _mm256_or_si256(w, sixteen_where(m));
+                            }
+                            for r in 0..R {
+                                let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
+                                sum16[r][hh] =
+                                    _mm256_add_epi16(sum16[r][hh], _mm256_maddubs_epi16(w, x));
+                            }
                         }
                     }
-                }
-                if (t + 1) % flush == 0 {
-                    for r in 0..R {
-                        for hh in 0..H {
-                            isum[r][hh] = _mm256_add_epi32(
-                                isum[r][hh],
-                                _mm256_madd_epi16(sum16[r][hh], s[hh]),
-                            );
-                            sum16[r][hh] = _mm256_setzero_si256();
+                    if (t + 1) % flush == 0 {
+                        for r in 0..R {
+                            for hh in 0..H {
+                                isum[r][hh] = _mm256_add_epi32(
+                                    isum[r][hh],
+                                    _mm256_madd_epi16(sum16[r][hh], s[hh]),
+                                );
+                                sum16[r][hh] = _mm256_setzero_si256();
+                            }
                         }
                     }
                 }
             }
-        }
-        for hh in 0..H {
-            let h = h0 + hh;
-            let mut msum = [_mm256_setzero_si256(); R];
-            for pr in 0..4 {
-                // SAFETY: minimum pair pr of lanes 8h..8h + 8: 16 bytes within the 256.
-                let m = unsafe {
-                    _mm256_cvtepu8_epi16(_mm_loadu_si128(small.add(128 + pr * 32 + 16 * h).cast()))
+            for hh in 0..H {
+                let h = h0 + hh;
+                let mut msum = [_mm256_setzero_si256(); R];
+                for pr in 0..4 {
+                    // SAFETY: minimum pair pr of lanes 8h..8h + 8: 16 bytes within the 256.
+                    let m = unsafe {
+                        _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                            small.add(128 + pr * 32 + 16 * h).cast(),
+                        ))
+                    };
+                    for r in 0..R {
+                        let s = &rows[r].sums[b * K_SUMS..];
+                        let two = pair(
+                            i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
+                            i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
+                        );
+                        msum[r] =
+                            _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, _mm256_set1_epi32(two)));
+                    }
+                }
+                // SAFETY: 8 f32 values each from lane 8h.
+                let (d, dmin) = unsafe {
+                    (
+                        _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)),
+                        _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)),
+                    )
                 };
                 for r in 0..R {
-                    let s = &rows[r].sums[b * K_SUMS..];
-                    let two = pair(
-                        i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
-                        i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
-                    );
-                    msum[r] =
-                        _mm256_add_epi32(msum[r], _mm256_madd_epi16(m, _mm256_set1_epi32(two)));
+                    // q4k_step, lane by lane.
+                    let da = _mm256_set1_ps(rows[r].d[b]);
+                    let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r][hh]));
+                    let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
+                    acc[r][hh] = _mm256_add_ps(acc[r][hh], _mm256_sub_ps(i, m));
                 }
-            }
-            // SAFETY: 8 f32 values each from lane 8h.
-            let (d, dmin) = unsafe {
-                (
-                    _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)),
-                    _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)),
-                )
-            };
-            for r in 0..R {
-                // q4k_step, lane by lane.
-                let da = _mm256_set1_ps(rows[r].d[b]);
-                let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r][hh]));
-                let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
-                acc[r][hh] = _mm256_add_ps(acc[r][hh], _mm256_sub_ps(i, m));
             }
         }
     }
-    for (r, acc) in acc.iter().enumerate() {
-        for (hh, &v) in acc.iter().enumerate() {
-            // SAFETY: `out` holds 16·R values.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * (h0 + hh)), v) };
+    for (&g, acc) in gs.iter().zip(&accs) {
+        for (r, acc) in acc.iter().enumerate() {
+            for (hh, &v) in acc.iter().enumerate() {
+                // SAFETY: `out` holds 16·R values per group from `first`.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr()
+                            .add((g - first + r) * LANES + 8 * (h0 + hh)),
+                        v,
+                    )
+                };
+            }
         }
     }
 }
@@ -238,131 +286,149 @@ unsafe fn q4k<const R: usize, const FIVE: bool, const H: usize>(
 /// 2·2·63·128 < 2¹⁵), `vpmaddwd` with the lane's scale in both halves; the −32 offset
 /// from the group's activation sum.
 ///
+/// The `S` groups `gs` go block by block (one row when `S > 1`: `streams`); row `r`
+/// of group `g` goes to `out[(g − first + r)·16..]`.
+///
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx2,fma")]
-unsafe fn q6k<const R: usize, const H: usize>(
+unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
     p: &KPacked,
-    g: usize,
+    (gs, first): ([usize; S], usize),
     h0: usize,
     rows: &[ActRow],
     out: &mut [f32],
 ) {
+    debug_assert!(S == 1 || R == 1);
     let low = _mm256_set1_epi8(0x0F);
     let bits45 = _mm256_set1_epi8(0x30);
-    let mut acc = [[_mm256_setzero_ps(); H]; R];
+    let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let q = blk.quants.as_ptr();
-        let small = blk.small.as_ptr();
-        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
-        let mut isum = [[_mm256_setzero_si256(); H]; R];
-        let mut offset = [[_mm256_setzero_si256(); H]; R];
-        let hp = blk.high.as_ptr();
-        for g8 in 0..8 {
-            let scales: [(__m256i, __m256i); H] = std::array::from_fn(|hh| {
-                let h = h0 + hh;
-                // SAFETY: scales g8 and g8 + 8 of lanes 8h..8h + 8, within the 256.
-                unsafe {
-                    (
-                        doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                            small.add(g8 * LANES + 8 * h).cast(),
-                        ))),
-                        doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                            small.add((g8 + 8) * LANES + 8 * h).cast(),
-                        ))),
-                    )
-                }
-            });
-            for half in 0..2 {
-                // Two steps summed in 16 bits (no overflow: 2·2·63·128 < 2¹⁵).
-                let mut lo = [[_mm256_setzero_si256(); H]; R];
-                let mut hi = [[_mm256_setzero_si256(); H]; R];
-                for t in 2 * half..2 * half + 2 {
-                    let step = g8 * 4 + t;
-                    for hh in 0..H {
-                        let h = h0 + hh;
-                        // SAFETY: step's 64 nibble bytes (half h: 32) and its pair's 64
-                        // top-bit bytes (half h: 32); the activation words lie within the
-                        // row's block.
-                        unsafe {
-                            if R == 1 && hh == 0 {
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    q.wrapping_add(step * 64 + PREFETCH).cast(),
+        for (&g, acc) in gs.iter().zip(&mut accs) {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            let small = blk.small.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [[_mm256_setzero_si256(); H]; R];
+            let mut offset = [[_mm256_setzero_si256(); H]; R];
+            let hp = blk.high.as_ptr();
+            for g8 in 0..8 {
+                let scales: [(__m256i, __m256i); H] = std::array::from_fn(|hh| {
+                    let h = h0 + hh;
+                    // SAFETY: scales g8 and g8 + 8 of lanes 8h..8h + 8, within the 256.
+                    unsafe {
+                        (
+                            doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                small.add(g8 * LANES + 8 * h).cast(),
+                            ))),
+                            doubled(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                                small.add((g8 + 8) * LANES + 8 * h).cast(),
+                            ))),
+                        )
+                    }
+                });
+                for half in 0..2 {
+                    // Two steps summed in 16 bits (no overflow: 2·2·63·128 < 2¹⁵).
+                    let mut lo = [[_mm256_setzero_si256(); H]; R];
+                    let mut hi = [[_mm256_setzero_si256(); H]; R];
+                    for t in 2 * half..2 * half + 2 {
+                        let step = g8 * 4 + t;
+                        for hh in 0..H {
+                            let h = h0 + hh;
+                            // SAFETY: step's 64 nibble bytes (half h: 32) and its pair's 64
+                            // top-bit bytes (half h: 32); the activation words lie within the
+                            // row's block.
+                            unsafe {
+                                if R == 1 && hh == 0 {
+                                    _mm_prefetch::<_MM_HINT_T0>(
+                                        q.wrapping_add(step * 64 + ahead).cast(),
+                                    );
+                                }
+                                let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
+                                let top =
+                                    _mm256_loadu_si256(hp.add((step / 2) * 64 + 32 * h).cast());
+                                // The step's fields at bits 4-5 (bits shifted in from a
+                                // neighbouring byte fall outside them).
+                                let (tl, th) = if step % 2 == 0 {
+                                    (_mm256_slli_epi16::<4>(top), _mm256_slli_epi16::<2>(top))
+                                } else {
+                                    (top, _mm256_srli_epi16::<2>(top))
+                                };
+                                let wl = _mm256_or_si256(
+                                    _mm256_and_si256(w, low),
+                                    _mm256_and_si256(tl, bits45),
                                 );
+                                let wh = _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                                    _mm256_and_si256(th, bits45),
+                                );
+                                for r in 0..R {
+                                    let xl = _mm256_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
+                                    let xh =
+                                        _mm256_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
+                                    lo[r][hh] =
+                                        _mm256_add_epi16(lo[r][hh], _mm256_maddubs_epi16(wl, xl));
+                                    hi[r][hh] =
+                                        _mm256_add_epi16(hi[r][hh], _mm256_maddubs_epi16(wh, xh));
+                                }
                             }
-                            let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
-                            let top = _mm256_loadu_si256(hp.add((step / 2) * 64 + 32 * h).cast());
-                            // The step's fields at bits 4-5 (bits shifted in from a
-                            // neighbouring byte fall outside them).
-                            let (tl, th) = if step % 2 == 0 {
-                                (_mm256_slli_epi16::<4>(top), _mm256_slli_epi16::<2>(top))
-                            } else {
-                                (top, _mm256_srli_epi16::<2>(top))
-                            };
-                            let wl = _mm256_or_si256(
-                                _mm256_and_si256(w, low),
-                                _mm256_and_si256(tl, bits45),
+                        }
+                    }
+                    for r in 0..R {
+                        for hh in 0..H {
+                            let (sl, sh) = scales[hh];
+                            let x = _mm256_add_epi32(
+                                _mm256_madd_epi16(lo[r][hh], sl),
+                                _mm256_madd_epi16(hi[r][hh], sh),
                             );
-                            let wh = _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
-                                _mm256_and_si256(th, bits45),
-                            );
-                            for r in 0..R {
-                                let xl = _mm256_set1_epi32(word_at(a[r].add(16 * g8 + 4 * t)));
-                                let xh =
-                                    _mm256_set1_epi32(word_at(a[r].add(16 * (g8 + 8) + 4 * t)));
-                                lo[r][hh] =
-                                    _mm256_add_epi16(lo[r][hh], _mm256_maddubs_epi16(wl, xl));
-                                hi[r][hh] =
-                                    _mm256_add_epi16(hi[r][hh], _mm256_maddubs_epi16(wh, xh));
-                            }
+                            isum[r][hh] = _mm256_add_epi32(isum[r][hh], x);
                         }
                     }
                 }
                 for r in 0..R {
+                    // scale·Σ q_a in 32 bits: the sum in the low half, 0 in the high.
+                    let sums = &rows[r].sums[b * K_SUMS..];
+                    let (ol, oh) = (
+                        _mm256_set1_epi32(pair(i32::from(sums[g8]), 0)),
+                        _mm256_set1_epi32(pair(i32::from(sums[g8 + 8]), 0)),
+                    );
                     for hh in 0..H {
                         let (sl, sh) = scales[hh];
-                        let x = _mm256_add_epi32(
-                            _mm256_madd_epi16(lo[r][hh], sl),
-                            _mm256_madd_epi16(hi[r][hh], sh),
-                        );
-                        isum[r][hh] = _mm256_add_epi32(isum[r][hh], x);
+                        let x =
+                            _mm256_add_epi32(_mm256_madd_epi16(sl, ol), _mm256_madd_epi16(sh, oh));
+                        offset[r][hh] = _mm256_add_epi32(offset[r][hh], x);
                     }
                 }
             }
-            for r in 0..R {
-                // scale·Σ q_a in 32 bits: the sum in the low half, 0 in the high.
-                let sums = &rows[r].sums[b * K_SUMS..];
-                let (ol, oh) = (
-                    _mm256_set1_epi32(pair(i32::from(sums[g8]), 0)),
-                    _mm256_set1_epi32(pair(i32::from(sums[g8 + 8]), 0)),
-                );
-                for hh in 0..H {
-                    let (sl, sh) = scales[hh];
-                    let x = _mm256_add_epi32(_mm256_madd_epi16(sl, ol), _mm256_madd_epi16(sh, oh));
-                    offset[r][hh] = _mm256_add_epi32(offset[r][hh], x);
+            for hh in 0..H {
+                // SAFETY: 8 f32 values from lane 8h.
+                let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * (h0 + hh))) };
+                for r in 0..R {
+                    // q6k_step, lane by lane, on Σ scale·(Σ q·a − 32·Σ a).
+                    let total =
+                        _mm256_sub_epi32(isum[r][hh], _mm256_slli_epi32::<5>(offset[r][hh]));
+                    let da = _mm256_set1_ps(rows[r].d[b]);
+                    let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
+                    acc[r][hh] = _mm256_add_ps(acc[r][hh], i);
                 }
             }
         }
-        for hh in 0..H {
-            // SAFETY: 8 f32 values from lane 8h.
-            let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * (h0 + hh))) };
-            for r in 0..R {
-                // q6k_step, lane by lane, on Σ scale·(Σ q·a − 32·Σ a).
-                let total = _mm256_sub_epi32(isum[r][hh], _mm256_slli_epi32::<5>(offset[r][hh]));
-                let da = _mm256_set1_ps(rows[r].d[b]);
-                let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
-                acc[r][hh] = _mm256_add_ps(acc[r][hh], i);
-            }
-        }
     }
-    for (r, acc) in acc.iter().enumerate() {
-        for (hh, &v) in acc.iter().enumerate() {
-            // SAFETY: `out` holds 16·R values.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * (h0 + hh)), v) };
+    for (&g, acc) in gs.iter().zip(&accs) {
+        for (r, acc) in acc.iter().enumerate() {
+            for (hh, &v) in acc.iter().enumerate() {
+                // SAFETY: `out` holds 16·R values per group from `first`.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr()
+                            .add((g - first + r) * LANES + 8 * (h0 + hh)),
+                        v,
+                    )
+                };
+            }
         }
     }
 }

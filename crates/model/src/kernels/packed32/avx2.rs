@@ -4,7 +4,9 @@
 use std::arch::x86_64::*;
 
 use super::super::kquant::avx2::sixteen_where;
-use super::{ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, Scales, word_at};
+use super::{
+    ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, Scales, word_at,
+};
 
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; otherwise as `avx512::group`.
@@ -15,7 +17,7 @@ pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f
         // bytes are read at once and the block's bookkeeping serves both (two passes
         // took 1B Q4_0 decode to 18-19 tok/s at one thread, one pass 27-28).
         // SAFETY: as this function requires.
-        unsafe { rows_n::<1, 2>(p, g, 0, rows, out) };
+        unsafe { rows_n::<1, 2, 1>(p, ([g], g), 0, rows, out) };
         return;
     }
     // Four rows at a time, one half of the group per pass: sixteen registers hold no
@@ -26,10 +28,10 @@ pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f
             unsafe {
                 match rows.len() {
                     0 => {}
-                    1 => rows_n::<1, 1>(p, g, h, rows, out),
-                    2 => rows_n::<2, 1>(p, g, h, rows, out),
-                    3 => rows_n::<3, 1>(p, g, h, rows, out),
-                    _ => rows_n::<4, 1>(p, g, h, rows, out),
+                    1 => rows_n::<1, 1, 1>(p, ([g], g), h, rows, out),
+                    2 => rows_n::<2, 1, 1>(p, ([g], g), h, rows, out),
+                    3 => rows_n::<3, 1, 1>(p, ([g], g), h, rows, out),
+                    _ => rows_n::<4, 1, 1>(p, ([g], g), h, rows, out),
                 }
             }
         }
@@ -39,188 +41,208 @@ pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f
 /// Lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`). Nibbles:
 /// `vpmaddubsw` pair sums added in 16 bits over the block (no overflow: 8·2·15·127 <
 /// 2¹⁵). Bytes: `|w|` times the activations with
-/// `w`'s sign (no pair overflows: 2·128·127 < 2¹⁵), widened every step.
+/// `w`'s sign (no pair overflows: 2·128·127 < 2¹⁵), widened every step. The `S` groups
+/// `gs` go block by block (one row when `S > 1`, see [`streams`]); row `r` of group `g`
+/// goes to `out[(g − first + r)·16..]`.
 ///
 /// # Safety
-/// As [`group`].
+/// As [`group`], for every group of `gs`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[expect(
     clippy::needless_range_loop,
     reason = "a half's index places its bytes and picks its accumulators alike"
 )]
-unsafe fn rows_n<const R: usize, const H: usize>(
+unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
     p: &Packed32,
-    g: usize,
+    (gs, first): ([usize; S], usize),
     h0: usize,
     rows: &[ActRow],
     out: &mut [f32],
 ) {
+    debug_assert!(S == 1 || R == 1);
     let low = _mm256_set1_epi8(0x0F);
     let flip = _mm256_set1_epi8(i8::MIN);
     let ones = _mm256_set1_epi16(1);
     // SAFETY: 16 readable bytes.
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
-    let mut acc = [[_mm256_setzero_ps(); H]; R];
+    let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let has_min = p.has_min();
     let sub = p.scales == Scales::Sub;
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let q = blk.quants.as_ptr();
-        // SAFETY: `group`'s caller guarantees nb blocks of every row.
-        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
-        let mut isum = [[_mm256_setzero_si256(); H]; R];
-        match p.form {
-            Form::Nibbles { offset, five } => {
-                let mut sum16 = [[_mm256_setzero_si256(); H]; R];
-                for t in 0..4 {
-                    for hh in 0..H {
-                        let h = h0 + hh;
-                        // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
-                        // them (and 8 of its 64 bytes of fifth bits); the activation
-                        // words lie within the row's block.
-                        unsafe {
-                            let w = half_step(q, t, h);
-                            let mut wl = _mm256_and_si256(w, low);
-                            let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
-                            if five {
-                                // Bits 32h.. of step t's mask of each nibble half.
-                                let mask = |half: usize| {
-                                    let m = blk
-                                        .high
-                                        .as_ptr()
-                                        .add((t * 2 + half) * 8 + 4 * h)
-                                        .cast::<i32>()
-                                        .read_unaligned();
-                                    sixteen_where(m)
-                                };
-                                wl = _mm256_or_si256(wl, mask(0));
-                                wh = _mm256_or_si256(wh, mask(1));
+        for (&g, acc) in gs.iter().zip(&mut accs) {
+            let blk = p.block(g, b);
+            let q = blk.quants.as_ptr();
+            // SAFETY: `group`'s caller guarantees nb blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
+            let mut isum = [[_mm256_setzero_si256(); H]; R];
+            match p.form {
+                Form::Nibbles { offset, five } => {
+                    let mut sum16 = [[_mm256_setzero_si256(); H]; R];
+                    for t in 0..4 {
+                        for hh in 0..H {
+                            let h = h0 + hh;
+                            // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                            // them (and 8 of its 64 bytes of fifth bits); the activation
+                            // words lie within the row's block.
+                            unsafe {
+                                let w = half_step(q, t, h, ahead);
+                                let mut wl = _mm256_and_si256(w, low);
+                                let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                                if five {
+                                    // Bits 32h.. of step t's mask of each nibble half.
+                                    let mask = |half: usize| {
+                                        let m = blk
+                                            .high
+                                            .as_ptr()
+                                            .add((t * 2 + half) * 8 + 4 * h)
+                                            .cast::<i32>()
+                                            .read_unaligned();
+                                        sixteen_where(m)
+                                    };
+                                    wl = _mm256_or_si256(wl, mask(0));
+                                    wh = _mm256_or_si256(wh, mask(1));
+                                }
+                                for r in 0..R {
+                                    let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                    let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                    let x = _mm256_add_epi16(
+                                        _mm256_maddubs_epi16(wl, al),
+                                        _mm256_maddubs_epi16(wh, ah),
+                                    );
+                                    sum16[r][hh] = _mm256_add_epi16(sum16[r][hh], x);
+                                }
                             }
-                            for r in 0..R {
-                                let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
-                                let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
-                                let x = _mm256_add_epi16(
-                                    _mm256_maddubs_epi16(wl, al),
-                                    _mm256_maddubs_epi16(wh, ah),
-                                );
-                                sum16[r][hh] = _mm256_add_epi16(sum16[r][hh], x);
+                        }
+                        // Five bits: pair sums up to 2·2·31·127 per step, so two steps
+                        // fit 16 bits (nibbles: all four).
+                        if five && t % 2 == 1 {
+                            for (isum, sum16) in isum.iter_mut().zip(&mut sum16) {
+                                for (isum, sum16) in isum.iter_mut().zip(sum16) {
+                                    *isum =
+                                        _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
+                                    *sum16 = _mm256_setzero_si256();
+                                }
                             }
                         }
                     }
-                    // Five bits: pair sums up to 2·2·31·127 per step, so two steps
-                    // fit 16 bits (nibbles: all four).
-                    if five && t % 2 == 1 {
-                        for (isum, sum16) in isum.iter_mut().zip(&mut sum16) {
-                            for (isum, sum16) in isum.iter_mut().zip(sum16) {
-                                *isum = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
-                                *sum16 = _mm256_setzero_si256();
+                    for r in 0..R {
+                        let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
+                        for (isum, sum16) in isum[r].iter_mut().zip(&sum16[r]) {
+                            let rest = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
+                            *isum = _mm256_sub_epi32(rest, off);
+                        }
+                    }
+                }
+                Form::Codebook => {
+                    for t in 0..4 {
+                        for hh in 0..H {
+                            let h = h0 + hh;
+                            // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
+                            // them; the activation words lie within the row's block.
+                            unsafe {
+                                let w = half_step(q, t, h, ahead);
+                                let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low));
+                                let wh = _mm256_shuffle_epi8(
+                                    table,
+                                    _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
+                                );
+                                let (absl, absh) =
+                                    (_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(wh, wh));
+                                for r in 0..R {
+                                    let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                    let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
+                                    // No pair overflows: 2·127·127 < 2¹⁵.
+                                    let x = _mm256_add_epi32(
+                                        _mm256_madd_epi16(
+                                            _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
+                                            ones,
+                                        ),
+                                        _mm256_madd_epi16(
+                                            _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
+                                            ones,
+                                        ),
+                                    );
+                                    isum[r][hh] = _mm256_add_epi32(isum[r][hh], x);
+                                }
                             }
                         }
                     }
                 }
+                Form::Bytes => {
+                    for t in 0..8 {
+                        for hh in 0..H {
+                            let h = h0 + hh;
+                            // SAFETY: step t is 64 of the block's 512 bytes, half h 32 of
+                            // them; the activation word lies within the row's block.
+                            unsafe {
+                                // Held as `q + 128`: back to the signed `q`.
+                                let w = _mm256_xor_si256(half_step(q, t, h, ahead), flip);
+                                let abs = _mm256_sign_epi8(w, w);
+                                for r in 0..R {
+                                    let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                                    let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
+                                    isum[r][hh] = _mm256_add_epi32(
+                                        isum[r][hh],
+                                        _mm256_madd_epi16(prod, ones),
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for hh in 0..H {
+                let h = h0 + hh;
+                // SAFETY: 8 scales from lane 8h (`m` only with minimums; with super-block
+                // scales, 8 of them and 8 bytes).
+                let d = unsafe {
+                    if sub {
+                        // d·(ls − 32), exact in f32.
+                        let ls = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            blk.high.as_ptr().add(8 * h).cast(),
+                        ));
+                        _mm256_mul_ps(
+                            _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast())),
+                            _mm256_cvtepi32_ps(ls),
+                        )
+                    } else if blk.d16.is_empty() {
+                        _mm256_loadu_ps(blk.d.as_ptr().add(8 * h))
+                    } else {
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
+                    }
+                };
                 for r in 0..R {
-                    let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
-                    for (isum, sum16) in isum[r].iter_mut().zip(&sum16[r]) {
-                        let rest = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
-                        *isum = _mm256_sub_epi32(rest, off);
+                    let da = _mm256_set1_ps(rows[r].d[b]);
+                    acc[r][hh] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(d, da),
+                        _mm256_cvtepi32_ps(isum[r][hh]),
+                        acc[r][hh],
+                    );
+                    if has_min {
+                        // SAFETY: as above.
+                        let m = unsafe {
+                            _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast()))
+                        };
+                        acc[r][hh] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r][hh]);
                     }
-                }
-            }
-            Form::Codebook => {
-                for t in 0..4 {
-                    for hh in 0..H {
-                        let h = h0 + hh;
-                        // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
-                        // them; the activation words lie within the row's block.
-                        unsafe {
-                            let w = half_step(q, t, h);
-                            let wl = _mm256_shuffle_epi8(table, _mm256_and_si256(w, low));
-                            let wh = _mm256_shuffle_epi8(
-                                table,
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(w), low),
-                            );
-                            let (absl, absh) = (_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(wh, wh));
-                            for r in 0..R {
-                                let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
-                                let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
-                                // No pair overflows: 2·127·127 < 2¹⁵.
-                                let x = _mm256_add_epi32(
-                                    _mm256_madd_epi16(
-                                        _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
-                                        ones,
-                                    ),
-                                    _mm256_madd_epi16(
-                                        _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
-                                        ones,
-                                    ),
-                                );
-                                isum[r][hh] = _mm256_add_epi32(isum[r][hh], x);
-                            }
-                        }
-                    }
-                }
-            }
-            Form::Bytes => {
-                for t in 0..8 {
-                    for hh in 0..H {
-                        let h = h0 + hh;
-                        // SAFETY: step t is 64 of the block's 512 bytes, half h 32 of
-                        // them; the activation word lies within the row's block.
-                        unsafe {
-                            // Held as `q + 128`: back to the signed `q`.
-                            let w = _mm256_xor_si256(half_step(q, t, h), flip);
-                            let abs = _mm256_sign_epi8(w, w);
-                            for r in 0..R {
-                                let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
-                                let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, w));
-                                isum[r][hh] =
-                                    _mm256_add_epi32(isum[r][hh], _mm256_madd_epi16(prod, ones));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        for hh in 0..H {
-            let h = h0 + hh;
-            // SAFETY: 8 scales from lane 8h (`m` only with minimums; with super-block
-            // scales, 8 of them and 8 bytes).
-            let d = unsafe {
-                if sub {
-                    // d·(ls − 32), exact in f32.
-                    let ls =
-                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.high.as_ptr().add(8 * h).cast()));
-                    _mm256_mul_ps(
-                        _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast())),
-                        _mm256_cvtepi32_ps(ls),
-                    )
-                } else if blk.d16.is_empty() {
-                    _mm256_loadu_ps(blk.d.as_ptr().add(8 * h))
-                } else {
-                    _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
-                }
-            };
-            for r in 0..R {
-                let da = _mm256_set1_ps(rows[r].d[b]);
-                acc[r][hh] = _mm256_fmadd_ps(
-                    _mm256_mul_ps(d, da),
-                    _mm256_cvtepi32_ps(isum[r][hh]),
-                    acc[r][hh],
-                );
-                if has_min {
-                    // SAFETY: as above.
-                    let m = unsafe {
-                        _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast()))
-                    };
-                    acc[r][hh] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r][hh]);
                 }
             }
         }
     }
-    for (r, acc) in acc.iter().enumerate() {
-        for (hh, &v) in acc.iter().enumerate() {
-            // SAFETY: `out` holds 16·R values.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * LANES + 8 * (h0 + hh)), v) };
+    for (&g, acc) in gs.iter().zip(&accs) {
+        for (r, acc) in acc.iter().enumerate() {
+            for (hh, &v) in acc.iter().enumerate() {
+                // SAFETY: `out` holds 16·R values.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr()
+                            .add((g - first + r) * LANES + 8 * (h0 + hh)),
+                        v,
+                    )
+                };
+            }
         }
     }
 }
@@ -232,10 +254,30 @@ unsafe fn rows_n<const R: usize, const H: usize>(
 /// The CPU must support AVX2; the step's 64 bytes must be readable.
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn half_step(q: *const u8, t: usize, h: usize) -> __m256i {
+unsafe fn half_step(q: *const u8, t: usize, h: usize, ahead: usize) -> __m256i {
     if h == 0 {
-        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + PREFETCH).cast());
+        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(t * 64 + ahead).cast());
     }
     // SAFETY: the caller's.
     unsafe { _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast()) }
+}
+
+/// Decode: one activation row through the `S` groups `gs`, block by block in lockstep,
+/// so that the core reads that many sequential streams of quants (`STREAMS`). Each
+/// group's arithmetic is [`group`]'s with one row (both halves in one pass), in its
+/// order, so each output is the same bits; group `gs[s]`'s sixteen outputs go to
+/// `out[(gs[s] − first)·16..]`.
+///
+/// # Safety
+/// As [`group`] with the one row, for every group of `gs`; `out` must hold them.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn streams<const S: usize>(
+    p: &Packed32,
+    gs: [usize; S],
+    first: usize,
+    row: &ActRow,
+    out: &mut [f32],
+) {
+    // SAFETY: as this function requires.
+    unsafe { rows_n::<1, 2, S>(p, (gs, first), 0, std::slice::from_ref(row), out) };
 }

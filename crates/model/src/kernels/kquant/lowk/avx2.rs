@@ -4,7 +4,7 @@ use std::arch::x86_64::*;
 
 use super::super::super::word_at;
 use super::super::avx2::doubled;
-use super::super::{PREFETCH, pair};
+use super::super::{PREFETCH, STREAM_PREFETCH, pair};
 use super::{ActRow, K_SUMS, KPacked, QK_K};
 
 /// Scale pair `pr` of lanes `8h..8h + 8` as 16-bit pairs (one per lane), and Q2_K's
@@ -39,6 +39,9 @@ unsafe fn pair_scales<const THREE: bool>(
 /// row (decode) takes both halves in one pass, so each step's 64 bytes are read at
 /// once; more rows take one half each (16 registers are too few for both).
 ///
+/// The `S` groups `gs` go block by block (one row when `S > 1`: `streams`); row `r`
+/// of group `g` goes to `out[(g − first + r)·16..]`.
+///
 /// # Safety
 /// As `kquant`'s `avx2::group`: AVX2 and FMA; `R` rows holding `p.nb` super-blocks
 /// each, `out` `16·R` values; `h + H ≤ 2`.
@@ -47,122 +50,142 @@ unsafe fn pair_scales<const THREE: bool>(
     clippy::needless_range_loop,
     reason = "a half's index places its bytes and picks its accumulators alike"
 )]
-pub(in super::super) unsafe fn q23k<const R: usize, const THREE: bool, const H: usize>(
+pub(in super::super) unsafe fn q23k<
+    const S: usize,
+    const R: usize,
+    const THREE: bool,
+    const H: usize,
+>(
     p: &KPacked,
-    g: usize,
+    (gs, first): ([usize; S], usize),
     h0: usize,
     rows: &[ActRow],
     out: &mut [f32],
 ) {
+    debug_assert!(S == 1 || R == 1);
     let two_bits = _mm256_set1_epi8(3);
-    let mut acc = [[_mm256_setzero_ps(); H]; R];
+    let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
-        let blk = p.block(g, b);
-        let (q, small, hp) = (blk.quants.as_ptr(), blk.small.as_ptr(), blk.high.as_ptr());
-        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
-        let mut isum = [[_mm256_setzero_si256(); H]; R];
-        for n in 0..2 {
-            for j in 0..4 {
-                let shift = _mm_cvtsi32_si128(2 * j as i32);
-                // Bit 4n + j of each high-bit byte moved to bit 2 (shifts of 16-bit
-                // words: the mask keeps each byte's own bit).
-                let hb = 4 * n + j;
-                let s_of: [[__m256i; 2]; H] = std::array::from_fn(|hh| {
-                    // SAFETY: the block's scales; pair 4n + j < 8, half h0 + hh < 2.
-                    let (scales, _) = unsafe { pair_scales::<THREE>(small, 4 * n + j, h0 + hh) };
-                    [doubled(scales), doubled(_mm256_srli_epi32::<16>(scales))]
-                });
-                for half in 0..2 {
-                    let mut sum16 = [[_mm256_setzero_si256(); H]; R];
-                    for t in 4 * half..4 * half + 4 {
-                        for hh in 0..H {
-                            let h = h0 + hh;
-                            // SAFETY: step (n, t) is 64 of the block's 1024 quant bytes,
-                            // half h 32 of them (Q3_K: step t's 64 high-bit bytes); the
-                            // activation words lie within the row's super-block.
-                            unsafe {
-                                if R == 1 && j == 0 && hh == 0 {
-                                    // The first of the four shifts to read step (n, t).
-                                    _mm_prefetch::<_MM_HINT_T0>(
-                                        q.wrapping_add((n * 8 + t) * 64 + PREFETCH).cast(),
-                                    );
-                                }
-                                let w = _mm256_loadu_si256(q.add((n * 8 + t) * 64 + 32 * h).cast());
-                                let mut w = _mm256_and_si256(_mm256_srl_epi16(w, shift), two_bits);
-                                if THREE {
-                                    let hw = _mm256_loadu_si256(hp.add(t * 64 + 32 * h).cast());
-                                    let moved = if hb >= 2 {
-                                        _mm256_srl_epi16(hw, _mm_cvtsi32_si128(hb as i32 - 2))
-                                    } else {
-                                        _mm256_sll_epi16(hw, _mm_cvtsi32_si128(2 - hb as i32))
-                                    };
-                                    w = _mm256_or_si256(
-                                        w,
-                                        _mm256_and_si256(moved, _mm256_set1_epi8(4)),
-                                    );
-                                }
-                                for r in 0..R {
-                                    let word = word_at(a[r].add(128 * n + 32 * j + 4 * t));
-                                    sum16[r][hh] = _mm256_add_epi16(
-                                        sum16[r][hh],
-                                        _mm256_maddubs_epi16(w, _mm256_set1_epi32(word)),
-                                    );
+        for (&g, acc) in gs.iter().zip(&mut accs) {
+            let blk = p.block(g, b);
+            let (q, small, hp) = (blk.quants.as_ptr(), blk.small.as_ptr(), blk.high.as_ptr());
+            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+            let a: [*const i8; R] =
+                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+            let mut isum = [[_mm256_setzero_si256(); H]; R];
+            for n in 0..2 {
+                for j in 0..4 {
+                    let shift = _mm_cvtsi32_si128(2 * j as i32);
+                    // Bit 4n + j of each high-bit byte moved to bit 2 (shifts of 16-bit
+                    // words: the mask keeps each byte's own bit).
+                    let hb = 4 * n + j;
+                    let s_of: [[__m256i; 2]; H] = std::array::from_fn(|hh| {
+                        // SAFETY: the block's scales; pair 4n + j < 8, half h0 + hh < 2.
+                        let (scales, _) =
+                            unsafe { pair_scales::<THREE>(small, 4 * n + j, h0 + hh) };
+                        [doubled(scales), doubled(_mm256_srli_epi32::<16>(scales))]
+                    });
+                    for half in 0..2 {
+                        let mut sum16 = [[_mm256_setzero_si256(); H]; R];
+                        for t in 4 * half..4 * half + 4 {
+                            for hh in 0..H {
+                                let h = h0 + hh;
+                                // SAFETY: step (n, t) is 64 of the block's 1024 quant bytes,
+                                // half h 32 of them (Q3_K: step t's 64 high-bit bytes); the
+                                // activation words lie within the row's super-block.
+                                unsafe {
+                                    if R == 1 && j == 0 && hh == 0 {
+                                        // The first of the four shifts to read step (n, t).
+                                        _mm_prefetch::<_MM_HINT_T0>(
+                                            q.wrapping_add((n * 8 + t) * 64 + ahead).cast(),
+                                        );
+                                    }
+                                    let w =
+                                        _mm256_loadu_si256(q.add((n * 8 + t) * 64 + 32 * h).cast());
+                                    let mut w =
+                                        _mm256_and_si256(_mm256_srl_epi16(w, shift), two_bits);
+                                    if THREE {
+                                        let hw = _mm256_loadu_si256(hp.add(t * 64 + 32 * h).cast());
+                                        let moved = if hb >= 2 {
+                                            _mm256_srl_epi16(hw, _mm_cvtsi32_si128(hb as i32 - 2))
+                                        } else {
+                                            _mm256_sll_epi16(hw, _mm_cvtsi32_si128(2 - hb as i32))
+                                        };
+                                        w = _mm256_or_si256(
+                                            w,
+                                            _mm256_and_si256(moved, _mm256_set1_epi8(4)),
+                                        );
+                                    }
+                                    for r in 0..R {
+                                        let word = word_at(a[r].add(128 * n + 32 * j + 4 * t));
+                                        sum16[r][hh] = _mm256_add_epi16(
+                                            sum16[r][hh],
+                                            _mm256_maddubs_epi16(w, _mm256_set1_epi32(word)),
+                                        );
+                                    }
                                 }
                             }
                         }
-                    }
-                    for r in 0..R {
-                        for hh in 0..H {
-                            isum[r][hh] = _mm256_add_epi32(
-                                isum[r][hh],
-                                _mm256_madd_epi16(sum16[r][hh], s_of[hh][half]),
-                            );
+                        for r in 0..R {
+                            for hh in 0..H {
+                                isum[r][hh] = _mm256_add_epi32(
+                                    isum[r][hh],
+                                    _mm256_madd_epi16(sum16[r][hh], s_of[hh][half]),
+                                );
+                            }
                         }
                     }
                 }
             }
-        }
-        for hh in 0..H {
-            let h = h0 + hh;
-            // Q2_K: Σ min·Σ a; Q3_K: Σ scale·Σ a (after the products: fewer live
-            // registers).
-            let mut msum = [_mm256_setzero_si256(); R];
-            for pr in 0..8 {
-                // SAFETY: the block's scales; pr < 8.
-                let (scales, mins) = unsafe { pair_scales::<THREE>(small, pr, h) };
-                let by = if THREE { scales } else { mins };
-                for r in 0..R {
-                    let s = &rows[r].sums[b * K_SUMS + 2 * pr..];
-                    let two = _mm256_set1_epi32(pair(i32::from(s[0]), i32::from(s[1])));
-                    msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(by, two));
+            for hh in 0..H {
+                let h = h0 + hh;
+                // Q2_K: Σ min·Σ a; Q3_K: Σ scale·Σ a (after the products: fewer live
+                // registers).
+                let mut msum = [_mm256_setzero_si256(); R];
+                for pr in 0..8 {
+                    // SAFETY: the block's scales; pr < 8.
+                    let (scales, mins) = unsafe { pair_scales::<THREE>(small, pr, h) };
+                    let by = if THREE { scales } else { mins };
+                    for r in 0..R {
+                        let s = &rows[r].sums[b * K_SUMS + 2 * pr..];
+                        let two = _mm256_set1_epi32(pair(i32::from(s[0]), i32::from(s[1])));
+                        msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(by, two));
+                    }
                 }
-            }
-            // SAFETY: 8 f32 values from lane 8h.
-            let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
-            for r in 0..R {
-                let da = _mm256_set1_ps(rows[r].d[b]);
-                if THREE {
-                    // q6k_step, lane by lane, on Σ scale·(Σ u·a − 4·Σ a).
-                    let total = _mm256_sub_epi32(isum[r][hh], _mm256_slli_epi32::<2>(msum[r]));
-                    let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
-                    acc[r][hh] = _mm256_add_ps(acc[r][hh], i);
-                } else {
-                    // q4k_step, lane by lane.
-                    // SAFETY: 8 f32 values from lane 8h.
-                    let dmin = unsafe { _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)) };
-                    let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r][hh]));
-                    let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
-                    acc[r][hh] = _mm256_add_ps(acc[r][hh], _mm256_sub_ps(i, m));
+                // SAFETY: 8 f32 values from lane 8h.
+                let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
+                for r in 0..R {
+                    let da = _mm256_set1_ps(rows[r].d[b]);
+                    if THREE {
+                        // q6k_step, lane by lane, on Σ scale·(Σ u·a − 4·Σ a).
+                        let total = _mm256_sub_epi32(isum[r][hh], _mm256_slli_epi32::<2>(msum[r]));
+                        let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
+                        acc[r][hh] = _mm256_add_ps(acc[r][hh], i);
+                    } else {
+                        // q4k_step, lane by lane.
+                        // SAFETY: 8 f32 values from lane 8h.
+                        let dmin = unsafe { _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h)) };
+                        let i =
+                            _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r][hh]));
+                        let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
+                        acc[r][hh] = _mm256_add_ps(acc[r][hh], _mm256_sub_ps(i, m));
+                    }
                 }
             }
         }
     }
-    for (r, acc) in acc.iter().enumerate() {
-        for (hh, &v) in acc.iter().enumerate() {
-            // SAFETY: `out` holds 16·R values.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(r * 16 + 8 * (h0 + hh)), v) };
+    for (&g, acc) in gs.iter().zip(&accs) {
+        for (r, acc) in acc.iter().enumerate() {
+            for (hh, &v) in acc.iter().enumerate() {
+                // SAFETY: `out` holds 16·R values per group from `first`.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr().add((g - first + r) * 16 + 8 * (h0 + hh)),
+                        v,
+                    )
+                };
+            }
         }
     }
 }
