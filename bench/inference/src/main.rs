@@ -393,7 +393,8 @@ async fn run(args: Args) -> Result<()> {
         }
         table.push_str(&startup::table(&startups, plan.repetitions));
     }
-    let cost_table = if throughput {
+    // Native rows only (`report::costs`): an AVX2-only run has none.
+    let cost_table = if throughput && !results.cost.is_empty() {
         report::cost_table(&results)
     } else {
         String::new()

@@ -81,12 +81,15 @@ fn per_group<T>(v: &mut [T], groups: usize) -> Vec<&mut [T]> {
     v.chunks_mut(len).collect()
 }
 
-/// Streams of quants a decode reads at once (`Packed32::decode`, `KPacked::decode`;
-/// Q6_K, which reads two arrays, takes two groups at a time). One core of an Intel Xeon
-/// (2 cores, 480 MiB L3) read 12.4 GB/s from one sequential stream, 14.1 from two, 15.4
-/// from four and no more from eight or sixteen; 1B Q4_0 decode at one thread went from
-/// 18.5 to 21.5 tok/s with four streams, 21.2 with eight; Q4_K_M from 19.1 to 20.6;
-/// Q6_K 15.7 to 16.2 with two.
+/// Streams of quants a decode reads at once (`Packed32::decode`, `KPacked::decode`,
+/// with the AVX-512 and the AVX2 kernels; Q6_K, which reads two arrays, takes two
+/// groups at a time). One core of an Intel Xeon (2 cores, 480 MiB L3) read 12.4 GB/s
+/// from one sequential stream, 14.1 from two, 15.4 from four and no more from eight or
+/// sixteen. With AVX-512, 1B Q4_0 decode at one thread went from 18.5 to 21.5 tok/s
+/// with four streams, 21.2 with eight; Q4_K_M from 19.1 to 20.6; Q6_K 15.7 to 16.2 with
+/// two. With AVX2 (`AGENTSTACK_KERNELS=avx2`, same VM, one thread, two alternating
+/// pairs): Q4_0 16.3–16.9 to 20.1–21.3, IQ4_XS 15.6–17.4 to 18.1–19.0, Q4_K_M
+/// 14.2–14.3 to 16.2–16.5, Q6_K 13.0–13.2 to 13.9–14.0, Q2_K 19.6–20.6 to 20.4–21.5.
 pub(super) const STREAMS: usize = 4;
 
 /// How far ahead each of a decode's [`STREAMS`] streams prefetches (`PREFETCH` is one
