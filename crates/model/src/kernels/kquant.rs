@@ -702,6 +702,7 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
 
+    use super::super::tests::assert_streams_give_scalar_bits;
     use super::super::{Simd, detected_simd, q6k_value, quantize_row_k};
     use super::*;
 
@@ -836,44 +837,27 @@ mod tests {
     fn simd_streams_kernels_equal_the_scalar_one() {
         fn check<const S: usize>(
             packed: &KPacked,
-            (gs, first): ([usize; S], usize),
+            at: ([usize; S], usize),
             row: &[ActRow],
-            at: &str,
+            what: &str,
         ) {
-            let avx512 = detected_simd() >= Simd::Avx512Vnni;
-            let mut want = vec![0f32; (packed.groups - first) * LANES];
-            for &g in &gs {
-                packed.group_scalar(g, row, &mut want[(g - first) * LANES..]);
-            }
-            let bits = |y: &[f32], g: usize| {
-                y[(g - first) * LANES..][..LANES]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>()
-            };
-            for family in ["AVX2", "AVX-512"] {
-                if family == "AVX-512" && !avx512 {
-                    continue;
-                }
-                let mut got = vec![f32::NAN; want.len()];
-                #[expect(unsafe_code, reason = "the features were checked by the caller")]
-                // SAFETY: detected_simd() found AVX2 and FMA (and AVX-512 VNNI for it);
-                // `got` holds every group from `first`.
-                unsafe {
-                    if family == "AVX2" {
-                        avx2::streams::<S>(packed, (gs, first), row, &mut got);
-                    } else {
-                        avx512::streams::<S>(packed, (gs, first), row, &mut got);
+            assert_streams_give_scalar_bits(
+                (packed.groups, &at.0, at.1),
+                |g, out| packed.group_scalar(g, row, out),
+                |family, out| {
+                    #[expect(unsafe_code, reason = "the families were checked")]
+                    // SAFETY: the CPU runs `family` (checked by the caller and the
+                    // helper); `out` holds every group from `first`.
+                    unsafe {
+                        if family == Simd::Avx2 {
+                            avx2::streams::<S>(packed, at, row, out);
+                        } else {
+                            avx512::streams::<S>(packed, at, row, out);
+                        }
                     }
-                }
-                for &g in &gs {
-                    assert_eq!(
-                        bits(&got, g),
-                        bits(&want, g),
-                        "{family}: {at}, groups {gs:?}"
-                    );
-                }
-            }
+                },
+                what,
+            );
         }
         if detected_simd() < Simd::Avx2 {
             eprintln!("skipped: this CPU has no AVX2");

@@ -1460,6 +1460,43 @@ mod tests {
         }
     }
 
+    /// Each SIMD family's streams kernel (`run(family, out)`, group `g`'s sixteen
+    /// outputs at `out[(g − first)·16..]`) gives the scalar kernel's bits
+    /// (`scalar(g, out)`) for each group of `gs`: AVX2 (the caller checked for it), and
+    /// AVX-512 VNNI where the CPU has it.
+    pub(super) fn assert_streams_give_scalar_bits(
+        (groups, gs, first): (usize, &[usize], usize),
+        mut scalar: impl FnMut(usize, &mut [f32]),
+        mut run: impl FnMut(Simd, &mut [f32]),
+        what: &str,
+    ) {
+        let mut want = vec![0f32; (groups - first) * LANES];
+        for &g in gs {
+            let at = (g - first) * LANES;
+            scalar(g, &mut want[at..at + LANES]);
+        }
+        let bits = |y: &[f32], g: usize| {
+            y[(g - first) * LANES..][..LANES]
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        for family in [Simd::Avx2, Simd::Avx512Vnni] {
+            if detected_simd() < family {
+                continue;
+            }
+            let mut got = vec![f32::NAN; want.len()];
+            run(family, &mut got);
+            for &g in gs {
+                assert_eq!(
+                    bits(&got, g),
+                    bits(&want, g),
+                    "{family:?}: {what}, groups {gs:?}"
+                );
+            }
+        }
+    }
+
     /// `Packing::decode` of several ranges of `p`'s groups equals `Packing::group` of
     /// each group, bit for bit.
     pub(super) fn assert_decodes_as_groups(p: &Packing, row: &ActRow, what: &str) {

@@ -666,6 +666,7 @@ mod amx;
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::assert_streams_give_scalar_bits;
     use super::super::{Simd, Sums, detected_simd, quantize_row};
     use super::*;
 
@@ -808,43 +809,25 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_streams_kernels_equal_the_scalar_one() {
-        fn check<const S: usize>(packed: &Packed32, gs: [usize; S], row: &ActRow, at: &str) {
+        fn check<const S: usize>(packed: &Packed32, gs: [usize; S], row: &ActRow, what: &str) {
             let first = 1;
-            let avx512 = detected_simd() >= Simd::Avx512Vnni;
-            let mut want = vec![0f32; (packed.groups - first) * LANES];
-            for &g in &gs {
-                let at = (g - first) * LANES;
-                packed.group_scalar(g, std::slice::from_ref(row), &mut want[at..at + LANES]);
-            }
-            let bits = |y: &[f32], g: usize| {
-                y[(g - first) * LANES..][..LANES]
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect::<Vec<_>>()
-            };
-            for family in ["AVX2", "AVX-512"] {
-                if family == "AVX-512" && !avx512 {
-                    continue;
-                }
-                let mut got = vec![f32::NAN; want.len()];
-                #[expect(unsafe_code, reason = "the features were checked by the caller")]
-                // SAFETY: detected_simd() found AVX2, FMA and F16C (and AVX-512 VNNI for
-                // it); `got` holds every group from `first`.
-                unsafe {
-                    if family == "AVX2" {
-                        avx2::streams::<S>(packed, gs, first, row, &mut got);
-                    } else {
-                        avx512::streams::<S>(packed, gs, first, row, &mut got);
+            assert_streams_give_scalar_bits(
+                (packed.groups, &gs, first),
+                |g, out| packed.group_scalar(g, std::slice::from_ref(row), out),
+                |family, out| {
+                    #[expect(unsafe_code, reason = "the families were checked")]
+                    // SAFETY: the CPU runs `family` (checked by the caller and the
+                    // helper); `out` holds every group from `first`.
+                    unsafe {
+                        if family == Simd::Avx2 {
+                            avx2::streams::<S>(packed, gs, first, row, out);
+                        } else {
+                            avx512::streams::<S>(packed, gs, first, row, out);
+                        }
                     }
-                }
-                for &g in &gs {
-                    assert_eq!(
-                        bits(&got, g),
-                        bits(&want, g),
-                        "{family}: {at}, groups {gs:?}"
-                    );
-                }
-            }
+                },
+                what,
+            );
         }
         if detected_simd() < Simd::Avx2 {
             eprintln!("skipped: this CPU has no AVX2");

@@ -100,6 +100,35 @@ unsafe fn group4(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
     }
 }
 
+/// Stores the accumulators of the `S` groups `gs` (`R` rows, `H` halves of eight lanes
+/// from half `h0`): row `r` of group `g` at `out[(g − first + r)·16 + 8·(h0 + hh)..]`.
+///
+/// # Safety
+/// AVX; `out` must hold every one of them.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(in crate::kernels) unsafe fn store<const S: usize, const R: usize, const H: usize>(
+    accs: &[[[__m256; H]; R]; S],
+    (gs, first): ([usize; S], usize),
+    h0: usize,
+    out: &mut [f32],
+) {
+    for (&g, acc) in gs.iter().zip(accs) {
+        for (r, acc) in acc.iter().enumerate() {
+            for (hh, &v) in acc.iter().enumerate() {
+                // SAFETY: as the caller guarantees.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr()
+                            .add((g - first + r) * LANES + 8 * (h0 + hh)),
+                        v,
+                    )
+                };
+            }
+        }
+    }
+}
+
 /// The low 16 bits of each 32-bit lane in both halves (for `madd_epi16`).
 #[target_feature(enable = "avx2,fma")]
 #[inline]
@@ -265,20 +294,8 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
             }
         }
     }
-    for (&g, acc) in gs.iter().zip(&accs) {
-        for (r, acc) in acc.iter().enumerate() {
-            for (hh, &v) in acc.iter().enumerate() {
-                // SAFETY: `out` holds 16·R values per group from `first`.
-                unsafe {
-                    _mm256_storeu_ps(
-                        out.as_mut_ptr()
-                            .add((g - first + r) * LANES + 8 * (h0 + hh)),
-                        v,
-                    )
-                };
-            }
-        }
-    }
+    // SAFETY: `out` holds 16·R values per group from `first`.
+    unsafe { store(&accs, (gs, first), h0, out) };
 }
 
 /// Q6_K, lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`): `vpmaddubsw`
@@ -417,18 +434,6 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
             }
         }
     }
-    for (&g, acc) in gs.iter().zip(&accs) {
-        for (r, acc) in acc.iter().enumerate() {
-            for (hh, &v) in acc.iter().enumerate() {
-                // SAFETY: `out` holds 16·R values per group from `first`.
-                unsafe {
-                    _mm256_storeu_ps(
-                        out.as_mut_ptr()
-                            .add((g - first + r) * LANES + 8 * (h0 + hh)),
-                        v,
-                    )
-                };
-            }
-        }
-    }
+    // SAFETY: `out` holds 16·R values per group from `first`.
+    unsafe { store(&accs, (gs, first), h0, out) };
 }

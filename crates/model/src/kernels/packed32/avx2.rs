@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::kquant::avx2::sixteen_where;
+use super::super::kquant::avx2::{sixteen_where, store};
 use super::{
     ActRow, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, Scales, word_at,
 };
@@ -231,20 +231,8 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
             }
         }
     }
-    for (&g, acc) in gs.iter().zip(&accs) {
-        for (r, acc) in acc.iter().enumerate() {
-            for (hh, &v) in acc.iter().enumerate() {
-                // SAFETY: `out` holds 16·R values.
-                unsafe {
-                    _mm256_storeu_ps(
-                        out.as_mut_ptr()
-                            .add((g - first + r) * LANES + 8 * (h0 + hh)),
-                        v,
-                    )
-                };
-            }
-        }
-    }
+    // SAFETY: `out` holds 16·R values per group from `first`.
+    unsafe { store(&accs, (gs, first), h0, out) };
 }
 
 /// Half `h` (32 bytes) of step `t` (64 bytes) of a block's quants at `q`; the first half

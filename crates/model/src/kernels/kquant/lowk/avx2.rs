@@ -3,7 +3,7 @@
 use std::arch::x86_64::*;
 
 use super::super::super::word_at;
-use super::super::avx2::doubled;
+use super::super::avx2::{doubled, store};
 use super::super::{PREFETCH, STREAM_PREFETCH, pair};
 use super::{ActRow, K_SUMS, KPacked, QK_K};
 
@@ -175,17 +175,6 @@ pub(in super::super) unsafe fn q23k<
             }
         }
     }
-    for (&g, acc) in gs.iter().zip(&accs) {
-        for (r, acc) in acc.iter().enumerate() {
-            for (hh, &v) in acc.iter().enumerate() {
-                // SAFETY: `out` holds 16·R values per group from `first`.
-                unsafe {
-                    _mm256_storeu_ps(
-                        out.as_mut_ptr().add((g - first + r) * 16 + 8 * (h0 + hh)),
-                        v,
-                    )
-                };
-            }
-        }
-    }
+    // SAFETY: `out` holds 16·R values per group from `first`.
+    unsafe { store(&accs, (gs, first), h0, out) };
 }
