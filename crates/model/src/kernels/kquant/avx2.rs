@@ -192,13 +192,13 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a: [*const i8; R] =
+            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
-            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [[_mm256_setzero_si256(); H]; R];
             for j in 0..8 {
                 // Sub-block j: chunk j / 2, the low nibbles for even j, the high for odd
@@ -322,13 +322,13 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a: [*const i8; R] =
+            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
-            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [[_mm256_setzero_si256(); H]; R];
             let mut offset = [[_mm256_setzero_si256(); H]; R];
             let hp = blk.high.as_ptr();

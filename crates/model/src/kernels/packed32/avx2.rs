@@ -70,12 +70,11 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
     let sub = p.scales == Scales::Sub;
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
+        // SAFETY: `group`'s caller guarantees nb blocks of every row.
+        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
-            // SAFETY: `group`'s caller guarantees nb blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
             let mut isum = [[_mm256_setzero_si256(); H]; R];
             match p.form {
                 Form::Nibbles { offset, five } => {
@@ -236,7 +235,8 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
 }
 
 /// Half `h` (32 bytes) of step `t` (64 bytes) of a block's quants at `q`; the first half
-/// asks for the cache line [`PREFETCH`] bytes ahead.
+/// asks for the cache line `ahead` bytes ahead ([`PREFETCH`] for one stream,
+/// [`STREAM_PREFETCH`] for each of several).
 ///
 /// # Safety
 /// The CPU must support AVX2; the step's 64 bytes must be readable.

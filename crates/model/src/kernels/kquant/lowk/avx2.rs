@@ -67,12 +67,12 @@ pub(in super::super) unsafe fn q23k<
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     for b in 0..p.nb {
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a: [*const i8; R] =
+            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let (q, small, hp) = (blk.quants.as_ptr(), blk.small.as_ptr(), blk.high.as_ptr());
-            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [[_mm256_setzero_si256(); H]; R];
             for n in 0..2 {
                 for j in 0..4 {

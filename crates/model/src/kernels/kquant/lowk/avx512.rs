@@ -33,12 +33,12 @@ pub(in super::super) unsafe fn q23k<const S: usize, const R: usize, const THREE:
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a: [*const i8; R] =
+            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let (q, small, hp) = (blk.quants.as_ptr(), blk.small.as_ptr(), blk.high.as_ptr());
-            // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-            let a: [*const i8; R] =
-                std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
             let mut isum = [_mm512_setzero_si512(); R];
             // Q2_K: Σ min·Σ a; Q3_K: Σ scale·Σ a.
             let mut msum = [_mm512_setzero_si512(); R];
