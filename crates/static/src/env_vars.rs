@@ -75,9 +75,9 @@ env_vars! {
     AGENTSTACK_K8S_NAMESPACE = "AGENTSTACK_K8S_NAMESPACE";
 
     /// The highest instruction set the model kernels use: `scalar`, `avx2` or `avx512`
-    /// (AVX-512 VNNI without AMX) cap them; unset or anything else uses the best the CPU
-    /// has (AMX for prefill where the process may use it, AVX-512 VNNI, else AVX2, else
-    /// scalar). Read once per process.
+    /// (AVX-512 VNNI without AMX and GFNI) cap them; unset or anything else uses the best
+    /// the CPU has (AMX for prefill where the process may use it, GFNI for Q3_K,
+    /// AVX-512 VNNI, else AVX2, else scalar). Read once per process.
     AGENTSTACK_KERNELS = "AGENTSTACK_KERNELS";
 
     /// Whether model weights go on huge pages: `off`/`0`/`false` turns them off; unset,

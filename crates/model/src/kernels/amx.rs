@@ -19,13 +19,8 @@ pub(super) const TILE_ROWS: usize = 16;
 /// Whether the AMX kernels run in this process (checked once).
 pub(super) fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        let capped = matches!(
-            std::env::var(agentstack_static::env_vars::AGENTSTACK_KERNELS).as_deref(),
-            Ok("avx512" | "avx2" | "scalar")
-        );
-        !capped && super::simd() == super::Simd::Avx512Vnni && granted()
-    })
+    *AVAILABLE
+        .get_or_init(|| !super::capped() && super::simd() == super::Simd::Avx512Vnni && granted())
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

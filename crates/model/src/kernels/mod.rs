@@ -131,7 +131,8 @@ fn decode_with(
 
 /// The widest kernel family this CPU runs, detected once. `AGENTSTACK_KERNELS=avx2` or
 /// `=scalar` caps it (to compare kernel families on one machine); AMX (`amx.rs`) comes
-/// on top of AVX-512 VNNI for prefill, and `=avx512` turns it off.
+/// on top of AVX-512 VNNI for prefill, GFNI ([`gfni`]) for Q3_K, and `=avx512` turns
+/// both off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 #[cfg_attr(
     not(target_arch = "x86_64"),
@@ -156,6 +157,27 @@ fn simd() -> Simd {
             _ => Simd::Avx512Vnni,
         };
         detected_simd().min(cap)
+    })
+}
+
+/// Whether `AGENTSTACK_KERNELS` caps the kernels (`avx512`, `avx2` or `scalar`): the
+/// extensions beyond AVX-512 VNNI (AMX, GFNI) are then off.
+#[cfg(target_arch = "x86_64")]
+fn capped() -> bool {
+    matches!(
+        std::env::var(agentstack_static::env_vars::AGENTSTACK_KERNELS).as_deref(),
+        Ok("avx512" | "avx2" | "scalar")
+    )
+}
+
+/// Whether the AVX-512 kernels use GFNI (Q3_K's bits, `kquant/lowk`): the AVX-512
+/// kernels are in use, uncapped, and the CPU has GFNI (Ice Lake and later, Zen 4;
+/// Cascade Lake has VNNI without it). Detected once.
+#[cfg(target_arch = "x86_64")]
+fn gfni() -> bool {
+    static GFNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *GFNI.get_or_init(|| {
+        simd() == Simd::Avx512Vnni && !capped() && std::arch::is_x86_feature_detected!("gfni")
     })
 }
 

@@ -197,6 +197,9 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
             std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
+            if R == 1 {
+                blk.prefetch_side(ahead / blk.quants.len());
+            }
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
             let mut isum = [[_mm256_setzero_si256(); H]; R];
@@ -327,6 +330,9 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
             std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
+            if R == 1 {
+                blk.prefetch_side(ahead / blk.quants.len());
+            }
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
             let mut isum = [[_mm256_setzero_si256(); H]; R];

@@ -3,9 +3,10 @@
 
 use std::arch::x86_64::*;
 
+use super::super::gfni;
 #[cfg(doc)]
 use super::ROW_TILE;
-use super::lowk::avx512::q23k;
+use super::lowk::avx512::{q3k_gfni, q23k};
 use super::{
     ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, STREAM_PREFETCH, pair, word_at,
 };
@@ -68,11 +69,13 @@ pub(super) unsafe fn streams<const S: usize>(
     row: &[ActRow],
     out: &mut [f32],
 ) {
-    // SAFETY: every arm calls with what this function requires.
+    // SAFETY: every arm calls with what this function requires (GFNI where `gfni()`
+    // found it).
     unsafe {
         match p.ty {
-            KType::Q2K => q23k::<S, 1, false>(p, at, row, out),
-            KType::Q3K => q23k::<S, 1, true>(p, at, row, out),
+            KType::Q2K => q23k::<S, 1, false, false>(p, at, row, out),
+            KType::Q3K if gfni() => q3k_gfni::<S, 1>(p, at, row, out),
+            KType::Q3K => q23k::<S, 1, true, false>(p, at, row, out),
             KType::Q4K => q4k::<S, 1, false>(p, at, row, out),
             KType::Q5K => q4k::<S, 1, true>(p, at, row, out),
             KType::Q6K => q6k::<S, 1>(p, at, row, out),
@@ -86,17 +89,22 @@ pub(super) unsafe fn streams<const S: usize>(
 /// As [`group`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
-    // SAFETY: every arm calls with what this function requires.
+    // SAFETY: every arm calls with what this function requires (GFNI where `gfni()`
+    // found it).
     unsafe {
         match (p.ty, rows.len()) {
-            (KType::Q2K, 1) => q23k::<1, 1, false>(p, ([g], g), rows, out),
-            (KType::Q2K, 2) => q23k::<1, 2, false>(p, ([g], g), rows, out),
-            (KType::Q2K, 3) => q23k::<1, 3, false>(p, ([g], g), rows, out),
-            (KType::Q2K, _) => q23k::<1, 4, false>(p, ([g], g), rows, out),
-            (KType::Q3K, 1) => q23k::<1, 1, true>(p, ([g], g), rows, out),
-            (KType::Q3K, 2) => q23k::<1, 2, true>(p, ([g], g), rows, out),
-            (KType::Q3K, 3) => q23k::<1, 3, true>(p, ([g], g), rows, out),
-            (KType::Q3K, _) => q23k::<1, 4, true>(p, ([g], g), rows, out),
+            (KType::Q2K, 1) => q23k::<1, 1, false, false>(p, ([g], g), rows, out),
+            (KType::Q2K, 2) => q23k::<1, 2, false, false>(p, ([g], g), rows, out),
+            (KType::Q2K, 3) => q23k::<1, 3, false, false>(p, ([g], g), rows, out),
+            (KType::Q2K, _) => q23k::<1, 4, false, false>(p, ([g], g), rows, out),
+            (KType::Q3K, 1) if gfni() => q3k_gfni::<1, 1>(p, ([g], g), rows, out),
+            (KType::Q3K, 2) if gfni() => q3k_gfni::<1, 2>(p, ([g], g), rows, out),
+            (KType::Q3K, 3) if gfni() => q3k_gfni::<1, 3>(p, ([g], g), rows, out),
+            (KType::Q3K, _) if gfni() => q3k_gfni::<1, 4>(p, ([g], g), rows, out),
+            (KType::Q3K, 1) => q23k::<1, 1, true, false>(p, ([g], g), rows, out),
+            (KType::Q3K, 2) => q23k::<1, 2, true, false>(p, ([g], g), rows, out),
+            (KType::Q3K, 3) => q23k::<1, 3, true, false>(p, ([g], g), rows, out),
+            (KType::Q3K, _) => q23k::<1, 4, true, false>(p, ([g], g), rows, out),
             _ => {}
         }
     }
@@ -129,6 +137,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
     for b in 0..p.nb {
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
+            blk.prefetch_side(ahead / blk.quants.len());
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
             let mut isum = [_mm512_setzero_si512(); R];
@@ -253,6 +262,7 @@ unsafe fn q6k<const S: usize, const R: usize>(
     for b in 0..p.nb {
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
+            blk.prefetch_side(ahead / blk.quants.len());
             let q = blk.quants.as_ptr();
             let small = blk.small.as_ptr();
             let mut isum = [_mm512_setzero_si512(); R];

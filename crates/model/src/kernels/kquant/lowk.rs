@@ -18,10 +18,13 @@
 //!   high one); `d`, `dmin`: `[gs·16 + lane]`. `x = d·scale·q − dmin·min`.
 //! - Q3_K (116 bytes, the file's 110 with the 6-bit scales unpacked and f32 `d`):
 //!   `high[gs·512..]` as `[step t: 8][lane][4 bytes]`, the file's high-bit bytes `4t ..
-//!   4t + 4`: bit `4n + j` of byte `k` is value `128n + 32j + 4t + k`'s. `small` holds
-//!   the scales minus 32 as signed bytes; `d`: `[gs·16 + lane]`. The kernels read the
-//!   unsigned 3 bits `u = q + 4·h` and take ggml's weight `u − 4` (`q − 4` where the
-//!   high bit is clear) through the activations' sums of 16.
+//!   4t + 4` with their bits moved: the file's bit `4n + j` of byte `k` (value `128n +
+//!   32j + 4t + k`'s) is bit [`high_bit`]`(n, j)` here, a position that field `j`'s two
+//!   bits do not take in the quant byte, so that one bitwise select takes both into one
+//!   byte (AVX-512 with GFNI). `small` holds the scales minus 32 as signed bytes; `d`:
+//!   `[gs·16 + lane]`. The kernels read the unsigned 3 bits `u = q + 4·h` and take
+//!   ggml's weight `u − 4` (`q − 4` where the high bit is clear) through the
+//!   activations' sums of 16.
 
 use half::f16;
 
@@ -40,6 +43,25 @@ fn unpack_q3k_scales(p: &[u8]) -> [i8; 16] {
         let low = p[s % 8] >> (4 * (s / 8)) & 0x0F;
         let high = (p[8 + s % 4] >> (2 * (s / 4))) & 3;
         out[s] = (low | (high << 4)) as i8 - 32;
+    }
+    out
+}
+
+/// Where the high bit of field `j` of half `n` lies in a repacked Q3_K high-bit byte:
+/// in the place of field `j + 2 (mod 4)`'s bits in the quant byte (its low bit for half
+/// 0, its high bit for half 1), never at bits `2j, 2j + 1`, where field `j` lies.
+#[inline(always)]
+pub(super) const fn high_bit(n: usize, j: usize) -> usize {
+    2 * ((j + 2) % 4) + n
+}
+
+/// A file's Q3_K high-bit byte with bit `4n + j` moved to [`high_bit`]`(n, j)`.
+fn move_high_bits(byte: u8) -> u8 {
+    let mut out = 0;
+    for n in 0..2 {
+        for j in 0..4 {
+            out |= ((byte >> (4 * n + j)) & 1) << high_bit(n, j);
+        }
     }
     out
 }
@@ -84,7 +106,9 @@ impl KPacked {
         }
         for t in 0..8 {
             let at = (t * LANES + lane) * 4;
-            high[at..at + 4].copy_from_slice(&block[4 * t..4 * t + 4]);
+            for (dst, &byte) in high[at..at + 4].iter_mut().zip(&block[4 * t..4 * t + 4]) {
+                *dst = move_high_bits(byte);
+            }
         }
         (half_at(108), 0.0)
     }
@@ -97,7 +121,7 @@ impl KPacked {
         if blk.high.is_empty() {
             return q;
         }
-        let h = (blk.high[(t * LANES + lane) * 4 + k] >> (4 * n + j)) & 1;
+        let h = (blk.high[(t * LANES + lane) * 4 + k] >> high_bit(n, j)) & 1;
         q | (h << 2)
     }
 

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 use super::super::super::word_at;
 use super::super::avx2::{doubled, store};
 use super::super::{PREFETCH, STREAM_PREFETCH, pair};
-use super::{ActRow, K_SUMS, KPacked, QK_K};
+use super::{ActRow, K_SUMS, KPacked, QK_K, high_bit};
 
 /// Scale pair `pr` of lanes `8h..8h + 8` as 16-bit pairs (one per lane), and Q2_K's
 /// minimums likewise.
@@ -77,9 +77,9 @@ pub(in super::super) unsafe fn q23k<
             for n in 0..2 {
                 for j in 0..4 {
                     let shift = _mm_cvtsi32_si128(2 * j as i32);
-                    // Bit 4n + j of each high-bit byte moved to bit 2 (shifts of 16-bit
-                    // words: the mask keeps each byte's own bit).
-                    let hb = 4 * n + j;
+                    // Field j's high bit of each high-bit byte moved to bit 2 (shifts
+                    // of 16-bit words: the mask keeps each byte's own bit).
+                    let hb = high_bit(n, j);
                     let s_of: [[__m256i; 2]; H] = std::array::from_fn(|hh| {
                         // SAFETY: the block's scales; pair 4n + j < 8, half h0 + hh < 2.
                         let (scales, _) =
