@@ -238,9 +238,9 @@ fn codebook_shifted() -> __m128i {
 /// A block's weights as unsigned bytes, value `4t + k` of each lane in byte k of its
 /// lane of `w[t]` (values 16.. in `w[4 + t]` for nibbles and codebook), prefetching
 /// `AHEAD` bytes of quants ahead, and the other arrays as many blocks ahead. The
-/// latter, 1B decode (`__measure`, two alternating pairs, tok/s): Q4_0 20.7–20.9 →
-/// 21.1–21.8 on one thread, 36.2–36.6 → 37.6–38.2 on two; Q8_0 and IQ4_XS within
-/// noise.
+/// latter, 1B decode (`__measure`, one switch flipped, two alternating pairs, tok/s):
+/// Q4_0 20.7–20.9 → 21.1–21.8 on one thread, 36.2–36.6 → 37.6–38.2 on two; Q8_0 and
+/// IQ4_XS within noise (and Q4_0 too in a later A/B of the whole change).
 ///
 /// # Safety
 /// As [`group`], for the block; `F` must be the weight's form's constant.
