@@ -138,7 +138,9 @@ impl Block<'_> {
     /// bytes, each a stream of its own, and a core reading four groups at once has
     /// more streams than its hardware prefetcher follows well. With Q3_K's GFNI
     /// kernel, 1B decode (repack cache off, two alternating pairs): Q3_K_M +7% on one
-    /// thread and +8% on two, Q2_K +6%; Q4_K_M and Q6_K unchanged.
+    /// thread and +8% on two, Q2_K +6%; Q4_K_M and Q6_K unchanged. Weights mapped
+    /// from a repack-cache entry decoded 2–17% slower than fresh ones without it, as
+    /// fast with it (bench/RESULTS, 2026-12-05 17:20).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn prefetch_side(&self, ahead: usize) {
