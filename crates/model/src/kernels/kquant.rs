@@ -144,24 +144,15 @@ impl Block<'_> {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn prefetch_side(&self, ahead: usize) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let arrays: [(*const u8, usize); 4] = [
-            (self.small.as_ptr(), self.small.len()),
-            (self.d.as_ptr().cast(), size_of_val(self.d)),
-            (self.dmin.as_ptr().cast(), size_of_val(self.dmin)),
-            (self.high.as_ptr(), self.high.len()),
-        ];
-        for (at, len) in arrays {
-            let next = at.wrapping_add(ahead * len);
-            for line in (0..len).step_by(64) {
-                #[expect(unsafe_code, reason = "a prefetch")]
-                // SAFETY: a prefetch reads nothing and does not fault, whatever the
-                // address.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
-                }
-            }
-        }
+        super::prefetch_blocks_ahead(
+            [
+                (self.small.as_ptr(), self.small.len()),
+                (self.d.as_ptr().cast(), size_of_val(self.d)),
+                (self.dmin.as_ptr().cast(), size_of_val(self.dmin)),
+                (self.high.as_ptr(), self.high.len()),
+            ],
+            ahead,
+        );
     }
 }
 

@@ -111,6 +111,26 @@ fn in_streams<const S: usize>(
     groups.start + S * run..groups.end
 }
 
+/// Prefetches into L1 the part of each of `arrays` (its start in this block, its bytes
+/// per block) that lies `ahead` blocks further on: the arrays of a packed weight other
+/// than its quants, which a decode kernel prefetches step by step (`kquant`'s and
+/// `packed32`'s `Block::prefetch_side`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_blocks_ahead(arrays: [(*const u8, usize); 4], ahead: usize) {
+    use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    for (at, per_block) in arrays {
+        let next = at.wrapping_add(ahead * per_block);
+        for line in (0..per_block).step_by(64) {
+            #[expect(unsafe_code, reason = "a prefetch")]
+            // SAFETY: a prefetch reads nothing and does not fault, whatever the address.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
+            }
+        }
+    }
+}
+
 /// A packing's decode of `groups` into `out` (16 per group): `streamed` computes what
 /// it can with a streams kernel and returns the groups left over (all of them where it
 /// cannot), `group` computes one group's sixteen outputs.

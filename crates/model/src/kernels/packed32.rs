@@ -186,24 +186,17 @@ impl Block<'_> {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn prefetch_side(&self, ahead: usize) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // A super-block's scales serve its eight blocks.
         let d16 = size_of_val(self.d16) / if self.sub { 8 } else { 1 };
-        let arrays: [(*const u8, usize); 4] = [
-            (self.d.as_ptr().cast(), size_of_val(self.d)),
-            (self.d16.as_ptr().cast(), d16),
-            (self.m.as_ptr().cast(), size_of_val(self.m)),
-            (self.high.as_ptr(), self.high.len()),
-        ];
-        for (at, per_block) in arrays {
-            if per_block > 0 {
-                #[expect(unsafe_code, reason = "a prefetch")]
-                // SAFETY: a prefetch reads nothing and does not fault, whatever the
-                // address.
-                unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ahead * per_block).cast());
-                }
-            }
-        }
+        super::prefetch_blocks_ahead(
+            [
+                (self.d.as_ptr().cast(), size_of_val(self.d)),
+                (self.d16.as_ptr().cast(), d16),
+                (self.m.as_ptr().cast(), size_of_val(self.m)),
+                (self.high.as_ptr(), self.high.len()),
+            ],
+            ahead,
+        );
     }
 
     /// Lane `lane`'s scale.
