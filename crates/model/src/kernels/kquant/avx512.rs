@@ -3,10 +3,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::gfni;
 #[cfg(doc)]
 use super::ROW_TILE;
-use super::lowk::avx512::{q3k_gfni, q23k};
+use super::lowk::avx512::{q3k, q23k};
 use super::{
     ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, STREAM_PREFETCH, pair, word_at,
 };
@@ -69,13 +68,11 @@ pub(super) unsafe fn streams<const S: usize>(
     row: &[ActRow],
     out: &mut [f32],
 ) {
-    // SAFETY: every arm calls with what this function requires (GFNI where `gfni()`
-    // found it).
+    // SAFETY: every arm calls with what this function requires.
     unsafe {
         match p.ty {
             KType::Q2K => q23k::<S, 1, false, false>(p, at, row, out),
-            KType::Q3K if gfni() => q3k_gfni::<S, 1>(p, at, row, out),
-            KType::Q3K => q23k::<S, 1, true, false>(p, at, row, out),
+            KType::Q3K => q3k::<S, 1>(p, at, row, out),
             KType::Q4K => q4k::<S, 1, false>(p, at, row, out),
             KType::Q5K => q4k::<S, 1, true>(p, at, row, out),
             KType::Q6K => q6k::<S, 1>(p, at, row, out),
@@ -89,22 +86,17 @@ pub(super) unsafe fn streams<const S: usize>(
 /// As [`group`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn low_k(p: &KPacked, g: usize, rows: &[ActRow], out: &mut [f32]) {
-    // SAFETY: every arm calls with what this function requires (GFNI where `gfni()`
-    // found it).
+    // SAFETY: every arm calls with what this function requires.
     unsafe {
         match (p.ty, rows.len()) {
             (KType::Q2K, 1) => q23k::<1, 1, false, false>(p, ([g], g), rows, out),
             (KType::Q2K, 2) => q23k::<1, 2, false, false>(p, ([g], g), rows, out),
             (KType::Q2K, 3) => q23k::<1, 3, false, false>(p, ([g], g), rows, out),
             (KType::Q2K, _) => q23k::<1, 4, false, false>(p, ([g], g), rows, out),
-            (KType::Q3K, 1) if gfni() => q3k_gfni::<1, 1>(p, ([g], g), rows, out),
-            (KType::Q3K, 2) if gfni() => q3k_gfni::<1, 2>(p, ([g], g), rows, out),
-            (KType::Q3K, 3) if gfni() => q3k_gfni::<1, 3>(p, ([g], g), rows, out),
-            (KType::Q3K, _) if gfni() => q3k_gfni::<1, 4>(p, ([g], g), rows, out),
-            (KType::Q3K, 1) => q23k::<1, 1, true, false>(p, ([g], g), rows, out),
-            (KType::Q3K, 2) => q23k::<1, 2, true, false>(p, ([g], g), rows, out),
-            (KType::Q3K, 3) => q23k::<1, 3, true, false>(p, ([g], g), rows, out),
-            (KType::Q3K, _) => q23k::<1, 4, true, false>(p, ([g], g), rows, out),
+            (KType::Q3K, 1) => q3k::<1, 1>(p, ([g], g), rows, out),
+            (KType::Q3K, 2) => q3k::<1, 2>(p, ([g], g), rows, out),
+            (KType::Q3K, 3) => q3k::<1, 3>(p, ([g], g), rows, out),
+            (KType::Q3K, _) => q3k::<1, 4>(p, ([g], g), rows, out),
             _ => {}
         }
     }

@@ -2,6 +2,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::super::gfni;
 use super::super::super::word_at;
 use super::super::avx512::store;
 use super::super::{PREFETCH, STREAM_PREFETCH, pair};
@@ -155,6 +156,27 @@ pub(in super::super) unsafe fn q23k<
     }
     // SAFETY: as `store` requires.
     unsafe { store(&accs, (gs, first), out) };
+}
+
+/// [`q23k`] for Q3_K: [`q3k_gfni`] where `gfni()` found GFNI, else the shifts.
+///
+/// # Safety
+/// As [`q23k`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+pub(in super::super) unsafe fn q3k<const S: usize, const R: usize>(
+    p: &KPacked,
+    at: ([usize; S], usize),
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
+    // SAFETY: as this function requires; GFNI where `gfni()` found it.
+    unsafe {
+        if gfni() {
+            q3k_gfni::<S, R>(p, at, rows, out);
+        } else {
+            q23k::<S, R, true, false>(p, at, rows, out);
+        }
+    }
 }
 
 /// [`q23k`] for Q3_K with GFNI: per step, one bitwise select (`vpternlogd`) takes
