@@ -629,6 +629,50 @@ impl KPacked {
         }
     }
 
+    /// Whether the AVX2 kernels run a product of `n` activation rows from this weight
+    /// unpacked ([`Self::avx2_unpack`], [`Self::avx2_unpacked`]): AVX2 is the kernel
+    /// family in use (AVX-512 unpacks in registers, AMX in its own form) and there are
+    /// at least [`ROW_TILE`] rows. The group kernels unpack each step again for every
+    /// four rows and each half of the lanes; this unpacks a group once for all the
+    /// rows.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn avx2_unpacks(&self, n: usize) -> bool {
+        super::simd() == super::Simd::Avx2 && n >= ROW_TILE
+    }
+
+    /// Group `g`'s super-blocks unpacked for [`Self::avx2_unpacked`] (`nb·4096` bytes)
+    /// into `w`, on a CPU with AVX2.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn avx2_unpack(&self, g: usize, w: &mut Vec<u8>) {
+        assert!(super::detected_simd() >= super::Simd::Avx2 && g < self.groups);
+        w.resize(self.nb * avx2::UNPACKED, 0);
+        #[expect(unsafe_code, reason = "AVX2 over buffers whose lengths are set first")]
+        // SAFETY: the CPU has AVX2 and FMA; `w` was sized.
+        unsafe {
+            avx2::unpack(self, g, w);
+        }
+    }
+
+    /// [`Self::group`]'s outputs for any number of `rows` from group `g` unpacked in
+    /// `w` ([`Self::avx2_unpack`]), with AVX2: the same bits.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn avx2_unpacked(&self, g: usize, w: &[u8], rows: &[ActRow], out: &mut [f32]) {
+        assert!(
+            super::detected_simd() >= super::Simd::Avx2
+                && g < self.groups
+                && w.len() == self.nb * avx2::UNPACKED
+                && out.len() >= rows.len() * LANES
+        );
+        for row in rows {
+            self.check_row(row);
+        }
+        #[expect(unsafe_code, reason = "AVX2 over buffers whose lengths are asserted first")]
+        // SAFETY: the CPU has AVX2 and FMA; `w`, the rows and `out` checked.
+        unsafe {
+            avx2::unpacked(self, g, w, rows, out);
+        }
+    }
+
     /// [`Self::group`] without SIMD: the reference every kernel equals bit for bit.
     pub(super) fn group_scalar(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
         for (r, row) in rows.iter().enumerate() {
@@ -848,6 +892,42 @@ mod tests {
                                 "AVX-512: {at}"
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 prefill from a group unpacked once gives the scalar kernel's bits: every
+    /// K-quant, one to five super-blocks, one to thirteen activation rows (four at
+    /// a time and the rest), a last group with padding rows, extreme weights and
+    /// activations.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_unpacked_prefill_equals_the_scalar_kernel() {
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        for ty in TYPES {
+            for nb in [1, 2, 3, 5] {
+                let out = 20;
+                let packed = KPacked::pack(ty, &extreme_weight(ty, out, nb), out, nb);
+                let rows = extreme_rows(nb, 13);
+                let mut w = Vec::new();
+                for g in 0..packed.groups {
+                    packed.avx2_unpack(g, &mut w);
+                    for n in [1, 2, 3, 4, 5, 7, 8, 9, 13] {
+                        let mut want = vec![0f32; n * LANES];
+                        packed.group_scalar(g, &rows[..n], &mut want);
+                        let mut got = vec![0f32; n * LANES];
+                        packed.avx2_unpacked(g, &w, &rows[..n], &mut got);
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{ty:?}, {nb} super-blocks, group {g}, {n} rows"
+                        );
                     }
                 }
             }

@@ -927,6 +927,17 @@ impl FastLinear {
                 p.decode(from..from + dst.len() / LANES, row, dst);
                 return;
             }
+            #[cfg(target_arch = "x86_64")]
+            if let Packing::K(k) = p
+                && k.avx2_unpacks(rows.len())
+            {
+                let mut w = Vec::new();
+                for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
+                    k.avx2_unpack(g, &mut w);
+                    k.avx2_unpacked(g, &w, rows, dst);
+                }
+                return;
+            }
             for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
                 for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
                     p.group(g, chunk, d);

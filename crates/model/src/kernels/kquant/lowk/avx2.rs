@@ -14,7 +14,7 @@ use super::{ActRow, K_SUMS, KPacked, QK_K, high_bit};
 /// AVX2; `small` points to a block's 256 bytes of scales, `pr < 8`, `h < 2`.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn pair_scales<const THREE: bool>(
+pub(in super::super) unsafe fn pair_scales<const THREE: bool>(
     small: *const u8,
     pr: usize,
     h: usize,
