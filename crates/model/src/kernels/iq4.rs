@@ -259,6 +259,23 @@ mod tests {
                     );
                 }
             }
+            // With AVX2, from each group unpacked once (IQ4_XS's scales per 32).
+            #[cfg(target_arch = "x86_64")]
+            if super::super::detected_simd() >= super::super::Simd::Avx2 {
+                let mut w = Vec::new();
+                for g in 0..p.groups {
+                    p.avx2_unpack(g, &mut w);
+                    let mut want = [0f32; 128];
+                    p.group_scalar(g, &rows, &mut want);
+                    let mut got = [0f32; 128];
+                    p.avx2_unpacked(g, &w, &rows, &mut got);
+                    assert_eq!(
+                        got.map(f32::to_bits),
+                        want.map(f32::to_bits),
+                        "{ty:?}, group {g}, AVX2 unpacked"
+                    );
+                }
+            }
             // A prefill of 37 rows: two sixteen-row tiles (AMX where this CPU has it)
             // and five more.
             let xs: Vec<f32> = (0..37 * k)

@@ -666,7 +666,10 @@ impl KPacked {
         for row in rows {
             self.check_row(row);
         }
-        #[expect(unsafe_code, reason = "AVX2 over buffers whose lengths are asserted first")]
+        #[expect(
+            unsafe_code,
+            reason = "AVX2 over buffers whose lengths are asserted first"
+        )]
         // SAFETY: the CPU has AVX2 and FMA; `w`, the rows and `out` checked.
         unsafe {
             avx2::unpacked(self, g, w, rows, out);

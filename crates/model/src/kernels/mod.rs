@@ -410,6 +410,33 @@ impl Packing {
         }
     }
 
+    /// Whether the AVX2 kernels run a product of `n` rows from each group unpacked once
+    /// ([`Self::avx2_unpacked`]).
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_unpacks(&self, n: usize) -> bool {
+        match self {
+            Self::K(p) => p.avx2_unpacks(n),
+            Self::B32(p) => p.avx2_unpacks(n),
+        }
+    }
+
+    /// Group `g`'s outputs for every row of `rows` into `out` (`[row][lane]`), with
+    /// AVX2 from the group unpacked into `w` (reused from group to group): the bits of
+    /// [`Self::group`].
+    #[cfg(target_arch = "x86_64")]
+    fn avx2_unpacked(&self, g: usize, w: &mut Vec<u8>, rows: &[ActRow], out: &mut [f32]) {
+        match self {
+            Self::K(p) => {
+                p.avx2_unpack(g, w);
+                p.avx2_unpacked(g, w, rows, out);
+            }
+            Self::B32(p) => {
+                p.avx2_unpack(g, w);
+                p.avx2_unpacked(g, w, rows, out);
+            }
+        }
+    }
+
     /// Groups `groups` for one activation row (decode): [`Self::group`]'s bits.
     fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
         match self {
@@ -928,13 +955,10 @@ impl FastLinear {
                 return;
             }
             #[cfg(target_arch = "x86_64")]
-            if let Packing::K(k) = p
-                && k.avx2_unpacks(rows.len())
-            {
+            if p.avx2_unpacks(rows.len()) {
                 let mut w = Vec::new();
                 for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
-                    k.avx2_unpack(g, &mut w);
-                    k.avx2_unpacked(g, &w, rows, dst);
+                    p.avx2_unpacked(g, &mut w, rows, dst);
                 }
                 return;
             }

@@ -642,6 +642,50 @@ impl Packed32 {
         }
     }
 
+    /// Whether the AVX2 kernels run a product of `n` activation rows from this weight
+    /// unpacked ([`Self::avx2_unpack`], [`Self::avx2_unpacked`]): as the K-quants'
+    /// (`KPacked::avx2_unpacks`).
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn avx2_unpacks(&self, n: usize) -> bool {
+        super::simd() == super::Simd::Avx2 && n >= ROW_TILE
+    }
+
+    /// Group `g`'s blocks unpacked for [`Self::avx2_unpacked`] into `w`, on a CPU with
+    /// AVX2.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn avx2_unpack(&self, g: usize, w: &mut Vec<u8>) {
+        assert!(super::detected_simd() >= super::Simd::Avx2 && g < self.groups);
+        w.resize(self.nb * avx2::unpacked_bytes(self), 0);
+        #[expect(unsafe_code, reason = "AVX2 over buffers whose lengths are set first")]
+        // SAFETY: the CPU has AVX2, FMA and F16C (`detected_simd`); `w` was sized.
+        unsafe {
+            avx2::unpack(self, g, w);
+        }
+    }
+
+    /// [`Self::group`]'s outputs for any number of `rows` from group `g` unpacked in
+    /// `w` ([`Self::avx2_unpack`]), with AVX2: the same bits.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn avx2_unpacked(&self, g: usize, w: &[u8], rows: &[ActRow], out: &mut [f32]) {
+        assert!(
+            super::detected_simd() >= super::Simd::Avx2
+                && g < self.groups
+                && w.len() == self.nb * avx2::unpacked_bytes(self)
+                && out.len() >= rows.len() * LANES
+        );
+        for row in rows {
+            self.check_row(row);
+        }
+        #[expect(
+            unsafe_code,
+            reason = "AVX2 over buffers whose lengths are asserted first"
+        )]
+        // SAFETY: the CPU has AVX2, FMA and F16C; `w`, the rows and `out` checked.
+        unsafe {
+            avx2::unpacked(self, g, w, rows, out);
+        }
+    }
+
     /// [`Self::group`] without SIMD: the definition every kernel equals bit for bit.
     pub(super) fn group_scalar(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
         for (r, row) in rows.iter().enumerate() {
@@ -816,6 +860,53 @@ mod tests {
                                     "AVX-512: {at}"
                                 );
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 prefill from a group unpacked once gives the scalar kernel's bits: every
+    /// form, f16 and f32 scales, with and without minimums, one to nineteen blocks, one
+    /// to thirteen activation rows, a last group with padding rows, extreme values.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_unpacked_prefill_equals_the_scalar_kernel() {
+        if detected_simd() < Simd::Avx2 {
+            eprintln!("skipped: this CPU has no AVX2");
+            return;
+        }
+        for (form, f32_scales) in NUMERIC_FORMS
+            .into_iter()
+            .chain([Form::Codebook])
+            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
+        {
+            for with_min in [false, true] {
+                for nb in [1, 3, 19] {
+                    let out = 20;
+                    let (q, mut d, m) = rows_of(form, out, nb, with_min);
+                    if f32_scales {
+                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
+                    }
+                    let packed = Packed32::pack(form, &q, &d, &m, out, nb);
+                    let rows = act_rows(nb * QK, 13);
+                    let mut w = Vec::new();
+                    for g in 0..packed.groups {
+                        packed.avx2_unpack(g, &mut w);
+                        for n in [1, 3, 4, 5, 8, 9, 13] {
+                            let mut want = vec![0f32; n * LANES];
+                            packed.group_scalar(g, &rows[..n], &mut want);
+                            let mut got = vec![0f32; n * LANES];
+                            packed.avx2_unpacked(g, &w, &rows[..n], &mut got);
+                            let bits =
+                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                            assert_eq!(
+                                bits(&got),
+                                bits(&want),
+                                "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} \
+                                 blocks, group {g}, {n} rows"
+                            );
                         }
                     }
                 }

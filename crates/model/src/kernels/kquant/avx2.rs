@@ -752,7 +752,10 @@ unsafe fn unpacked16<const R: usize, const TY: usize>(
             if TY == SIX {
                 let lo = _mm_loadl_epi64(small.add(2 * pr * LANES + 8 * h).cast());
                 let hi = _mm_loadl_epi64(small.add((2 * pr + 1) * LANES + 8 * h).cast());
-                (_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi)), _mm256_setzero_si256())
+                (
+                    _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi)),
+                    _mm256_setzero_si256(),
+                )
             } else if TY == THREE {
                 pair_scales::<true>(small, pr, h)
             } else {
