@@ -29,6 +29,13 @@
 //! into signed bytes. The tile sums are the same exact integers, and the float steps the
 //! same, so the outputs keep their bits.
 //!
+//! Prefill with the AVX2 kernels (at least [`ROW_TILE`] rows): each group is first
+//! unpacked once into bytes in the values' order (`kquant/avx2.rs`,
+//! `packed32/avx2.rs`), then every activation row takes its products from them, four
+//! rows per pass; the group kernels, which unpack each step again for every four rows
+//! and each half of the lanes, keep the products of fewer rows. The sums are the same
+//! exact integers and the float steps the same, so the outputs keep their bits.
+//!
 //! Every output element is computed by one thread in one fixed order, whatever the
 //! number of rows in the batch: a sequence's logits do not depend on what it was
 //! batched with, and scoring a whole sequence in one pass gives bit-identical

@@ -260,12 +260,38 @@ unsafe fn end<const R: usize>(
     // SAFETY: AVX2, FMA and F16C as the caller guarantees; 8 scales from lane 8h (`m`
     // only with minimums).
     unsafe {
-        let d = scales_of(blk, h);
+        let m = if blk.m.is_empty() {
+            None
+        } else {
+            Some(_mm256_cvtph_ps(_mm_loadu_si128(
+                blk.m.as_ptr().add(8 * h).cast(),
+            )))
+        };
+        fma_step(scales_of(blk, h), m, rows, b, isum, acc);
+    }
+}
+
+/// `acc = fma(d_w·d_a, isum, acc)` and, with minimums `m`, `acc = fma(m, s_a, acc)`,
+/// lane by lane, for block `b` of each row. Always inlined, as [`end`].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `rows` (at least `R`) must hold block `b`'s
+/// scale and (with `m`) sum.
+#[inline(always)]
+unsafe fn fma_step<const R: usize>(
+    d: __m256,
+    m: Option<__m256>,
+    rows: &[ActRow],
+    b: usize,
+    isum: [__m256i; R],
+    acc: &mut [__m256; R],
+) {
+    // SAFETY: AVX2 and FMA as the caller guarantees.
+    unsafe {
         for r in 0..R {
             let da = _mm256_set1_ps(rows[r].d[b]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            if !blk.m.is_empty() {
-                let m = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast()));
+            if let Some(m) = m {
                 acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r]);
             }
         }
@@ -468,15 +494,12 @@ unsafe fn unpacked_end<const R: usize, const MIN: bool>(
 ) {
     // SAFETY: as the caller guarantees.
     unsafe {
-        let d = _mm256_loadu_ps(scales);
-        for r in 0..R {
-            let da = _mm256_set1_ps(rows[r].d[b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]), acc[r]);
-            if MIN {
-                let m = _mm256_loadu_ps(scales.add(16));
-                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r]);
-            }
-        }
+        let m = if MIN {
+            Some(_mm256_loadu_ps(scales.add(16)))
+        } else {
+            None
+        };
+        fma_step(_mm256_loadu_ps(scales), m, rows, b, isum, acc);
     }
 }
 
