@@ -687,20 +687,11 @@ unsafe fn unpacked45<const R: usize, const FLUSH: usize>(
                 _mm_loadl_epi64(small.add(j * LANES + 8 * h).cast())
             }));
             for t0 in (0..8).step_by(FLUSH) {
-                let mut sum16 = [_mm256_setzero_si256(); R];
-                for t in t0..t0 + FLUSH {
-                    // SAFETY: step 8j + t's half within the 4096 bytes; the activation
-                    // words within the rows' super-block.
-                    unsafe {
-                        let wv = _mm256_loadu_si256(wb.add(j * 512 + t * 64).cast());
-                        for r in 0..R {
-                            let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
-                            sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wv, x));
-                        }
-                    }
-                }
-                for r in 0..R {
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
+                // SAFETY: steps 8j + t0.. of the 4096 bytes, half h; the activation words
+                // within the rows' super-block.
+                unsafe {
+                    let at = std::array::from_fn(|r| a[r].add(32 * j + 4 * t0));
+                    unsigned_steps::<R, FLUSH>(wb.add(j * 512 + t0 * 64), at, s, &mut isum);
                 }
             }
         }
@@ -734,7 +725,6 @@ unsafe fn unpacked16<const R: usize, const TY: usize>(
     rows: &[ActRow],
     out: &mut [f32],
 ) {
-    let flush = if TY == SIX { 2 } else { 4 };
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..p.nb {
         let blk = p.block(g, b);
@@ -770,21 +760,17 @@ unsafe fn unpacked16<const R: usize, const TY: usize>(
                 .enumerate()
             {
                 let gi = 2 * pr + e;
-                for t0 in (0..4).step_by(flush) {
-                    let mut sum16 = [_mm256_setzero_si256(); R];
-                    for t in t0..t0 + flush {
-                        // SAFETY: step 4gi + t's half within the 4096 bytes; the
-                        // activation words within the rows' super-block.
-                        unsafe {
-                            let wv = _mm256_loadu_si256(wb.add(gi * 256 + t * 64).cast());
-                            for r in 0..R {
-                                let x = _mm256_set1_epi32(word_at(a[r].add(16 * gi + 4 * t)));
-                                sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wv, x));
-                            }
-                        }
-                    }
-                    for r in 0..R {
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
+                // SAFETY: steps 4gi.. of the 4096 bytes, half h; the activation words
+                // within the rows' super-block.
+                unsafe {
+                    let w = wb.add(gi * 256);
+                    let at: [*const i8; R] = std::array::from_fn(|r| a[r].add(16 * gi));
+                    if TY == SIX {
+                        // Two steps at a time: 2·2·63·128 < 2¹⁵.
+                        unsigned_steps::<R, 2>(w, at, s, &mut isum);
+                        unsigned_steps::<R, 2>(w.add(128), at.map(|a| a.add(8)), s, &mut isum);
+                    } else {
+                        unsigned_steps::<R, 4>(w, at, s, &mut isum);
                     }
                 }
             }
@@ -832,4 +818,37 @@ unsafe fn unpacked16<const R: usize, const TY: usize>(
     }
     // SAFETY: `out` holds 16·R values.
     unsafe { store(&[acc.map(|v| [v])], ([g], g), h, out) };
+}
+
+/// `N` steps of unsigned weights at `w` (one eight-lane half each, 64 bytes apart)
+/// times `R` rows' activation words at `a` (4 bytes apart): `vpmaddubsw` pair sums
+/// added in 16 bits (the caller keeps `N` within their bound), then `vpmaddwd` with
+/// `s` (a lane's scale in both halves, or ones) into `isum`. The inner loop of every
+/// AVX2 prefill from unpacked weights but the signed ones. Always inlined (into AVX2
+/// kernels), so no target feature of its own.
+///
+/// # Safety
+/// The CPU must support AVX2; `N` steps must be readable at `w` and `4·N` bytes at
+/// each of `a`.
+#[inline(always)]
+pub(in crate::kernels) unsafe fn unsigned_steps<const R: usize, const N: usize>(
+    w: *const u8,
+    a: [*const i8; R],
+    s: __m256i,
+    isum: &mut [__m256i; R],
+) {
+    // SAFETY: AVX2 and the buffers as the caller guarantees.
+    unsafe {
+        let mut sum16 = [_mm256_setzero_si256(); R];
+        for t in 0..N {
+            let wv = _mm256_loadu_si256(w.add(t * 64).cast());
+            for r in 0..R {
+                let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
+                sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wv, x));
+            }
+        }
+        for r in 0..R {
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], s));
+        }
+    }
 }

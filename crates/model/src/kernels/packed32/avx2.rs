@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::kquant::avx2::{sixteen_where, store};
+use super::super::kquant::avx2::{sixteen_where, store, unsigned_steps};
 use super::{
     ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, word_at,
 };
@@ -532,20 +532,11 @@ unsafe fn nibbles<const R: usize, const FLUSH: usize, const MIN: bool>(
         };
         let mut isum = [_mm256_setzero_si256(); R];
         for t0 in (0..8).step_by(FLUSH) {
-            let mut sum16 = [_mm256_setzero_si256(); R];
-            for t in t0..t0 + FLUSH {
-                // SAFETY: step t's half within the block's 512 bytes; the activation
-                // words within the rows' block.
-                unsafe {
-                    let wv = _mm256_loadu_si256(wb.add(t * 64).cast());
-                    for r in 0..R {
-                        let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
-                        sum16[r] = _mm256_add_epi16(sum16[r], _mm256_maddubs_epi16(wv, x));
-                    }
-                }
-            }
-            for r in 0..R {
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(sum16[r], ones));
+            // SAFETY: steps t0.. of the block's 512 bytes, half h; the activation words
+            // within the rows' block.
+            unsafe {
+                let at = a.map(|a| a.add(4 * t0));
+                unsigned_steps::<R, FLUSH>(wb.add(t0 * 64), at, ones, &mut isum);
             }
         }
         for r in 0..R {
