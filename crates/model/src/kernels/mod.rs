@@ -29,7 +29,7 @@
 //! into signed bytes. The tile sums are the same exact integers, and the float steps the
 //! same, so the outputs keep their bits.
 //!
-//! Prefill with the AVX2 kernels (at least [`ROW_TILE`] rows): each group is first
+//! Prefill with the AVX2 kernels (at least `ROW_TILE`, eight, rows): each group is first
 //! unpacked once into bytes in the values' order (`kquant/avx2.rs`,
 //! `packed32/avx2.rs`), then every activation row takes its products from them, four
 //! rows per pass; the group kernels, which unpack each step again for every four rows
