@@ -84,23 +84,8 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
                             // them (and 8 of its 64 bytes of fifth bits); the activation
                             // words lie within the row's block.
                             unsafe {
-                                let w = half_step(q, t, h, ahead);
-                                let mut wl = _mm256_and_si256(w, low);
-                                let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
-                                if five {
-                                    // Bits 32h.. of step t's mask of each nibble half.
-                                    let mask = |half: usize| {
-                                        let m = blk
-                                            .high
-                                            .as_ptr()
-                                            .add((t * 2 + half) * 8 + 4 * h)
-                                            .cast::<i32>()
-                                            .read_unaligned();
-                                        sixteen_where(m)
-                                    };
-                                    wl = _mm256_or_si256(wl, mask(0));
-                                    wh = _mm256_or_si256(wh, mask(1));
-                                }
+                                let (wl, wh) =
+                                    nibble_halves(half_step(q, t, h, ahead), &blk, (t, h), five);
                                 for r in 0..R {
                                     let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
                                     let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
@@ -203,6 +188,41 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
     }
     // SAFETY: `out` holds 16·R values per group from `first`.
     unsafe { store(&accs, (gs, first), h0, out) };
+}
+
+/// The unsigned values of half `h` of step `t`'s 32 quant bytes `x`: the low nibbles
+/// and the high ones, each with 16 added where its fifth bit is set (`five`: bits 32h..
+/// of the step's mask of that nibble half). Always inlined (into AVX2 kernels), so no
+/// target feature of its own.
+///
+/// # Safety
+/// The CPU must support AVX2; with `five`, the block's masks of step `t` must be
+/// readable.
+#[inline(always)]
+unsafe fn nibble_halves(
+    x: __m256i,
+    blk: &Block<'_>,
+    (t, h): (usize, usize),
+    five: bool,
+) -> (__m256i, __m256i) {
+    // SAFETY: AVX2 and the masks as the caller guarantees.
+    unsafe {
+        let low = _mm256_set1_epi8(0x0F);
+        let mut wl = _mm256_and_si256(x, low);
+        let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
+        if five {
+            let mask = |half: usize| {
+                blk.high
+                    .as_ptr()
+                    .add((t * 2 + half) * 8 + 4 * h)
+                    .cast::<i32>()
+                    .read_unaligned()
+            };
+            wl = _mm256_or_si256(wl, sixteen_where(mask(0)));
+            wh = _mm256_or_si256(wh, sixteen_where(mask(1)));
+        }
+        (wl, wh)
+    }
 }
 
 /// Half `h` (32 bytes) of step `t` (64 bytes) of a block's quants at `q`; the first half
@@ -369,21 +389,7 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [u8]) {
                     Form::Nibbles { five, .. } => {
                         for t in 0..4 {
                             let x = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
-                            let mut wl = _mm256_and_si256(x, low);
-                            let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
-                            if five {
-                                let mask = |half: usize| {
-                                    let m = blk
-                                        .high
-                                        .as_ptr()
-                                        .add((t * 2 + half) * 8 + 4 * h)
-                                        .cast::<i32>()
-                                        .read_unaligned();
-                                    sixteen_where(m)
-                                };
-                                wl = _mm256_or_si256(wl, mask(0));
-                                wh = _mm256_or_si256(wh, mask(1));
-                            }
+                            let (wl, wh) = nibble_halves(x, &blk, (t, h), five);
                             _mm256_storeu_si256(at(t).cast(), wl);
                             _mm256_storeu_si256(at(t + 4).cast(), wh);
                         }
