@@ -1,7 +1,8 @@
 //! Quick timing of one quantized matmul, our kernels against candle's, for kernel work:
 //! `cargo run --release -p agentstack-model --example kernel_speed -- [TYPES] [OUT] [IN] [ROWS]`
-//! with `TYPES` a comma-separated list (`q4_0,q4k,q6k`, default every type with a
-//! kernel) and `ROWS` a comma-separated list of activation row counts (default
+//! with `TYPES` a comma-separated list (`q4_0,q4k,q6k,iq4_xs`, default
+//! `q4_1,q8_0,q4k,q6k`; `iq4_nl` and `iq4_xs` are random blocks, which candle does not
+//! read) and `ROWS` a comma-separated list of activation row counts (default
 //! `1,4,64`). Runs on the current thread pool (`RAYON_NUM_THREADS`);
 //! `AGENTSTACK_KERNELS=avx2` caps our kernels' instruction set. Decode is one activation
 //! row, prefill many. A weight that fits in L2 (`1024 2048`) times the kernels' arithmetic;
@@ -10,6 +11,7 @@
 
 use std::time::Instant;
 
+use agentstack_model::gguf::{RawTensor, RawType};
 use agentstack_model::kernels::{FastLinear, QuantKind};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -27,6 +29,34 @@ fn dtype(name: &str) -> Option<GgmlDType> {
         "q5k" => GgmlDType::Q5K,
         "q6k" => GgmlDType::Q6K,
         _ => return None,
+    })
+}
+
+/// A tensor of `out × inp` random IQ4 blocks (`iq4_nl`, `iq4_xs`), each scale `d` a
+/// small f16 (speed does not depend on the values).
+fn iq4(name: &str, out: usize, inp: usize) -> Option<RawTensor> {
+    let ty = match name {
+        "iq4_nl" => RawType::Iq4Nl,
+        "iq4_xs" => RawType::Iq4Xs,
+        _ => return None,
+    };
+    let (len, size) = (ty.block_size(), ty.type_size());
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut data: Vec<u8> = (0..out * inp / len * size)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    for block in data.chunks_exact_mut(size) {
+        block[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+    }
+    Some(RawTensor {
+        ty,
+        dims: vec![out, inp],
+        data,
     })
 }
 
@@ -70,6 +100,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| type | rows | ours µs | candle µs | ours / candle speed | weight GB/s (ours) |");
     println!("|---|--:|--:|--:|--:|--:|");
     for name in types.split(',') {
+        if let Some(raw) = iq4(name, out, inp) {
+            let bytes = raw.data.len() as f64;
+            let fast = FastLinear::from_raw(&raw)?;
+            for &rows in &row_counts {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
+                let ours = time(|| {
+                    fast.forward(&x).expect("forward");
+                });
+                println!(
+                    "| {name} | {rows} | {:.1} | – | | {:.1} |",
+                    ours * 1e6,
+                    bytes / ours / 1e9
+                );
+            }
+            continue;
+        }
         let dt = dtype(name).ok_or_else(|| format!("unknown type {name}"))?;
         let q = QTensor::quantize(&w, dt)?;
         let bytes = q.storage_size_in_bytes() as f64;

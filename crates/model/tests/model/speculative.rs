@@ -79,9 +79,12 @@ async fn greedy_output_is_bit_identical_with_speculation_and_drafts_are_kept() {
         assert_eq!(plain.draft_tokens, 0);
         assert!(speculated.accepted_draft_tokens <= speculated.draft_tokens);
         if i == 0 {
-            // The rewrite copies the file: most of its tokens come from kept drafts.
+            // The rewrite copies lines of the file: some of its tokens come from kept
+            // drafts. How many depends on the measured cost of passes on this machine
+            // (a draft runs only where it pays), so the share is not asserted here:
+            // bench/inference/speculative.py measures it (with the speed).
             assert!(
-                speculated.accepted_draft_tokens * 2 > speculated.tokens.len(),
+                speculated.accepted_draft_tokens > 0,
                 "{} of {} tokens from drafts ({} drafted): {}",
                 speculated.accepted_draft_tokens,
                 speculated.tokens.len(),

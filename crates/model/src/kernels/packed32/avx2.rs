@@ -559,7 +559,10 @@ unsafe fn nibbles<const R: usize, const FLUSH: usize, const MIN: bool>(
 /// [`unpacked`] for signed weights (codebook, bytes), `R` rows, lanes `8h..8h + 8`:
 /// `|w|` times the activations with `w`'s sign (no pair overflows: 2·128·127 < 2¹⁵),
 /// widened every step. (`|w|` is taken per step for the four rows: holding it unpacked
-/// as well made the 64-row Q8_0 product no faster, 2.4–2.8 ms against 2.4–2.5.)
+/// as well made the 64-row Q8_0 product no faster, 2.4–2.8 ms against 2.4–2.5.
+/// Neither did 16-bit weights and activations with `vpmaddwd`, two multiply-adds and
+/// two adds per 32 products and row (64-row IQ4_XS 2.43 ms against 2.37–2.60): both
+/// are four vector operations per 32 products, and those bound the product.)
 ///
 /// # Safety
 /// As [`unpacked`], with `R` rows and `p` in the codebook or bytes form.
