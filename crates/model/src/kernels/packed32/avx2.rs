@@ -3,6 +3,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::Sides;
 use super::super::kquant::avx2::{sixteen_where, store, unsigned_steps};
 use super::{
     ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, word_at,
@@ -67,9 +68,10 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb blocks of every row.
-        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK) });
+        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
@@ -110,7 +112,8 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
                         }
                     }
                     for r in 0..R {
-                        let off = _mm256_set1_epi32(offset * rows[r].isums[b]);
+                        // SAFETY: the rows hold block b.
+                        let off = _mm256_set1_epi32(offset * unsafe { sides.isum(r, b) });
                         for (isum, sum16) in isum[r].iter_mut().zip(&sum16[r]) {
                             let rest = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
                             *isum = _mm256_sub_epi32(rest, off);
@@ -179,7 +182,7 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
                 let isum: [__m256i; R] = std::array::from_fn(|r| isum[r][hh]);
                 let mut half: [__m256; R] = std::array::from_fn(|r| acc[r][hh]);
                 // SAFETY: the rows hold block b.
-                unsafe { end(&blk, rows, b, h0 + hh, isum, &mut half) };
+                unsafe { end(&blk, &sides, b, h0 + hh, isum, &mut half) };
                 for (acc, v) in acc.iter_mut().zip(half) {
                     acc[hh] = v;
                 }
@@ -266,12 +269,12 @@ pub(super) unsafe fn streams<const S: usize>(
 /// kernels), so no target feature of its own.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `rows` (at least `R`) must hold block
-/// `b`'s scale and (with minimums) sum.
+/// The CPU must support AVX2, FMA and F16C; the rows must hold block `b`'s scale and
+/// (with minimums) sum.
 #[inline(always)]
 unsafe fn end<const R: usize>(
     blk: &Block<'_>,
-    rows: &[ActRow],
+    rows: &Sides<R>,
     b: usize,
     h: usize,
     isum: [__m256i; R],
@@ -295,24 +298,24 @@ unsafe fn end<const R: usize>(
 /// lane by lane, for block `b` of each row. Always inlined, as [`end`].
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `rows` (at least `R`) must hold block `b`'s
-/// scale and (with `m`) sum.
+/// The CPU must support AVX2 and FMA; the rows must hold block `b`'s scale and (with
+/// `m`) sum.
 #[inline(always)]
 unsafe fn fma_step<const R: usize>(
     d: __m256,
     m: Option<__m256>,
-    rows: &[ActRow],
+    rows: &Sides<R>,
     b: usize,
     isum: [__m256i; R],
     acc: &mut [__m256; R],
 ) {
-    // SAFETY: AVX2 and FMA as the caller guarantees.
+    // SAFETY: AVX2 and FMA, and the rows' block b, as the caller guarantees.
     unsafe {
         for r in 0..R {
-            let da = _mm256_set1_ps(rows[r].d[b]);
+            let da = _mm256_set1_ps(rows.d(r, b));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]), acc[r]);
             if let Some(m) = m {
-                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[r].s[b]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows.s(r, b)), acc[r]);
             }
         }
     }
@@ -488,12 +491,11 @@ pub(super) unsafe fn unpacked(p: &Packed32, g: usize, w: &[u8], rows: &[ActRow],
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `scales` must point to the 8 scales (and 8
-/// minimums 16 values on); `rows` (at least `R`) must hold block `b`'s scale and (with
-/// `MIN`) sum.
+/// minimums 16 values on); the rows must hold block `b`'s scale and (with `MIN`) sum.
 #[inline(always)]
 unsafe fn unpacked_end<const R: usize, const MIN: bool>(
     scales: *const f32,
-    rows: &[ActRow],
+    rows: &Sides<R>,
     b: usize,
     isum: [__m256i; R],
     acc: &mut [__m256; R],
@@ -528,11 +530,12 @@ unsafe fn nibbles<const R: usize, const FLUSH: usize, const MIN: bool>(
     let ones = _mm256_set1_epi16(1);
     let per = unpacked_bytes(p);
     let mut acc = [_mm256_setzero_ps(); R];
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: block b of each row and of the unpacked group, half h.
         let (a, wb): ([*const i8; R], _) = unsafe {
             (
-                std::array::from_fn(|r| rows[r].qs.as_ptr().add(b * QK)),
+                std::array::from_fn(|r| sides.qs(r, b * QK)),
                 w.as_ptr().add(b * per + 32 * h),
             )
         };
@@ -545,12 +548,14 @@ unsafe fn nibbles<const R: usize, const FLUSH: usize, const MIN: bool>(
                 unsigned_steps::<R, FLUSH>(wb.add(t0 * 64), at, ones, &mut isum);
             }
         }
-        for r in 0..R {
-            isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(offset * rows[r].isums[b]));
+        for (r, isum) in isum.iter_mut().enumerate() {
+            // SAFETY: the rows hold block b.
+            let off = offset * unsafe { sides.isum(r, b) };
+            *isum = _mm256_sub_epi32(*isum, _mm256_set1_epi32(off));
         }
         // SAFETY: the block's unpacked scales of half h (and minimums); the rows hold
         // block b.
-        unsafe { unpacked_end::<R, MIN>(wb.add(SCALES_AT).cast(), rows, b, isum, &mut acc) };
+        unsafe { unpacked_end::<R, MIN>(wb.add(SCALES_AT).cast(), &sides, b, isum, &mut acc) };
     }
     // SAFETY: `out` holds 16·R values.
     unsafe { store(&[acc.map(|v| [v])], ([g], g), h, out) };
@@ -577,11 +582,12 @@ unsafe fn signed<const R: usize, const MIN: bool>(
     let ones = _mm256_set1_epi16(1);
     let per = unpacked_bytes(p);
     let mut acc = [_mm256_setzero_ps(); R];
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: block b of each row and of the unpacked group, half h.
         let (a, wb): ([*const i8; R], _) = unsafe {
             (
-                std::array::from_fn(|r| rows[r].qs.as_ptr().add(b * QK)),
+                std::array::from_fn(|r| sides.qs(r, b * QK)),
                 w.as_ptr().add(b * per + 32 * h),
             )
         };
@@ -601,7 +607,7 @@ unsafe fn signed<const R: usize, const MIN: bool>(
         }
         // SAFETY: the block's unpacked scales of half h (and minimums); the rows hold
         // block b.
-        unsafe { unpacked_end::<R, MIN>(wb.add(SCALES_AT).cast(), rows, b, isum, &mut acc) };
+        unsafe { unpacked_end::<R, MIN>(wb.add(SCALES_AT).cast(), &sides, b, isum, &mut acc) };
     }
     // SAFETY: `out` holds 16·R values.
     unsafe { store(&[acc.map(|v| [v])], ([g], g), h, out) };
