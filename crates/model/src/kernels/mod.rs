@@ -581,6 +581,7 @@ struct Sides<const R: usize> {
     d: [*const f32; R],
     s: [*const f32; R],
     isums: [*const i32; R],
+    sums: [*const i16; R],
 }
 
 #[expect(unsafe_code, reason = "reads the SIMD kernels guarantee in bounds")]
@@ -593,7 +594,18 @@ impl<const R: usize> Sides<R> {
             d: std::array::from_fn(|r| rows[r].d.as_ptr()),
             s: std::array::from_fn(|r| rows[r].s.as_ptr()),
             isums: std::array::from_fn(|r| rows[r].isums.as_ptr()),
+            sums: std::array::from_fn(|r| rows[r].sums.as_ptr()),
         }
+    }
+
+    /// Row `r`'s sums per 16 values (Q8_K) from sum `at`.
+    ///
+    /// # Safety
+    /// Row `r` must hold sum `at`.
+    #[inline(always)]
+    unsafe fn sums(&self, r: usize, at: usize) -> *const i16 {
+        // SAFETY: as the caller guarantees.
+        unsafe { self.sums[r].add(at) }
     }
 
     /// Row `r`'s quants from value `at`.

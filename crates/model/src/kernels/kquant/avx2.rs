@@ -3,6 +3,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::Sides;
 #[cfg(doc)]
 use super::ROW_TILE;
 use super::lowk::avx2::{pair_scales, q23k};
@@ -191,10 +192,10 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
     let flush = if FIVE { 4 } else { 8 };
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             if R == 1 {
@@ -264,7 +265,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
                 let isum: [__m256i; R] = std::array::from_fn(|r| isum[r][hh]);
                 let mut half: [__m256; R] = std::array::from_fn(|r| acc[r][hh]);
                 // SAFETY: the rows hold super-block b.
-                unsafe { q4k_end(&blk, rows, b, h0 + hh, isum, &mut half) };
+                unsafe { q4k_end(&blk, &sides, b, h0 + hh, isum, &mut half) };
                 for (acc, v) in acc.iter_mut().zip(half) {
                     acc[hh] = v;
                 }
@@ -298,10 +299,10 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
     let bits45 = _mm256_set1_epi8(0x30);
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             if R == 1 {
@@ -385,18 +386,22 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
                         }
                     }
                 }
-                for r in 0..R {
+                for (r, offset) in offset.iter_mut().enumerate() {
                     // scale·Σ q_a in 32 bits: the sum in the low half, 0 in the high.
-                    let sums = &rows[r].sums[b * K_SUMS..];
+                    // SAFETY: the rows' sums of super-block b.
+                    let (sl, sh) = unsafe {
+                        let sums = sides.sums(r, b * K_SUMS);
+                        (*sums.add(g8), *sums.add(g8 + 8))
+                    };
                     let (ol, oh) = (
-                        _mm256_set1_epi32(pair(i32::from(sums[g8]), 0)),
-                        _mm256_set1_epi32(pair(i32::from(sums[g8 + 8]), 0)),
+                        _mm256_set1_epi32(pair(i32::from(sl), 0)),
+                        _mm256_set1_epi32(pair(i32::from(sh), 0)),
                     );
                     for hh in 0..H {
                         let (sl, sh) = scales[hh];
                         let x =
                             _mm256_add_epi32(_mm256_madd_epi16(sl, ol), _mm256_madd_epi16(sh, oh));
-                        offset[r][hh] = _mm256_add_epi32(offset[r][hh], x);
+                        offset[hh] = _mm256_add_epi32(offset[hh], x);
                     }
                 }
             }
@@ -405,7 +410,7 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
                 let offset: [__m256i; R] = std::array::from_fn(|r| offset[r][hh]);
                 let mut half: [__m256; R] = std::array::from_fn(|r| acc[r][hh]);
                 // SAFETY: the rows hold super-block b.
-                unsafe { q6k_end(&blk, rows, b, h0 + hh, (isum, offset), &mut half) };
+                unsafe { q6k_end(&blk, &sides, b, h0 + hh, (isum, offset), &mut half) };
                 for (acc, v) in acc.iter_mut().zip(half) {
                     acc[hh] = v;
                 }
@@ -422,12 +427,12 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
 /// its own: as a call it cost the 64-row product a tenth of its time.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `rows` (at least `R`) must hold super-block
-/// `b`'s scale and sums.
+/// The CPU must support AVX2 and FMA; the rows must hold super-block `b`'s scale and
+/// sums.
 #[inline(always)]
 unsafe fn q4k_end<const R: usize>(
     blk: &super::Block<'_>,
-    rows: &[ActRow],
+    rows: &Sides<R>,
     b: usize,
     h: usize,
     isum: [__m256i; R],
@@ -445,19 +450,19 @@ unsafe fn q4k_end<const R: usize>(
             // in memory are a `vpmaddwd` pair).
             let m = _mm256_cvtepu8_epi16(_mm_loadu_si128(small.add(128 + pr * 32 + 16 * h).cast()));
             let (m0, m1) = (doubled(m), doubled(_mm256_srli_epi32::<16>(m)));
-            for r in 0..R {
-                let s = rows[r].sums.as_ptr().add(b * K_SUMS + 4 * pr).cast::<i8>();
+            for (r, msum) in msum.iter_mut().enumerate() {
+                let s = rows.sums(r, b * K_SUMS + 4 * pr).cast::<i8>();
                 let s0 = _mm256_set1_epi32(word_at(s));
                 let s1 = _mm256_set1_epi32(word_at(s.add(4)));
                 let x = _mm256_add_epi32(_mm256_madd_epi16(m0, s0), _mm256_madd_epi16(m1, s1));
-                msum[r] = _mm256_add_epi32(msum[r], x);
+                *msum = _mm256_add_epi32(*msum, x);
             }
         }
         let d = _mm256_loadu_ps(blk.d.as_ptr().add(8 * h));
         let dmin = _mm256_loadu_ps(blk.dmin.as_ptr().add(8 * h));
         for r in 0..R {
             // q4k_step, lane by lane.
-            let da = _mm256_set1_ps(rows[r].d[b]);
+            let da = _mm256_set1_ps(rows.d(r, b));
             let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(isum[r]));
             let m = _mm256_mul_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(msum[r]));
             acc[r] = _mm256_add_ps(acc[r], _mm256_sub_ps(i, m));
@@ -470,12 +475,11 @@ unsafe fn q4k_end<const R: usize>(
 /// into `acc`. Always inlined, as [`q4k_end`].
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `rows` (at least `R`) must hold super-block
-/// `b`'s scale.
+/// The CPU must support AVX2 and FMA; the rows must hold super-block `b`'s scale.
 #[inline(always)]
 unsafe fn q6k_end<const R: usize>(
     blk: &super::Block<'_>,
-    rows: &[ActRow],
+    rows: &Sides<R>,
     b: usize,
     h: usize,
     (isum, offset): ([__m256i; R], [__m256i; R]),
@@ -487,7 +491,7 @@ unsafe fn q6k_end<const R: usize>(
         for r in 0..R {
             // q6k_step, lane by lane, on Σ scale·(Σ q·a − 32·Σ a).
             let total = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(offset[r]));
-            let da = _mm256_set1_ps(rows[r].d[b]);
+            let da = _mm256_set1_ps(rows.d(r, b));
             let i = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(total));
             acc[r] = _mm256_add_ps(acc[r], i);
         }
@@ -670,13 +674,14 @@ unsafe fn unpacked45<const R: usize, const FLUSH: usize>(
     out: &mut [f32],
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         let blk = p.block(g, b);
         let small = blk.small.as_ptr();
         // SAFETY: super-block b of each row and of the unpacked group, half h.
         let (a, wb): ([*const i8; R], _) = unsafe {
             (
-                std::array::from_fn(|r| rows[r].qs.as_ptr().add(b * QK_K)),
+                std::array::from_fn(|r| sides.qs(r, b * QK_K)),
                 w.as_ptr().add(b * UNPACKED + 32 * h),
             )
         };
@@ -696,7 +701,7 @@ unsafe fn unpacked45<const R: usize, const FLUSH: usize>(
             }
         }
         // SAFETY: the rows hold super-block b.
-        unsafe { q4k_end(&blk, rows, b, h, isum, &mut acc) };
+        unsafe { q4k_end(&blk, &sides, b, h, isum, &mut acc) };
     }
     // SAFETY: `out` holds 16·R values.
     unsafe { store(&[acc.map(|v| [v])], ([g], g), h, out) };
@@ -726,13 +731,14 @@ unsafe fn unpacked16<const R: usize, const TY: usize>(
     out: &mut [f32],
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         let blk = p.block(g, b);
         let small = blk.small.as_ptr();
         // SAFETY: super-block b of each row and of the unpacked group, half h.
         let (a, wb): ([*const i8; R], _) = unsafe {
             (
-                std::array::from_fn(|r| rows[r].qs.as_ptr().add(b * QK_K)),
+                std::array::from_fn(|r| sides.qs(r, b * QK_K)),
                 w.as_ptr().add(b * UNPACKED + 32 * h),
             )
         };
@@ -780,19 +786,20 @@ unsafe fn unpacked16<const R: usize, const TY: usize>(
         for pr in 0..8 {
             let (scales, mins) = pairs(pr);
             let by = if TY == TWO { mins } else { scales };
-            for r in 0..R {
+            for (r, msum) in msum.iter_mut().enumerate() {
                 // Sums 2pr and 2pr + 1, side by side in memory: a `vpmaddwd` pair.
                 // SAFETY: within the row's sums of super-block b.
                 let two = _mm256_set1_epi32(unsafe {
-                    word_at(rows[r].sums.as_ptr().add(b * K_SUMS + 2 * pr).cast())
+                    word_at(sides.sums(r, b * K_SUMS + 2 * pr).cast())
                 });
-                msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(by, two));
+                *msum = _mm256_add_epi32(*msum, _mm256_madd_epi16(by, two));
             }
         }
         // SAFETY: 8 f32 values from lane 8h.
         let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
         for r in 0..R {
-            let da = _mm256_set1_ps(rows[r].d[b]);
+            // SAFETY: the rows hold super-block b.
+            let da = _mm256_set1_ps(unsafe { sides.d(r, b) });
             let i = if TY == TWO {
                 _mm256_cvtepi32_ps(isum[r])
             } else {

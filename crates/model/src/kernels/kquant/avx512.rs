@@ -3,6 +3,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::Sides;
 #[cfg(doc)]
 use super::ROW_TILE;
 use super::lowk::avx512::{q3k, q23k};
@@ -125,6 +126,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
     let chains = if R <= 2 { 2 } else { 1 };
     // Each row's quants, whose lengths `group` asserted.
     let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+    let sides = Sides::<R>::of(rows);
     let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
         for (&g, acc) in gs.iter().zip(&mut accs) {
@@ -198,14 +200,12 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
                 let m = unsafe {
                     _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
                 };
-                for r in 0..R {
-                    let s = &rows[r].sums[b * K_SUMS..];
-                    let two = pair(
-                        i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
-                        i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
-                    );
-                    msum[r] =
-                        _mm512_add_epi32(msum[r], _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
+                for (r, msum) in msum.iter_mut().enumerate() {
+                    // SAFETY: sums 4pr..4pr + 4 of the row's super-block b.
+                    let s =
+                        |i: usize| i32::from(unsafe { *sides.sums(r, b * K_SUMS + 4 * pr + i) });
+                    let two = pair(s(0) + s(1), s(2) + s(3));
+                    *msum = _mm512_add_epi32(*msum, _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
                 }
             }
             // SAFETY: 16 f32 values each.
@@ -217,7 +217,8 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
             };
             for r in 0..R {
                 // q4k_step, lane by lane.
-                let da = _mm512_set1_ps(rows[r].d[b]);
+                // SAFETY: the rows hold super-block b.
+                let da = _mm512_set1_ps(unsafe { sides.d(r, b) });
                 let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
                 let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum[r]));
                 acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
@@ -250,6 +251,7 @@ unsafe fn q6k<const S: usize, const R: usize>(
     // Each row's arrays, whose lengths `group` asserted.
     let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
     let sums: [*const i16; R] = std::array::from_fn(|r| rows[r].sums.as_ptr());
+    let sides = Sides::<R>::of(rows);
     let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
         for (&g, acc) in gs.iter().zip(&mut accs) {
@@ -320,7 +322,8 @@ unsafe fn q6k<const S: usize, const R: usize>(
             let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
             for r in 0..R {
                 // q6k_step, lane by lane.
-                let da = _mm512_set1_ps(rows[r].d[b]);
+                // SAFETY: the rows hold super-block b.
+                let da = _mm512_set1_ps(unsafe { sides.d(r, b) });
                 let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
                 acc[r] = _mm512_add_ps(acc[r], i);
             }

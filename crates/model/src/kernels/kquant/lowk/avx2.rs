@@ -2,9 +2,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::super::word_at;
+use super::super::super::{Sides, word_at};
 use super::super::avx2::{doubled, store};
-use super::super::{PREFETCH, STREAM_PREFETCH, pair};
+use super::super::{PREFETCH, STREAM_PREFETCH};
 use super::{ActRow, K_SUMS, KPacked, QK_K, high_bit};
 
 /// Scale pair `pr` of lanes `8h..8h + 8` as 16-bit pairs (one per lane), and Q2_K's
@@ -66,10 +66,10 @@ pub(in super::super) unsafe fn q23k<
     let two_bits = _mm256_set1_epi8(3);
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let (q, small, hp) = (blk.quants.as_ptr(), blk.small.as_ptr(), blk.high.as_ptr());
@@ -148,15 +148,19 @@ pub(in super::super) unsafe fn q23k<
                     let (scales, mins) = unsafe { pair_scales::<THREE>(small, pr, h) };
                     let by = if THREE { scales } else { mins };
                     for r in 0..R {
-                        let s = &rows[r].sums[b * K_SUMS + 2 * pr..];
-                        let two = _mm256_set1_epi32(pair(i32::from(s[0]), i32::from(s[1])));
+                        // Sums 2pr and 2pr + 1, side by side: a `vpmaddwd` pair.
+                        // SAFETY: within the row's sums of super-block b.
+                        let two = _mm256_set1_epi32(unsafe {
+                            word_at(sides.sums(r, b * K_SUMS + 2 * pr).cast())
+                        });
                         msum[r] = _mm256_add_epi32(msum[r], _mm256_madd_epi16(by, two));
                     }
                 }
                 // SAFETY: 8 f32 values from lane 8h.
                 let d = unsafe { _mm256_loadu_ps(blk.d.as_ptr().add(8 * h)) };
                 for r in 0..R {
-                    let da = _mm256_set1_ps(rows[r].d[b]);
+                    // SAFETY: the rows hold super-block b.
+                    let da = _mm256_set1_ps(unsafe { sides.d(r, b) });
                     if THREE {
                         // q6k_step, lane by lane, on Σ scale·(Σ u·a − 4·Σ a).
                         let total = _mm256_sub_epi32(isum[r][hh], _mm256_slli_epi32::<2>(msum[r]));

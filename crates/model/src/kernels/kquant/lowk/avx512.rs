@@ -3,9 +3,9 @@
 use std::arch::x86_64::*;
 
 use super::super::super::gfni;
-use super::super::super::word_at;
+use super::super::super::{Sides, word_at};
 use super::super::avx512::store;
-use super::super::{PREFETCH, STREAM_PREFETCH, pair};
+use super::super::{PREFETCH, STREAM_PREFETCH};
 use super::{ActRow, K_SUMS, KPacked, QK_K, high_bit};
 
 /// Per field `j` of half `n`: `vpdpbusd` of the sixteen rows' 2-bit (Q3_K: 3-bit
@@ -43,10 +43,10 @@ pub(in super::super) unsafe fn q23k<
 ) {
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let mut accs = [[_mm512_setzero_ps(); R]; S];
+    let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] =
-            std::array::from_fn(|r| unsafe { rows[r].qs.as_ptr().add(b * QK_K) });
+        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK_K) });
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             if R == 1 {
@@ -127,8 +127,11 @@ pub(in super::super) unsafe fn q23k<
                         let high = _mm512_sll_epi32(sums[1][r], _mm_cvtsi32_si128(16 - e));
                         let both = _mm512_mask_blend_epi16(0xAAAA_AAAA, low, high);
                         isum[r] = _mm512_dpwssd_epi32(isum[r], both, scales);
-                        let s = &rows[r].sums[b * K_SUMS + 8 * n + 2 * j..];
-                        let two = _mm512_set1_epi32(pair(i32::from(s[0]), i32::from(s[1])));
+                        // Sums 2(4n + j) and the next, side by side: a `vpdpwssd` pair.
+                        // SAFETY: within the row's sums of super-block b.
+                        let two = _mm512_set1_epi32(unsafe {
+                            word_at(sides.sums(r, b * K_SUMS + 8 * n + 2 * j).cast())
+                        });
                         let by = if THREE { scales } else { mins };
                         msum[r] = _mm512_dpwssd_epi32(msum[r], by, two);
                     }
@@ -137,7 +140,8 @@ pub(in super::super) unsafe fn q23k<
             // SAFETY: 16 f32 values each (Q3_K: no dmin, unused).
             let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };
             for r in 0..R {
-                let da = _mm512_set1_ps(rows[r].d[b]);
+                // SAFETY: the rows hold super-block b.
+                let da = _mm512_set1_ps(unsafe { sides.d(r, b) });
                 if THREE {
                     // q6k_step, lane by lane, on Σ scale·(Σ u·a − 4·Σ a).
                     let total = _mm512_sub_epi32(isum[r], _mm512_slli_epi32::<2>(msum[r]));
