@@ -11,6 +11,7 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
+use super::super::Sides;
 use super::super::amx::{TILE_ROWS, TileConfig, tile_sums};
 use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair};
 
@@ -139,7 +140,7 @@ pub(super) unsafe fn tile<const SIX: bool>(
     let (aw, wr) = (width as u16, (width / 4) as u8);
     let config = TileConfig::new(&[(16, 64), (16, aw), (wr, 64), (16, 64), (16, aw), (wr, 64)]);
     let (nb, k) = (p.nb, p.nb * QK_K);
-    let da: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].d.as_ptr());
+    let sides = Sides::<TILE_ROWS>::of(rows);
     let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
     let c = sums.0.as_mut_ptr().cast::<i32>();
     let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
@@ -197,7 +198,7 @@ pub(super) unsafe fn tile<const SIX: bool>(
             for r in 0..TILE_ROWS {
                 // q6k_step, lane by lane.
                 // SAFETY: row r's scale of super-block b.
-                let da = _mm512_set1_ps(unsafe { *da[r].add(b) });
+                let da = _mm512_set1_ps(unsafe { sides.d(r, b) });
                 let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
                 acc[r] = _mm512_add_ps(acc[r], i);
             }
@@ -210,18 +211,16 @@ pub(super) unsafe fn tile<const SIX: bool>(
             _mm512_cvtepu8_epi16(_mm256_loadu_si256(small.add(128 + pr * 32).cast()))
         });
         for r in 0..TILE_ROWS {
-            let s = &rows[r].sums[b * K_SUMS..];
+            // SAFETY: row r's sums of super-block b.
+            let s = |i: usize| i32::from(unsafe { *sides.sums(r, b * K_SUMS + i) });
             let mut msum = _mm512_setzero_si512();
             for (pr, &m) in mins.iter().enumerate() {
-                let two = pair(
-                    i32::from(s[4 * pr]) + i32::from(s[4 * pr + 1]),
-                    i32::from(s[4 * pr + 2]) + i32::from(s[4 * pr + 3]),
-                );
+                let two = pair(s(4 * pr) + s(4 * pr + 1), s(4 * pr + 2) + s(4 * pr + 3));
                 msum = _mm512_add_epi32(msum, _mm512_madd_epi16(m, _mm512_set1_epi32(two)));
             }
             // q4k_step, lane by lane.
             // SAFETY: row r's scale of super-block b.
-            let da = _mm512_set1_ps(unsafe { *da[r].add(b) });
+            let da = _mm512_set1_ps(unsafe { sides.d(r, b) });
             let i = _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(isum[r]));
             let m = _mm512_mul_ps(_mm512_mul_ps(dmin, da), _mm512_cvtepi32_ps(msum));
             acc[r] = _mm512_add_ps(acc[r], _mm512_sub_ps(i, m));
