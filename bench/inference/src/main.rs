@@ -739,22 +739,17 @@ fn versions(settings: &Settings) -> Versions {
     .is_some_and(|s| !s.is_empty());
     let agentstack_version =
         output(&settings.agentstack, &["--version"]).unwrap_or_else(|| "version unknown".into());
+    // Which build ran matters as much as its version (a native and an AVX2 build of
+    // one commit sit side by side in the cache).
     let llamacpp = settings
         .llama_bench
         .parent()
         .and_then(Path::parent)
         .and_then(|dir| std::fs::read_to_string(dir.join("VERSION")).ok())
-        .map(|v| v.trim().to_owned())
-        .unwrap_or_else(|| {
-            format!(
-                "tools in {}",
-                settings
-                    .llama_bench
-                    .parent()
-                    .unwrap_or(Path::new(""))
-                    .display()
-            )
-        });
+        .map_or_else(
+            || format!("`{}`", settings.llama_bench.display()),
+            |v| format!("{}: `{}`", v.trim(), settings.llama_bench.display()),
+        );
     Versions {
         agentstack: format!(
             "{agentstack_version} ({}; in-process: this benchmark's build) at git {commit}{}",
@@ -801,7 +796,7 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
              per side per round (`llama-bench -p {} -n {} -r 1 -t T -o json`; ours: \
              `Model::forward` in a child process with RAYON_NUM_THREADS=T and CANDLE_NUM_THREADS=1 (as the CLI), a {}-token prompt in one call \
              on a fresh cache, then {} one-token calls on another, random token ids, one warm-up each); our kernel \
-             families {:?} (avx2: AGENTSTACK_KERNELS=avx2 in our child; llama.cpp runs its native build on every row).",
+             families {:?} (avx2: AGENTSTACK_KERNELS=avx2 in our child; llama.cpp runs the one `llama-bench` named above on every row).",
             plan.repetitions,
             plan.prompt_tokens,
             plan.gen_tokens,

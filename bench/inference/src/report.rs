@@ -90,7 +90,7 @@ pub struct Versions {
 pub struct PpTg {
     /// Compute threads.
     pub threads: usize,
-    /// Our kernel family (llama.cpp runs its native build on every row).
+    /// Our kernel family (llama.cpp runs one build on every row: [`Versions::llamacpp`]).
     pub kernels: Kernels,
     /// The llama-bench command.
     pub llamacpp_command: String,
