@@ -15,6 +15,7 @@ use agentstack_model::gguf::{RawTensor, RawType};
 use agentstack_model::kernels::{FastLinear, QuantKind};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
+use rand::{RngCore, SeedableRng};
 
 fn dtype(name: &str) -> Option<GgmlDType> {
     Some(match name {
@@ -41,15 +42,8 @@ fn iq4(name: &str, out: usize, inp: usize) -> Option<RawTensor> {
         _ => return None,
     };
     let (len, size) = (ty.block_size(), ty.type_size());
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut data: Vec<u8> = (0..out * inp / len * size)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect();
+    let mut data = vec![0u8; out * inp / len * size];
+    rand_chacha::ChaCha8Rng::seed_from_u64(7).fill_bytes(&mut data);
     for block in data.chunks_exact_mut(size) {
         block[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
     }
