@@ -629,17 +629,6 @@ impl KPacked {
         }
     }
 
-    /// Whether the AVX2 kernels run a product of `n` activation rows from this weight
-    /// unpacked ([`Self::avx2_unpack`], [`Self::avx2_unpacked`]): AVX2 is the kernel
-    /// family in use (AVX-512 unpacks in registers, AMX in its own form) and there are
-    /// at least [`ROW_TILE`] rows. The group kernels unpack each step again for every
-    /// four rows and each half of the lanes; this unpacks a group once for all the
-    /// rows.
-    #[cfg(target_arch = "x86_64")]
-    pub(super) fn avx2_unpacks(&self, n: usize) -> bool {
-        super::simd() == super::Simd::Avx2 && n >= ROW_TILE
-    }
-
     /// Group `g`'s super-blocks unpacked for [`Self::avx2_unpacked`] (`nb·4096` bytes)
     /// into `w`, on a CPU with AVX2.
     #[cfg(target_arch = "x86_64")]

@@ -418,13 +418,13 @@ impl Packing {
     }
 
     /// Whether the AVX2 kernels run a product of `n` rows from each group unpacked once
-    /// ([`Self::avx2_unpacked`]).
+    /// ([`Self::avx2_unpacked`]), for every packing alike: AVX2 is the kernel family in
+    /// use (AVX-512 unpacks in registers, AMX in its own form) and there are at least
+    /// [`ROW_TILE`] rows. The group kernels unpack each step again for every four rows
+    /// and each half of the lanes; this unpacks a group once for all the rows.
     #[cfg(target_arch = "x86_64")]
-    fn avx2_unpacks(&self, n: usize) -> bool {
-        match self {
-            Self::K(p) => p.avx2_unpacks(n),
-            Self::B32(p) => p.avx2_unpacks(n),
-        }
+    fn avx2_unpacks(n: usize) -> bool {
+        simd() == Simd::Avx2 && n >= ROW_TILE
     }
 
     /// Group `g`'s outputs for every row of `rows` into `out` (`[row][lane]`), with
@@ -1041,7 +1041,7 @@ impl FastLinear {
                 return;
             }
             #[cfg(target_arch = "x86_64")]
-            if p.avx2_unpacks(rows.len()) {
+            if Packing::avx2_unpacks(rows.len()) {
                 let mut w = Vec::new();
                 for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
                     p.avx2_unpacked(g, &mut w, rows, dst);

@@ -642,14 +642,6 @@ impl Packed32 {
         }
     }
 
-    /// Whether the AVX2 kernels run a product of `n` activation rows from this weight
-    /// unpacked ([`Self::avx2_unpack`], [`Self::avx2_unpacked`]): as the K-quants'
-    /// (`KPacked::avx2_unpacks`).
-    #[cfg(target_arch = "x86_64")]
-    pub(super) fn avx2_unpacks(&self, n: usize) -> bool {
-        super::simd() == super::Simd::Avx2 && n >= ROW_TILE
-    }
-
     /// Group `g`'s blocks unpacked for [`Self::avx2_unpacked`] into `w`, on a CPU with
     /// AVX2.
     #[cfg(target_arch = "x86_64")]
