@@ -608,14 +608,14 @@ impl<const R: usize> Sides<R> {
         unsafe { self.sums[r].add(at) }
     }
 
-    /// Row `r`'s quants from value `at`.
+    /// Each row's quants from value `at`.
     ///
     /// # Safety
-    /// Row `r` must hold value `at`.
+    /// Every row must hold value `at`.
     #[inline(always)]
-    unsafe fn qs(&self, r: usize, at: usize) -> *const i8 {
+    unsafe fn qs(&self, at: usize) -> [*const i8; R] {
         // SAFETY: as the caller guarantees.
-        unsafe { self.qs[r].add(at) }
+        self.qs.map(|q| unsafe { q.add(at) })
     }
 
     /// Row `r`'s scale of block `b`.

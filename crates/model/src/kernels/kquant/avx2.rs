@@ -195,7 +195,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK_K) });
+        let a = unsafe { sides.qs(b * QK_K) };
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             if R == 1 {
@@ -302,7 +302,7 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK_K) });
+        let a = unsafe { sides.qs(b * QK_K) };
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             if R == 1 {
@@ -679,12 +679,7 @@ unsafe fn unpacked45<const R: usize, const FLUSH: usize>(
         let blk = p.block(g, b);
         let small = blk.small.as_ptr();
         // SAFETY: super-block b of each row and of the unpacked group, half h.
-        let (a, wb): ([*const i8; R], _) = unsafe {
-            (
-                std::array::from_fn(|r| sides.qs(r, b * QK_K)),
-                w.as_ptr().add(b * UNPACKED + 32 * h),
-            )
-        };
+        let (a, wb) = unsafe { (sides.qs(b * QK_K), w.as_ptr().add(b * UNPACKED + 32 * h)) };
         let mut isum = [_mm256_setzero_si256(); R];
         for j in 0..8 {
             // SAFETY: scale j of lanes 8h..8h + 8, within the 256.
@@ -736,12 +731,7 @@ unsafe fn unpacked16<const R: usize, const TY: usize>(
         let blk = p.block(g, b);
         let small = blk.small.as_ptr();
         // SAFETY: super-block b of each row and of the unpacked group, half h.
-        let (a, wb): ([*const i8; R], _) = unsafe {
-            (
-                std::array::from_fn(|r| sides.qs(r, b * QK_K)),
-                w.as_ptr().add(b * UNPACKED + 32 * h),
-            )
-        };
+        let (a, wb) = unsafe { (sides.qs(b * QK_K), w.as_ptr().add(b * UNPACKED + 32 * h)) };
         // Sub-blocks 2p and 2p + 1's scales (Q2_K: and minimums), 16-bit pairs per lane.
         // SAFETY: pair pr of lanes 8h..8h + 8 of the block's 256 bytes of `small`.
         let pairs = |pr: usize| unsafe {

@@ -71,7 +71,7 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb blocks of every row.
-        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK) });
+        let a = unsafe { sides.qs(b * QK) };
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
@@ -533,12 +533,7 @@ unsafe fn nibbles<const R: usize, const FLUSH: usize, const MIN: bool>(
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: block b of each row and of the unpacked group, half h.
-        let (a, wb): ([*const i8; R], _) = unsafe {
-            (
-                std::array::from_fn(|r| sides.qs(r, b * QK)),
-                w.as_ptr().add(b * per + 32 * h),
-            )
-        };
+        let (a, wb) = unsafe { (sides.qs(b * QK), w.as_ptr().add(b * per + 32 * h)) };
         let mut isum = [_mm256_setzero_si256(); R];
         for t0 in (0..8).step_by(FLUSH) {
             // SAFETY: steps t0.. of the block's 512 bytes, half h; the activation words
@@ -585,12 +580,7 @@ unsafe fn signed<const R: usize, const MIN: bool>(
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: block b of each row and of the unpacked group, half h.
-        let (a, wb): ([*const i8; R], _) = unsafe {
-            (
-                std::array::from_fn(|r| sides.qs(r, b * QK)),
-                w.as_ptr().add(b * per + 32 * h),
-            )
-        };
+        let (a, wb) = unsafe { (sides.qs(b * QK), w.as_ptr().add(b * per + 32 * h)) };
         let mut isum = [_mm256_setzero_si256(); R];
         for t in 0..8 {
             // SAFETY: step t's half within the block's 512 bytes; the activation words

@@ -46,7 +46,7 @@ pub(in super::super) unsafe fn q23k<
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
-        let a: [*const i8; R] = std::array::from_fn(|r| unsafe { sides.qs(r, b * QK_K) });
+        let a = unsafe { sides.qs(b * QK_K) };
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             if R == 1 {
