@@ -795,6 +795,37 @@ mod tests {
             .collect()
     }
 
+    /// Every form packed from `out` rows of [`rows_of`]'s values: f16 scales and (all
+    /// but the bytes) f32 ones, which are held as f32, with and without minimums, each
+    /// of `nbs` blocks per row; with each its block count and a description of the case
+    /// for assertion messages.
+    #[cfg(target_arch = "x86_64")]
+    fn packings(out: usize, nbs: &[usize]) -> Vec<(Packed32, usize, String)> {
+        let mut cases = Vec::new();
+        for (form, f32_scales) in NUMERIC_FORMS
+            .into_iter()
+            .chain([Form::Codebook])
+            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
+        {
+            for with_min in [false, true] {
+                for &nb in nbs {
+                    let (q, mut d, m) = rows_of(form, out, nb, with_min);
+                    if f32_scales {
+                        // Not f16s (as IQ4_XS's): held as f32.
+                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
+                    }
+                    let packed = Packed32::pack(form, &q, &d, &m, out, nb);
+                    assert_eq!(packed.d16.is_empty(), f32_scales, "{form:?}");
+                    let case = format!(
+                        "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} blocks"
+                    );
+                    cases.push((packed, nb, case));
+                }
+            }
+        }
+        cases
+    }
+
     /// The AVX2 and AVX-512 kernels give the scalar kernel's bits: every form, with and
     /// without minimums, 1, 2, 3 and 19 blocks, one to eight activation rows, a last
     /// group with padding rows, extreme quants and activations.
@@ -806,53 +837,34 @@ mod tests {
             return;
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
-        for (form, f32_scales) in NUMERIC_FORMS
-            .into_iter()
-            .chain([Form::Codebook])
-            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
-        {
-            for with_min in [false, true] {
-                for nb in [1, 2, 3, 19] {
-                    let out = 20;
-                    let (q, mut d, m) = rows_of(form, out, nb, with_min);
-                    if f32_scales {
-                        // Not f16s (as IQ4_XS's): held as f32.
-                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
-                    }
-                    let packed = Packed32::pack(form, &q, &d, &m, out, nb);
-                    assert_eq!(packed.d16.is_empty(), f32_scales, "{form:?}");
-                    let rows = act_rows(nb * QK, ROW_TILE);
-                    assert_eq!(rows[0].qs[..QK], [127; QK]);
-                    for g in 0..packed.groups {
-                        for n in 1..=ROW_TILE {
-                            let at = format!(
-                                "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} \
-                                 blocks, group {g}, {n} rows"
-                            );
-                            let mut want = [0f32; ROW_TILE * LANES];
-                            packed.group_scalar(g, &rows[..n], &mut want);
-                            let mut got = [0f32; ROW_TILE * LANES];
-                            #[expect(unsafe_code, reason = "the features were checked above")]
-                            // SAFETY: detected_simd() found AVX2, FMA and F16C; sizes as
-                            // required.
-                            unsafe {
-                                avx2::group(&packed, g, &rows[..n], &mut got)
-                            };
-                            assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "AVX2: {at}");
-                            if avx512 {
-                                let mut got = [0f32; ROW_TILE * LANES];
-                                #[expect(unsafe_code, reason = "the features were checked above")]
-                                // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
-                                unsafe {
-                                    avx512::group(&packed, g, &rows[..n], &mut got)
-                                };
-                                assert_eq!(
-                                    got.map(f32::to_bits),
-                                    want.map(f32::to_bits),
-                                    "AVX-512: {at}"
-                                );
-                            }
-                        }
+        for (packed, nb, case) in packings(20, &[1, 2, 3, 19]) {
+            let rows = act_rows(nb * QK, ROW_TILE);
+            assert_eq!(rows[0].qs[..QK], [127; QK]);
+            for g in 0..packed.groups {
+                for n in 1..=ROW_TILE {
+                    let at = format!("{case}, group {g}, {n} rows");
+                    let mut want = [0f32; ROW_TILE * LANES];
+                    packed.group_scalar(g, &rows[..n], &mut want);
+                    let mut got = [0f32; ROW_TILE * LANES];
+                    #[expect(unsafe_code, reason = "the features were checked above")]
+                    // SAFETY: detected_simd() found AVX2, FMA and F16C; sizes as
+                    // required.
+                    unsafe {
+                        avx2::group(&packed, g, &rows[..n], &mut got)
+                    };
+                    assert_eq!(got.map(f32::to_bits), want.map(f32::to_bits), "AVX2: {at}");
+                    if avx512 {
+                        let mut got = [0f32; ROW_TILE * LANES];
+                        #[expect(unsafe_code, reason = "the features were checked above")]
+                        // SAFETY: detected_simd() found AVX-512 VNNI, AVX2 and FMA.
+                        unsafe {
+                            avx512::group(&packed, g, &rows[..n], &mut got)
+                        };
+                        assert_eq!(
+                            got.map(f32::to_bits),
+                            want.map(f32::to_bits),
+                            "AVX-512: {at}"
+                        );
                     }
                 }
             }
@@ -869,38 +881,18 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX2");
             return;
         }
-        for (form, f32_scales) in NUMERIC_FORMS
-            .into_iter()
-            .chain([Form::Codebook])
-            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
-        {
-            for with_min in [false, true] {
-                for nb in [1, 3, 19] {
-                    let out = 20;
-                    let (q, mut d, m) = rows_of(form, out, nb, with_min);
-                    if f32_scales {
-                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
-                    }
-                    let packed = Packed32::pack(form, &q, &d, &m, out, nb);
-                    let rows = act_rows(nb * QK, 13);
-                    let mut w = Vec::new();
-                    for g in 0..packed.groups {
-                        packed.avx2_unpack(g, &mut w);
-                        for n in [1, 3, 4, 5, 8, 9, 13] {
-                            let mut want = vec![0f32; n * LANES];
-                            packed.group_scalar(g, &rows[..n], &mut want);
-                            let mut got = vec![0f32; n * LANES];
-                            packed.avx2_unpacked(g, &w, &rows[..n], &mut got);
-                            let bits =
-                                |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                            assert_eq!(
-                                bits(&got),
-                                bits(&want),
-                                "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} \
-                                 blocks, group {g}, {n} rows"
-                            );
-                        }
-                    }
+        for (packed, nb, case) in packings(20, &[1, 3, 19]) {
+            let rows = act_rows(nb * QK, 13);
+            let mut w = Vec::new();
+            for g in 0..packed.groups {
+                packed.avx2_unpack(g, &mut w);
+                for n in [1, 3, 4, 5, 8, 9, 13] {
+                    let mut want = vec![0f32; n * LANES];
+                    packed.group_scalar(g, &rows[..n], &mut want);
+                    let mut got = vec![0f32; n * LANES];
+                    packed.avx2_unpacked(g, &w, &rows[..n], &mut got);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{case}, group {g}, {n} rows");
                 }
             }
         }
@@ -937,28 +929,12 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX2");
             return;
         }
-        for (form, f32_scales) in NUMERIC_FORMS
-            .into_iter()
-            .chain([Form::Codebook])
-            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
-        {
-            for with_min in [false, true] {
-                for nb in [1, 3] {
-                    // 88 outputs: 6 groups, the last with 8 padding lanes.
-                    let (q, mut d, m) = rows_of(form, 88, nb, with_min);
-                    if f32_scales {
-                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
-                    }
-                    let packed = Packed32::pack(form, &q, &d, &m, 88, nb);
-                    for (r, row) in act_rows(nb * QK, 3).iter().enumerate() {
-                        let at = format!(
-                            "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} \
-                             blocks, row {r}"
-                        );
-                        check::<4>(&packed, [1, 2, 4, 5], row, &at);
-                        check::<2>(&packed, [2, 5], row, &at);
-                    }
-                }
+        // 88 outputs: 6 groups, the last with 8 padding lanes.
+        for (packed, nb, case) in packings(88, &[1, 3]) {
+            for (r, row) in act_rows(nb * QK, 3).iter().enumerate() {
+                let at = format!("{case}, row {r}");
+                check::<4>(&packed, [1, 2, 4, 5], row, &at);
+                check::<2>(&packed, [2, 5], row, &at);
             }
         }
     }
@@ -972,41 +948,20 @@ mod tests {
             return;
         }
         let tile = super::super::amx::TILE_ROWS;
-        for (form, f32_scales) in NUMERIC_FORMS
-            .into_iter()
-            .chain([Form::Codebook])
-            .flat_map(|f| [(f, false), (f, f != Form::Bytes)])
-        {
-            for with_min in [false, true] {
-                for nb in [1, 3, 19] {
-                    let out = 20;
-                    let (q, mut d, m) = rows_of(form, out, nb, with_min);
-                    if f32_scales {
-                        d.iter_mut().for_each(|d| *d *= 1.0 + 1e-6);
-                    }
-                    let packed = Packed32::pack(form, &q, &d, &m, out, nb);
-                    let rows = act_rows(nb * QK, tile);
-                    let a: Vec<i8> = rows.iter().flat_map(|r| r.qs[..nb * QK].to_vec()).collect();
-                    let mut w = Vec::new();
-                    for g in 0..packed.groups {
-                        let mut want = vec![0f32; tile * LANES];
-                        for (rows, want) in
-                            rows.chunks(ROW_TILE).zip(want.chunks_mut(ROW_TILE * LANES))
-                        {
-                            packed.group_scalar(g, rows, want);
-                        }
-                        packed.amx_unpack(g, &mut w);
-                        let mut got = vec![0f32; tile * LANES];
-                        packed.amx_tile(g, (&w, &a), &rows, &mut got, g % 2 == 0);
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(
-                            bits(&got),
-                            bits(&want),
-                            "{form:?}, f32 scales {f32_scales}, minimum {with_min}, {nb} blocks, \
-                             group {g}"
-                        );
-                    }
+        for (packed, nb, case) in packings(20, &[1, 3, 19]) {
+            let rows = act_rows(nb * QK, tile);
+            let a: Vec<i8> = rows.iter().flat_map(|r| r.qs[..nb * QK].to_vec()).collect();
+            let mut w = Vec::new();
+            for g in 0..packed.groups {
+                let mut want = vec![0f32; tile * LANES];
+                for (rows, want) in rows.chunks(ROW_TILE).zip(want.chunks_mut(ROW_TILE * LANES)) {
+                    packed.group_scalar(g, rows, want);
                 }
+                packed.amx_unpack(g, &mut w);
+                let mut got = vec![0f32; tile * LANES];
+                packed.amx_tile(g, (&w, &a), &rows, &mut got, g % 2 == 0);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{case}, group {g}");
             }
         }
     }
