@@ -124,11 +124,12 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
     // With one or two rows, two accumulators per row (even and odd steps), so that a
     // row's multiply-adds do not wait on each other.
     let chains = if R <= 2 { 2 } else { 1 };
-    // Each row's quants, whose lengths `group` asserted.
-    let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
+    // Each row's arrays, whose lengths `group` asserted.
     let sides = Sides::<R>::of(rows);
     let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a = unsafe { sides.qs(b * QK_K) };
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             blk.prefetch_side(ahead / blk.quants.len());
@@ -179,9 +180,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
                         for (t, &w) in w.iter().enumerate() {
                             // SAFETY: the activation word lies within the row's
                             // super-block.
-                            let x = unsafe {
-                                word_at(qs[r].add(b * QK_K + 64 * i + 32 * half + 4 * t))
-                            };
+                            let x = unsafe { word_at(a[r].add(64 * i + 32 * half + 4 * t)) };
                             let c = t % chains;
                             s[c] = _mm512_dpbusd_epi32(s[c], w, _mm512_set1_epi32(x));
                         }
@@ -249,11 +248,11 @@ unsafe fn q6k<const S: usize, const R: usize>(
     let low = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
     // Each row's arrays, whose lengths `group` asserted.
-    let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
-    let sums: [*const i16; R] = std::array::from_fn(|r| rows[r].sums.as_ptr());
     let sides = Sides::<R>::of(rows);
     let mut accs = [[_mm512_setzero_ps(); R]; S];
     for b in 0..p.nb {
+        // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
+        let a = unsafe { sides.qs(b * QK_K) };
         for (&g, acc) in gs.iter().zip(&mut accs) {
             let blk = p.block(g, b);
             blk.prefetch_side(ahead / blk.quants.len());
@@ -300,8 +299,7 @@ unsafe fn q6k<const S: usize, const R: usize>(
                     // SAFETY: super-block b of the row's quants and sums; the activation
                     // words lie within it.
                     unsafe {
-                        let a = qs[r].add(b * QK_K);
-                        let s = sums[r].add(b * K_SUMS);
+                        let (a, s) = (a[r], sides.sums(r, b * K_SUMS));
                         let mut lo = _mm512_set1_epi32(-32 * i32::from(*s.add(g8)));
                         let mut hi = _mm512_set1_epi32(-32 * i32::from(*s.add(g8 + 8)));
                         for t in 0..4 {
