@@ -9,6 +9,7 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
+use super::super::Sides;
 use super::super::amx::{TILE_ROWS, TileConfig, tile_sums};
 use super::avx512::block_scales;
 use super::{ActRow, CODEBOOK, Form, LANES, Packed32, QK};
@@ -101,8 +102,7 @@ pub(super) unsafe fn tile(
     let config = TileConfig::new(&[(16, 64), (16, 32), (8, 64), (16, 64), (16, 32), (8, 64)]);
     let (nb, k) = (p.nb, p.nb * QK);
     let has_min = p.has_min();
-    let da: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].d.as_ptr());
-    let sa: [*const f32; TILE_ROWS] = std::array::from_fn(|r| rows[r].s.as_ptr());
+    let sides = Sides::<TILE_ROWS>::of(rows);
     let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
     let c = sums.0.as_mut_ptr().cast::<i32>();
     let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
@@ -132,14 +132,14 @@ pub(super) unsafe fn tile(
         // SAFETY: the block's scales (and minimums).
         let (d, m) = unsafe { block_scales(&blk, blk.sub, has_min) };
         let sums = &sums.0[b % 2];
-        for r in 0..TILE_ROWS {
+        for (r, acc) in acc.iter_mut().enumerate() {
             // SAFETY: 16 sums of row r; block b of the row's scales (and sums).
             unsafe {
                 let total = _mm512_load_si512(sums.as_ptr().add(r * LANES).cast());
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(*da[r].add(b)));
-                acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[r]);
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(sides.d(r, b)));
+                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), *acc);
                 if has_min {
-                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sa[r].add(b)), acc[r]);
+                    *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sides.s(r, b)), *acc);
                 }
             }
         }

@@ -3,6 +3,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::Sides;
 #[cfg(doc)]
 use super::ROW_TILE;
 use super::{
@@ -81,10 +82,7 @@ unsafe fn rows_n<const R: usize, const F: u8>(
     let table = _mm512_broadcast_i32x4(codebook_shifted());
     let offset = p.form.offset();
     // Each row's arrays, whose lengths `group` asserted.
-    let qs: [*const i8; R] = std::array::from_fn(|r| rows[r].qs.as_ptr());
-    let da: [*const f32; R] = std::array::from_fn(|r| rows[r].d.as_ptr());
-    let sa: [*const f32; R] = std::array::from_fn(|r| rows[r].s.as_ptr());
-    let isums: [*const i32; R] = std::array::from_fn(|r| rows[r].isums.as_ptr());
+    let sides = Sides::<R>::of(rows);
     let mut acc = [_mm512_setzero_ps(); R];
     let has_min = p.has_min();
     for b in 0..p.nb {
@@ -93,15 +91,16 @@ unsafe fn rows_n<const R: usize, const F: u8>(
         let w = unsafe { unpack::<F, PREFETCH>(&blk, low, table) };
         // SAFETY: the block's scales and minimums.
         let (d, m) = unsafe { block_scales(&blk, F == CODEBOOK_SUB, has_min) };
-        for r in 0..R {
+        // SAFETY: block b of each row.
+        let a = unsafe { sides.qs(b * QK) };
+        for (r, (acc, a)) in acc.iter_mut().zip(a).enumerate() {
             // SAFETY: block b of each of the row's arrays (its value words lie in the
             // block's 32 bytes).
             unsafe {
-                let a = qs[r].add(b * QK);
                 let mut s0 = if offset == 0 {
                     _mm512_setzero_si512()
                 } else {
-                    _mm512_set1_epi32(-offset * *isums[r].add(b))
+                    _mm512_set1_epi32(-offset * sides.isum(r, b))
                 };
                 let mut s1 = _mm512_setzero_si512();
                 // Values 0..16 in the first chain, 16..32 in the second.
@@ -112,10 +111,10 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                     s1 = _mm512_dpbusd_epi32(s1, w[4 + t], hi);
                 }
                 let total = _mm512_add_epi32(s0, s1);
-                let dd = _mm512_mul_ps(d, _mm512_set1_ps(*da[r].add(b)));
-                acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[r]);
+                let dd = _mm512_mul_ps(d, _mm512_set1_ps(sides.d(r, b)));
+                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), *acc);
                 if has_min {
-                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(*sa[r].add(b)), acc[r]);
+                    *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sides.s(r, b)), *acc);
                 }
             }
         }
