@@ -94,44 +94,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("| type | rows | ours µs | candle µs | ours / candle speed | weight GB/s (ours) |");
     println!("|---|--:|--:|--:|--:|--:|");
     for name in types.split(',') {
-        if let Some(raw) = iq4(name, out, inp) {
-            let bytes = raw.data.len() as f64;
-            let fast = FastLinear::from_raw(&raw)?;
-            for &rows in &row_counts {
-                let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
-                let ours = time(|| {
-                    fast.forward(&x).expect("forward");
-                });
-                println!(
-                    "| {name} | {rows} | {:.1} | – | | {:.1} |",
-                    ours * 1e6,
-                    bytes / ours / 1e9
-                );
+        // Ours, candle's where it reads the type, and the weight's bytes.
+        let (fast, candle, bytes) = if let Some(raw) = iq4(name, out, inp) {
+            (FastLinear::from_raw(&raw)?, None, raw.data.len() as f64)
+        } else {
+            let dt = dtype(name).ok_or_else(|| format!("unknown type {name}"))?;
+            let q = QTensor::quantize(&w, dt)?;
+            let bytes = q.storage_size_in_bytes() as f64;
+            if QuantKind::of(dt).is_none() {
+                println!("| {name} | – | no kernel | | | |");
+                continue;
             }
-            continue;
-        }
-        let dt = dtype(name).ok_or_else(|| format!("unknown type {name}"))?;
-        let q = QTensor::quantize(&w, dt)?;
-        let bytes = q.storage_size_in_bytes() as f64;
-        if QuantKind::of(dt).is_none() {
-            println!("| {name} | – | no kernel | | | |");
-            continue;
-        }
-        let fast = FastLinear::from_qtensor(&q)?;
-        let candle = QMatMul::from_qtensor(q)?;
+            let fast = FastLinear::from_qtensor(&q)?;
+            (fast, Some(QMatMul::from_qtensor(q)?), bytes)
+        };
         for &rows in &row_counts {
             let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?;
             let ours = time(|| {
                 fast.forward(&x).expect("forward");
             });
-            let theirs = time(|| {
-                candle.forward(&x).expect("forward");
-            });
+            let (theirs, ratio) = match &candle {
+                Some(candle) => {
+                    let theirs = time(|| {
+                        candle.forward(&x).expect("forward");
+                    });
+                    (
+                        format!("{:.1}", theirs * 1e6),
+                        format!("{:.2}×", theirs / ours),
+                    )
+                }
+                None => ("–".to_owned(), String::new()),
+            };
             println!(
-                "| {name} | {rows} | {:.1} | {:.1} | {:.2}× | {:.1} |",
+                "| {name} | {rows} | {:.1} | {theirs} | {ratio} | {:.1} |",
                 ours * 1e6,
-                theirs * 1e6,
-                theirs / ours,
                 bytes / ours / 1e9
             );
         }
