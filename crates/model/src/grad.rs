@@ -334,57 +334,6 @@ pub fn frozen_matmul(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 struct FrozenMatmul(Tensor);
 
-/// `dst[m, n] = lhs[m, k] · rhs` where `rhs[i, j]` is at `rhs[i · rhs_rs + j · rhs_cs]`.
-#[expect(
-    unsafe_code,
-    reason = "gemm takes raw pointers; the bounds are checked"
-)]
-#[expect(clippy::too_many_arguments, reason = "a product's sizes and strides")]
-fn gemm_into(
-    dst: &mut [f32],
-    lhs: &[f32],
-    rhs: &[f32],
-    m: usize,
-    n: usize,
-    k: usize,
-    rhs_rs: usize,
-    rhs_cs: usize,
-) {
-    assert!(dst.len() == m * n && lhs.len() == m * k && rhs.len() == k * n);
-    let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the three slices hold exactly the elements the strides address
-    // (checked above): `dst` m·n row-major, `lhs` m·k row-major, `rhs` k·n with the
-    // given strides, which address the k·n elements of a row- or column-major matrix.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            lhs.as_ptr(),
-            1,
-            k as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-}
-
 impl CustomOp1 for FrozenMatmul {
     fn name(&self) -> &'static str {
         "frozen-matmul"
@@ -399,7 +348,19 @@ impl CustomOp1 for FrozenMatmul {
         }
         let rows = x.len() / inp;
         let mut y = vec![0f32; rows * out];
-        with_f32(&self.0, |w| gemm_into(&mut y, x, w, rows, out, inp, 1, inp))?;
+        if rows > 0 {
+            with_f32(&self.0, |w| {
+                product(
+                    &mut y,
+                    out,
+                    Side(x, inp, 1),
+                    Side(w, 1, inp),
+                    (rows, out, inp),
+                    None,
+                    true,
+                )
+            })?;
+        }
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("a dimension") = out;
         Ok((CpuStorage::F32(y), Shape::from(shape)))
@@ -409,12 +370,230 @@ impl CustomOp1 for FrozenMatmul {
         let (out, inp) = self.0.dims2()?;
         let rows = grad.elem_count() / out;
         let mut dx = vec![0f32; rows * inp];
-        with_f32(grad, |g| {
-            with_f32(&self.0, |w| {
-                gemm_into(&mut dx, g, w, rows, inp, out, inp, 1)
-            })
-        })??;
+        if rows > 0 {
+            with_f32(grad, |g| {
+                with_f32(&self.0, |w| {
+                    product(
+                        &mut dx,
+                        inp,
+                        Side(g, out, 1),
+                        Side(w, inp, 1),
+                        (rows, inp, out),
+                        None,
+                        true,
+                    )
+                })
+            })??;
+        }
         Ok(Some(Tensor::from_vec(dx, arg.shape(), arg.device())?))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A frozen weight with a low-rank adapter
+
+/// `x Wᵀ + scale · (x Aᵀ) Bᵀ` for `x` `[rows, in]`, a constant `W` `[out, in]`, and the
+/// adapter's `A` `[rank, in]` and `B` `[out, rank]` (all f32): differentiable in `x`,
+/// `A` and `B`. One output tensor where candle's composition kept five (the base
+/// product, `x Aᵀ`, its product with `Bᵀ`, that scaled, the sum) for the backward
+/// pass, each an elementwise pass over `[rows, out]` more; the rank-sized `x Aᵀ` is
+/// computed again in the backward pass instead of kept.
+pub fn adapted_matmul(
+    x: &Tensor,
+    w: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f32,
+) -> Result<Tensor> {
+    let op = AdaptedMatmul {
+        w: w.contiguous()?,
+        scale,
+    };
+    x.contiguous()?
+        .apply_op3_arc(&a.contiguous()?, &b.contiguous()?, Arc::new(Box::new(op)))
+}
+
+struct AdaptedMatmul {
+    w: Tensor,
+    scale: f32,
+}
+
+impl AdaptedMatmul {
+    /// `(rows, in, out, rank)`, checked against `x`'s, `A`'s and `B`'s element counts.
+    fn sizes(&self, x: usize, a: usize, b: usize) -> Result<(usize, usize, usize, usize)> {
+        let (out, inp) = self.w.dims2()?;
+        let rank = a / inp.max(1);
+        if inp == 0
+            || out == 0
+            || rank == 0
+            || a != rank * inp
+            || b != out * rank
+            || !x.is_multiple_of(inp)
+        {
+            bail!(
+                "adapted-matmul of {x} inputs by a weight [{out}, {inp}] with adapters of {a} and {b}"
+            );
+        }
+        Ok((x / inp, inp, out, rank))
+    }
+}
+
+impl CustomOp3 for AdaptedMatmul {
+    fn name(&self) -> &'static str {
+        "adapted-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        a_s: &CpuStorage,
+        al: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x, a, b) = (
+            values(xs, xl, self.name())?,
+            values(a_s, al, self.name())?,
+            values(bs, bl, self.name())?,
+        );
+        let (rows, inp, out, rank) = self.sizes(x.len(), a.len(), b.len())?;
+        if xl.dims().last() != Some(&inp) {
+            bail!(
+                "adapted-matmul of {:?} by a weight [{out}, {inp}]",
+                xl.dims()
+            );
+        }
+        let mut y = vec![0f32; rows * out];
+        let mut u = vec![0f32; rows * rank];
+        if rows > 0 {
+            with_f32(&self.w, |w| {
+                product(
+                    &mut y,
+                    out,
+                    Side(x, inp, 1),
+                    Side(w, 1, inp),
+                    (rows, out, inp),
+                    None,
+                    true,
+                )
+            })?;
+            // u = x Aᵀ; y += scale · u Bᵀ
+            product(
+                &mut u,
+                rank,
+                Side(x, inp, 1),
+                Side(a, 1, inp),
+                (rows, rank, inp),
+                None,
+                true,
+            );
+            product(
+                &mut y,
+                out,
+                Side(&u, rank, 1),
+                Side(b, 1, rank),
+                (rows, out, rank),
+                Some(self.scale),
+                true,
+            );
+        }
+        let mut shape = xl.dims().to_vec();
+        *shape.last_mut().expect("a dimension") = out;
+        Ok((CpuStorage::F32(y), Shape::from(shape)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let s = self.scale;
+        let (dx, da, db) = with_f32(x, |x| {
+            with_f32(a, |a| {
+                with_f32(b, |b| {
+                    with_f32(grad, |dy| {
+                        with_f32(&self.w, |w| -> Result<_> {
+                            let (rows, inp, out, rank) = self.sizes(x.len(), a.len(), b.len())?;
+                            let mut dx = vec![0f32; rows * inp];
+                            let mut da = vec![0f32; rank * inp];
+                            let mut db = vec![0f32; out * rank];
+                            if rows == 0 {
+                                return Ok((dx, da, db));
+                            }
+                            // ∂y B and x Aᵀ, both [rows, rank]
+                            let mut dyb = vec![0f32; rows * rank];
+                            product(
+                                &mut dyb,
+                                rank,
+                                Side(dy, out, 1),
+                                Side(b, rank, 1),
+                                (rows, rank, out),
+                                None,
+                                true,
+                            );
+                            let mut u = vec![0f32; rows * rank];
+                            product(
+                                &mut u,
+                                rank,
+                                Side(x, inp, 1),
+                                Side(a, 1, inp),
+                                (rows, rank, inp),
+                                None,
+                                true,
+                            );
+                            // ∂x = ∂y W + scale · (∂y B) A
+                            product(
+                                &mut dx,
+                                inp,
+                                Side(dy, out, 1),
+                                Side(w, inp, 1),
+                                (rows, inp, out),
+                                None,
+                                true,
+                            );
+                            product(
+                                &mut dx,
+                                inp,
+                                Side(&dyb, rank, 1),
+                                Side(a, inp, 1),
+                                (rows, inp, rank),
+                                Some(s),
+                                true,
+                            );
+                            // ∂A = scale · (∂y B)ᵀ x; ∂B = scale · ∂yᵀ (x Aᵀ)
+                            product(
+                                &mut da,
+                                inp,
+                                Side(&dyb, 1, rank),
+                                Side(x, inp, 1),
+                                (rank, inp, rows),
+                                Some(s),
+                                true,
+                            );
+                            product(
+                                &mut db,
+                                rank,
+                                Side(dy, 1, out),
+                                Side(&u, rank, 1),
+                                (out, rank, rows),
+                                Some(s),
+                                true,
+                            );
+                            Ok((dx, da, db))
+                        })
+                    })
+                })
+            })
+        })??????;
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+            Some(Tensor::from_vec(da, a.shape(), a.device())?),
+            Some(Tensor::from_vec(db, b.shape(), b.device())?),
+        ))
     }
 }
 
@@ -517,73 +696,115 @@ impl Attention {
         Ok(())
     }
 
-    /// Softmax probabilities of query row `qrow` (head `h` of item's token `t`) over its
-    /// visible keys, into `p`.
+    /// The keys' (or values') rows an item sees, kv head `g` only: `[visible, hd]`,
+    /// in position order.
+    fn gather(&self, item: &AttentionItem, kv: &[f32], g: usize) -> Vec<f32> {
+        let hd = self.shape.head_dim;
+        let kv_dim = self.shape.kv_heads * hd;
+        let mut out = Vec::with_capacity(item.visible(item.n - 1) * hd);
+        for j in item.keys(item.n - 1) {
+            out.extend_from_slice(&kv[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd]);
+        }
+        out
+    }
+
+    /// The softmax probabilities of query rows `rows` of head `h` of an item over the
+    /// keys they may see: `[rows.len(), width]`, `width` the last row's visible keys,
+    /// each row's invisible keys 0. `keys` is the item's [`Attention::gather`].
     fn probs(
         &self,
         item: &AttentionItem,
-        t: usize,
-        qrow: &[f32],
-        k: &[f32],
-        g: usize,
-        p: &mut Vec<f32>,
-    ) {
+        rows: std::ops::Range<usize>,
+        h: usize,
+        q: &[f32],
+        keys: &[f32],
+    ) -> (Vec<f32>, usize) {
         let AttentionShape {
-            kv_heads,
+            heads,
             head_dim: hd,
             scale,
             ..
         } = self.shape;
-        let kv_dim = kv_heads * hd;
-        p.clear();
-        let mut max = f32::NEG_INFINITY;
-        for j in item.keys(t) {
-            let s = dot(qrow, &k[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd]) * scale;
-            max = max.max(s);
-            p.push(s);
+        let q_dim = heads * hd;
+        let past = item.visible(0) - 1;
+        let width = past + rows.end;
+        let mut p = vec![0f32; rows.len() * width];
+        let q_at = (item.q_start + rows.start) * q_dim + h * hd;
+        // S = Q Kᵀ
+        product(
+            &mut p,
+            width,
+            Side(&q[q_at..], q_dim, 1),
+            Side(keys, 1, hd),
+            (rows.len(), width, hd),
+            None,
+            false,
+        );
+        for (r, row) in p.chunks_exact_mut(width).enumerate() {
+            let (seen, unseen) = row.split_at_mut(past + rows.start + r + 1);
+            let max = seen
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+            let mut total = 0f32;
+            for s in seen.iter_mut() {
+                *s = (*s * scale - max).exp();
+                total += *s;
+            }
+            let inv = 1.0 / total;
+            for s in seen.iter_mut() {
+                *s *= inv;
+            }
+            unseen.fill(0.0);
         }
-        let mut total = 0f32;
-        for s in p.iter_mut() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        let inv = 1.0 / total;
-        for s in p.iter_mut() {
-            *s *= inv;
-        }
+        (p, width)
     }
 
-    fn forward_item(&self, item: &AttentionItem, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+    /// One item's output for the heads of kv head `g`: `[n, heads / kv_heads · hd]`.
+    fn forward_part(
+        &self,
+        item: &AttentionItem,
+        g: usize,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+    ) -> Vec<f32> {
         let AttentionShape {
             heads,
             kv_heads,
             head_dim: hd,
             ..
         } = self.shape;
-        let (q_dim, kv_dim, groups) = (heads * hd, kv_heads * hd, heads / kv_heads);
-        let mut out = vec![0f32; item.n * q_dim];
-        let mut p = Vec::with_capacity(item.visible(item.n - 1));
-        for t in 0..item.n {
-            let row = (item.q_start + t) * q_dim;
-            for h in 0..heads {
-                let g = h / groups;
-                self.probs(item, t, &q[row + h * hd..row + (h + 1) * hd], k, g, &mut p);
-                let dst = &mut out[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
-                for (&pj, j) in p.iter().zip(item.keys(t)) {
-                    axpy(dst, pj, &v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd]);
-                }
+        let groups = heads / kv_heads;
+        let (keys, values) = (self.gather(item, k, g), self.gather(item, v, g));
+        let width_out = groups * hd;
+        let mut out = vec![0f32; item.n * width_out];
+        for (i, h) in (g * groups..(g + 1) * groups).enumerate() {
+            for start in (0..item.n).step_by(ROW_BLOCK) {
+                let rows = start..(start + ROW_BLOCK).min(item.n);
+                let (p, width) = self.probs(item, rows.clone(), h, q, &keys);
+                // O = P V
+                product(
+                    &mut out[rows.start * width_out + i * hd..],
+                    width_out,
+                    Side(&p, width, 1),
+                    Side(&values, hd, 1),
+                    (rows.len(), hd, width),
+                    None,
+                    false,
+                );
             }
         }
         out
     }
 
-    /// One item's `(∂q rows, ∂k, ∂v)`, the last two over all key rows.
-    fn backward_item(
+    /// One item's gradients for the heads of kv head `g`: `∂q` `[n, heads / kv_heads ·
+    /// hd]`, and `∂k`, `∂v` of its visible key rows `[visible, hd]` (in
+    /// [`AttentionItem::keys`] order).
+    fn backward_part(
         &self,
         item: &AttentionItem,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
+        g: usize,
+        (q, k, v): (&[f32], &[f32], &[f32]),
         dout: &[f32],
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let AttentionShape {
@@ -592,37 +813,150 @@ impl Attention {
             head_dim: hd,
             scale,
         } = self.shape;
-        let (q_dim, kv_dim, groups) = (heads * hd, kv_heads * hd, heads / kv_heads);
-        let mut dq = vec![0f32; item.n * q_dim];
-        let mut dk = vec![0f32; k.len()];
-        let mut dv = vec![0f32; v.len()];
-        let mut p = Vec::new();
-        let mut dp = Vec::new();
-        for t in 0..item.n {
-            let row = (item.q_start + t) * q_dim;
-            for h in 0..heads {
-                let g = h / groups;
-                let qrow = &q[row + h * hd..row + (h + 1) * hd];
-                let dorow = &dout[row + h * hd..row + (h + 1) * hd];
-                self.probs(item, t, qrow, k, g, &mut p);
-                // ∂p_j = ∂o·v_j; ∂s_j = p_j (∂p_j − Σ p ∂p)
-                dp.clear();
-                dp.extend(
-                    item.keys(t)
-                        .map(|j| dot(dorow, &v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd])),
+        let (q_dim, groups) = (heads * hd, heads / kv_heads);
+        let (keys, values) = (self.gather(item, k, g), self.gather(item, v, g));
+        let width_out = groups * hd;
+        let mut dq = vec![0f32; item.n * width_out];
+        let mut dk = vec![0f32; keys.len()];
+        let mut dv = vec![0f32; values.len()];
+        for (i, h) in (g * groups..(g + 1) * groups).enumerate() {
+            for start in (0..item.n).step_by(ROW_BLOCK) {
+                let rows = start..(start + ROW_BLOCK).min(item.n);
+                let n = rows.len();
+                let at = (item.q_start + rows.start) * q_dim + h * hd;
+                let (p, width) = self.probs(item, rows.clone(), h, q, &keys);
+                // ∂P = ∂O Vᵀ; ∂S = P ∘ (∂P − Σⱼ P ∂P) · scale
+                let mut ds = vec![0f32; n * width];
+                product(
+                    &mut ds,
+                    width,
+                    Side(&dout[at..], q_dim, 1),
+                    Side(&values, 1, hd),
+                    (n, width, hd),
+                    None,
+                    false,
                 );
-                let mean: f32 = p.iter().zip(&dp).map(|(p, d)| p * d).sum();
-                let dqrow = &mut dq[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
-                for ((&pj, &dpj), j) in p.iter().zip(&dp).zip(item.keys(t)) {
-                    let ds = pj * (dpj - mean) * scale;
-                    let at = j * kv_dim + g * hd;
-                    axpy(dqrow, ds, &k[at..at + hd]);
-                    axpy(&mut dk[at..at + hd], ds, qrow);
-                    axpy(&mut dv[at..at + hd], pj, dorow);
+                for (d, p) in ds.chunks_exact_mut(width).zip(p.chunks_exact(width)) {
+                    let mean: f32 = d.iter().zip(p).map(|(d, p)| d * p).sum();
+                    for (d, &p) in d.iter_mut().zip(p) {
+                        *d = p * (*d - mean) * scale;
+                    }
                 }
+                // ∂Q = ∂S K
+                product(
+                    &mut dq[rows.start * width_out + i * hd..],
+                    width_out,
+                    Side(&ds, width, 1),
+                    Side(&keys, hd, 1),
+                    (n, hd, width),
+                    None,
+                    false,
+                );
+                // ∂K += ∂Sᵀ Q; ∂V += Pᵀ ∂O
+                product(
+                    &mut dk,
+                    hd,
+                    Side(&ds, 1, width),
+                    Side(&q[at..], q_dim, 1),
+                    (width, hd, n),
+                    Some(1.0),
+                    false,
+                );
+                product(
+                    &mut dv,
+                    hd,
+                    Side(&p, 1, width),
+                    Side(&dout[at..], q_dim, 1),
+                    (width, hd, n),
+                    Some(1.0),
+                    false,
+                );
             }
         }
         (dq, dk, dv)
+    }
+
+    /// Every `(item, kv head)` pair: the attention's units of parallel work.
+    fn parts(&self) -> Vec<(usize, usize)> {
+        (0..self.items.len())
+            .flat_map(|i| (0..self.shape.kv_heads).map(move |g| (i, g)))
+            .collect()
+    }
+
+    /// Copies a part's `[n, heads / kv_heads · hd]` rows into `[rows, heads · hd]`.
+    fn place(&self, dst: &mut [f32], item: &AttentionItem, g: usize, part: &[f32]) {
+        let hd = self.shape.head_dim;
+        let q_dim = self.shape.heads * hd;
+        let width = part.len() / item.n;
+        for (t, row) in part.chunks_exact(width).enumerate() {
+            let at = (item.q_start + t) * q_dim + g * width;
+            dst[at..at + width].copy_from_slice(row);
+        }
+    }
+}
+
+/// Query rows per block of the attention: a block's scores reach only as far as its
+/// last row sees, so little of a long sequence's masked half is computed.
+const ROW_BLOCK: usize = 64;
+
+/// A matrix operand: values, row stride, column stride.
+struct Side<'a>(&'a [f32], usize, usize);
+
+/// `dst[i·dst_rs + j] = Σₗ lhs[i, l] · rhs[l, j]` for `(m, n, k)`, or with
+/// `add = Some(s)`, `dst[…] += s · Σₗ …`; split over rayon's threads when `threads`, on
+/// this thread otherwise (each of the attention's parts is one task).
+#[expect(
+    unsafe_code,
+    reason = "gemm takes raw pointers; the bounds are checked"
+)]
+fn product(
+    dst: &mut [f32],
+    dst_rs: usize,
+    lhs: Side<'_>,
+    rhs: Side<'_>,
+    (m, n, k): (usize, usize, usize),
+    add: Option<f32>,
+    threads: bool,
+) {
+    let last = |rows: usize, rs: usize, cols: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(m > 0 && n > 0 && k > 0);
+    assert!(last(m, dst_rs, n, 1) < dst.len() && n <= dst_rs);
+    assert!(last(m, lhs.1, k, lhs.2) < lhs.0.len());
+    assert!(last(k, rhs.1, n, rhs.2) < rhs.0.len());
+    let threads = if threads {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: every element the strides address lies in its slice (checked above), and
+    // the rows of `dst` (n ≤ its row stride) do not overlap.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            add.is_some(),
+            lhs.0.as_ptr(),
+            lhs.2 as isize,
+            lhs.1 as isize,
+            rhs.0.as_ptr(),
+            rhs.2 as isize,
+            rhs.1 as isize,
+            1.0,
+            add.unwrap_or(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
 }
 
@@ -646,15 +980,14 @@ impl CustomOp3 for Attention {
             values(vs, vl, self.name())?,
         );
         self.check(q.len(), k.len(), v.len())?;
-        let parts: Vec<Vec<f32>> = self
-            .items
+        let parts = self.parts();
+        let outs: Vec<Vec<f32>> = parts
             .par_iter()
-            .map(|item| self.forward_item(item, q, k, v))
+            .map(|&(i, g)| self.forward_part(&self.items[i], g, q, k, v))
             .collect();
-        let q_dim = self.shape.heads * self.shape.head_dim;
         let mut out = vec![0f32; q.len()];
-        for (item, part) in self.items.iter().zip(parts) {
-            out[item.q_start * q_dim..(item.q_start + item.n) * q_dim].copy_from_slice(&part);
+        for (&(i, g), part) in parts.iter().zip(&outs) {
+            self.place(&mut out, &self.items[i], g, part);
         }
         Ok((CpuStorage::F32(out), ql.shape().clone()))
     }
@@ -667,26 +1000,33 @@ impl CustomOp3 for Attention {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let q_dim = self.shape.heads * self.shape.head_dim;
+        let hd = self.shape.head_dim;
+        let kv_dim = self.shape.kv_heads * hd;
         let (dq, dk, dv) = with_f32(q, |q| {
             with_f32(k, |k| {
                 with_f32(v, |v| {
                     with_f32(grad, |dout| {
-                        // Per item, then summed in item order: the same bits whatever
-                        // the threads.
-                        let parts: Vec<_> = self
-                            .items
+                        // Per (item, kv head), then summed in that order: the same bits
+                        // whatever the threads.
+                        let parts = self.parts();
+                        let grads: Vec<_> = parts
                             .par_iter()
-                            .map(|item| self.backward_item(item, q, k, v, dout))
+                            .map(|&(i, g)| self.backward_part(&self.items[i], g, (q, k, v), dout))
                             .collect();
                         let mut dq = vec![0f32; q.len()];
                         let mut dk = vec![0f32; k.len()];
                         let mut dv = vec![0f32; v.len()];
-                        for (item, (pq, pk, pv)) in self.items.iter().zip(parts) {
-                            dq[item.q_start * q_dim..(item.q_start + item.n) * q_dim]
-                                .copy_from_slice(&pq);
-                            axpy(&mut dk, 1.0, &pk);
-                            axpy(&mut dv, 1.0, &pv);
+                        for (&(i, g), (pq, pk, pv)) in parts.iter().zip(&grads) {
+                            let item = &self.items[i];
+                            self.place(&mut dq, item, g, pq);
+                            let rows = item.keys(item.n - 1);
+                            for ((j, pk), pv) in
+                                rows.zip(pk.chunks_exact(hd)).zip(pv.chunks_exact(hd))
+                            {
+                                let at = j * kv_dim + g * hd;
+                                axpy(&mut dk[at..at + hd], 1.0, pk);
+                                axpy(&mut dv[at..at + hd], 1.0, pv);
+                            }
                         }
                         (dq, dk, dv)
                     })
@@ -845,6 +1185,38 @@ mod tests {
 
     /// Attention written out with candle operations, one sequence at a time: keys
     /// `[past rows ; own rows]`, a causal mask on the own part.
+    #[test]
+    fn adapted_matmul_matches_candles_composition() {
+        // 7 rows, in 24, out 20, rank 3; W frozen, gradients for x, A and B.
+        let w = random(&[20, 24], 21);
+        let x = Var::from_tensor(&random(&[7, 24], 22)).unwrap();
+        let a = Var::from_tensor(&random(&[3, 24], 23)).unwrap();
+        let b = Var::from_tensor(&random(&[20, 3], 24)).unwrap();
+        same_values_and_gradients(
+            &[x, a, b],
+            |t| adapted_matmul(&t[0], &w, &t[1], &t[2], 0.7).unwrap(),
+            |t| {
+                let base = t[0].matmul(&w.t().unwrap()).unwrap();
+                let low = t[0]
+                    .matmul(&t[1].t().unwrap())
+                    .unwrap()
+                    .matmul(&t[2].t().unwrap())
+                    .unwrap();
+                (base + (low * 0.7).unwrap()).unwrap()
+            },
+        );
+        let err = adapted_matmul(
+            &random(&[2, 5], 1),
+            &w,
+            &random(&[3, 24], 2),
+            &random(&[20, 3], 3),
+            1.0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("adapted-matmul"), "{err}");
+    }
+
     fn reference_attention(
         q: &Tensor,
         k: &Tensor,
@@ -931,6 +1303,48 @@ mod tests {
         let q = Var::from_tensor(&random(&[9, 32], 8)).unwrap();
         let k = Var::from_tensor(&random(&[13, 16], 9)).unwrap();
         let v = Var::from_tensor(&random(&[13, 16], 10)).unwrap();
+        same_values_and_gradients(
+            &[q, k, v],
+            |t| attention(&t[0], &t[1], &t[2], items.clone(), shape).unwrap(),
+            |t| reference_attention(&t[0], &t[1], &t[2], &items, shape),
+        );
+    }
+
+    /// Items longer than a block of query rows: a shared prompt, two continuations of
+    /// more than two blocks and one of exactly one, grouped-query (6 heads on 2).
+    #[test]
+    fn long_items_match_candles_attention_across_row_blocks() {
+        let shape = AttentionShape {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 8,
+            scale: 0.3,
+        };
+        let (prompt, a, b, c) = (5, 2 * ROW_BLOCK + 7, ROW_BLOCK, ROW_BLOCK + 1);
+        let items = vec![
+            AttentionItem {
+                q_start: 0,
+                n: a,
+                past: vec![(0, prompt)],
+                own: prompt,
+            },
+            AttentionItem {
+                q_start: a,
+                n: b,
+                past: vec![(0, prompt)],
+                own: prompt + a,
+            },
+            AttentionItem {
+                q_start: a + b,
+                n: c,
+                past: vec![],
+                own: prompt + a + b,
+            },
+        ];
+        let rows = a + b + c;
+        let q = Var::from_tensor(&random(&[rows, 48], 11)).unwrap();
+        let k = Var::from_tensor(&random(&[prompt + rows, 16], 12)).unwrap();
+        let v = Var::from_tensor(&random(&[prompt + rows, 16], 13)).unwrap();
         same_values_and_gradients(
             &[q, k, v],
             |t| attention(&t[0], &t[1], &t[2], items.clone(), shape).unwrap(),

@@ -27,8 +27,8 @@ use crate::repack_cache::{Loading, RepackCache};
 /// How the weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightForm {
-    /// GGUF blocks as stored (Q4_1, Q8_0, Q4_K and Q6_K go through this crate's SIMD
-    /// kernels; other types through candle's); fused kernels without gradients.
+    /// GGUF blocks as stored, run by this crate's SIMD kernels (candle's quantized
+    /// matmul for a type they do not read); fused kernels without gradients.
     Quantized,
     /// Dequantized to this float type; differentiable operations only.
     Dense(DType),
@@ -44,7 +44,7 @@ pub enum Linear {
         /// Optional bias, `[out]`.
         bias: Option<Tensor>,
     },
-    /// This crate's kernels (Q4_1, Q8_0, Q4_K, Q6_K): batch-invariant, SIMD.
+    /// This crate's kernels (every GGUF type the runtime ships): batch-invariant, SIMD.
     Fast {
         /// The weight.
         weight: Arc<FastLinear>,
@@ -93,6 +93,17 @@ impl Linear {
             Self::Adapted { base, a, b, scale } => {
                 if !x.track_op() && !a.track_op() && !b.track_op() {
                     return Ok((base.forward(x)? + low_rank_rows(x, a, b, *scale)?)?);
+                }
+                // Training on a float base: one fused operation (`grad::adapted_matmul`).
+                if let Self::Dense { weight, bias } = base.as_ref()
+                    && !weight.track_op()
+                    && [x, weight, a, b].iter().all(|t| t.dtype() == DType::F32)
+                {
+                    let y = grad::adapted_matmul(x, weight, a, b, *scale as f32)?;
+                    return Ok(match bias {
+                        Some(bias) => y.broadcast_add(bias)?,
+                        None => y,
+                    });
                 }
                 let low = x.to_dtype(a.dtype())?.matmul(&a.t()?)?.matmul(&b.t()?)?;
                 let low = (low * *scale)?.to_dtype(x.dtype())?;
@@ -887,9 +898,16 @@ impl Model {
         // thread lets the kernels run inline there and fan out only when they can.
         // Inside, a team of spinning threads runs the kernels' parallel regions
         // (`kernels::team`): the pass's hundreds of short regions would otherwise each
-        // wake a sleeping rayon worker.
-        let pass =
-            || kernels::team::with_team(|| self.forward_in_pool(batch, observer, shared_prefix));
+        // wake a sleeping rayon worker. Not for float weights: their products (gemm)
+        // and the training operations split their work with rayon, so a team's helper
+        // would only spin beside rayon's workers, taking a core from them (the
+        // learner's forward pass ran 1.6× longer with it on two cores).
+        let pass = || match self.form {
+            WeightForm::Quantized => {
+                kernels::team::with_team(|| self.forward_in_pool(batch, observer, shared_prefix))
+            }
+            WeightForm::Dense(_) => self.forward_in_pool(batch, observer, shared_prefix),
+        };
         if rayon::current_thread_index().is_some() {
             pass()
         } else {
