@@ -63,6 +63,7 @@ pub(crate) mod team;
 pub use attend::attention;
 pub(crate) use memory::{Arena, Weights as StoredArray, on_off_setting};
 pub(crate) use pointwise::{add, rms_norm, silu_mul};
+pub use team::stop_spinning;
 
 use kquant::{KPacked, KType, LANES};
 use packed32::{Form, Packed32, Scales};

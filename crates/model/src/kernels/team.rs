@@ -146,12 +146,25 @@ pub(crate) fn with_team<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Whether teams are used: unless `AGENTSTACK_SPIN` says off, read once.
+/// Set by [`stop_spinning`].
+static STOPPED: AtomicBool = AtomicBool::new(false);
+
+/// Whether teams are used: unless `AGENTSTACK_SPIN` says off (read once) or
+/// [`stop_spinning`] was called.
 fn spin_on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        super::memory::env_switch(agentstack_static::env_vars::AGENTSTACK_SPIN, "spinning")
-    })
+    !STOPPED.load(Ordering::Relaxed)
+        && *ON.get_or_init(|| {
+            super::memory::env_switch(agentstack_static::env_vars::AGENTSTACK_SPIN, "spinning")
+        })
+}
+
+/// Opens no more teams in this process, as `AGENTSTACK_SPIN=off` does: for a process
+/// whose other work shares the cores with its forward passes (an asynchronous
+/// trainer's learner beside its rollouts), where a spinning helper takes a core from
+/// that work. Teams already open run to their end; idle helpers park.
+pub fn stop_spinning() {
+    STOPPED.store(true, Ordering::Relaxed);
 }
 
 /// A helper's life: park until a team takes it, spin while it is open and for
@@ -343,6 +356,23 @@ mod tests {
             .num_threads(threads)
             .build()
             .unwrap()
+    }
+
+    /// After `stop_spinning`, a pass opens no team (nextest runs each test in its own
+    /// process, so the switch stays in this one), and its regions still cover every
+    /// chunk, split with rayon.
+    #[test]
+    fn stop_spinning_opens_no_more_teams() {
+        pool(2).install(|| {
+            if spin_on() {
+                assert_eq!(with_team(|| OPEN.get()), 2, "a team of two before");
+            }
+            stop_spinning();
+            assert_eq!(with_team(|| OPEN.get()), 0, "no team after");
+            let mut data = vec![0usize; 100];
+            with_team(|| for_each_chunk_mut(&mut data, 7, |i, c| c.fill(i + 1)));
+            assert!(data.iter().enumerate().all(|(j, &v)| v == j / 7 + 1));
+        });
     }
 
     /// Every chunk is written once, by index, on a team of 1, 2 and 3 threads and with
