@@ -438,6 +438,22 @@ impl AdaptedMatmul {
     }
 }
 
+/// `x Aᵀ`, `[rows, rank]`: the adapter's input to `B`, in the forward pass and again in
+/// the backward pass.
+fn low_rank_input(x: &[f32], a: &[f32], (rows, inp, rank): (usize, usize, usize)) -> Vec<f32> {
+    let mut u = vec![0f32; rows * rank];
+    product(
+        &mut u,
+        rank,
+        Side(x, inp, 1),
+        Side(a, 1, inp),
+        (rows, rank, inp),
+        None,
+        true,
+    );
+    u
+}
+
 impl CustomOp3 for AdaptedMatmul {
     fn name(&self) -> &'static str {
         "adapted-matmul"
@@ -465,7 +481,6 @@ impl CustomOp3 for AdaptedMatmul {
             );
         }
         let mut y = vec![0f32; rows * out];
-        let mut u = vec![0f32; rows * rank];
         if rows > 0 {
             with_f32(&self.w, |w| {
                 product(
@@ -479,15 +494,7 @@ impl CustomOp3 for AdaptedMatmul {
                 )
             })?;
             // u = x Aᵀ; y += scale · u Bᵀ
-            product(
-                &mut u,
-                rank,
-                Side(x, inp, 1),
-                Side(a, 1, inp),
-                (rows, rank, inp),
-                None,
-                true,
-            );
+            let u = low_rank_input(x, a, (rows, inp, rank));
             product(
                 &mut y,
                 out,
@@ -535,16 +542,7 @@ impl CustomOp3 for AdaptedMatmul {
                                 None,
                                 true,
                             );
-                            let mut u = vec![0f32; rows * rank];
-                            product(
-                                &mut u,
-                                rank,
-                                Side(x, inp, 1),
-                                Side(a, 1, inp),
-                                (rows, rank, inp),
-                                None,
-                                true,
-                            );
+                            let u = low_rank_input(x, a, (rows, inp, rank));
                             // ∂x = ∂y W + scale · (∂y B) A
                             product(
                                 &mut dx,
