@@ -96,18 +96,16 @@ impl Linear {
                 }
                 // Training on a float base: one fused operation (`grad::adapted_matmul`).
                 if let Self::Dense { weight, bias } = base.as_ref()
-                    && !weight.track_op()
-                    && [x, weight, a, b].iter().all(|t| t.dtype() == DType::F32)
+                    && frozen_f32(x, weight)
+                    && a.dtype() == DType::F32
+                    && b.dtype() == DType::F32
                 {
-                    let y = grad::adapted_matmul(x, weight, a, b, *scale as f32)?;
-                    return Ok(match bias {
-                        Some(bias) => y.broadcast_add(bias)?,
-                        None => y,
-                    });
+                    (grad::adapted_matmul(x, weight, a, b, *scale as f32)?, bias)
+                } else {
+                    let low = x.to_dtype(a.dtype())?.matmul(&a.t()?)?.matmul(&b.t()?)?;
+                    let low = (low * *scale)?.to_dtype(x.dtype())?;
+                    return Ok((base.forward(x)? + low)?);
                 }
-                let low = x.to_dtype(a.dtype())?.matmul(&a.t()?)?.matmul(&b.t()?)?;
-                let low = (low * *scale)?.to_dtype(x.dtype())?;
-                return Ok((base.forward(x)? + low)?);
             }
         };
         Ok(match bias {
@@ -261,11 +259,17 @@ pub(crate) fn dot_fixed(p: &[f32], q: &[f32]) -> f32 {
 /// matmul as large as the first and a weight-sized buffer per layer, only to throw
 /// them away.
 fn dense_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    if !weight.track_op() && x.dtype() == DType::F32 && weight.dtype() == DType::F32 {
+    if frozen_f32(x, weight) {
         Ok(grad::frozen_matmul(x, weight)?)
     } else {
         Ok(x.matmul(&weight.t()?)?)
     }
+}
+
+/// Whether `x Wᵀ` can go through this crate's f32 products of a frozen weight
+/// ([`grad::frozen_matmul`], [`grad::adapted_matmul`]): both f32, `W` not a variable.
+fn frozen_f32(x: &Tensor, weight: &Tensor) -> bool {
+    !weight.track_op() && x.dtype() == DType::F32 && weight.dtype() == DType::F32
 }
 
 /// The weights of one transformer block.
