@@ -118,7 +118,7 @@ def wait_healthy(process, url, name):
 def start_agentstack():
     port = free_port()
     command = [args.agentstack, "model", "serve", args.model, "--host", "127.0.0.1",
-               "--port", str(port), "--threads", str(args.threads)]
+               "--port", str(port), "--threads", str(args.threads), "--name", "m"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(process, url, "agentstack model serve")

@@ -1041,7 +1041,9 @@ pub struct ModelServeArgs {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Name reported by /v1/models (default: the model's name).
+    /// The base model's name: reported by /v1/models, and with the loaded adapters' names
+    /// the only `model` a request may name (another is a 404, `model_not_found`; a
+    /// request without `model` runs on the base model). Default: the model's name.
     #[arg(long)]
     pub name: Option<String>,
     /// Sequences decoded together at most.

@@ -694,7 +694,7 @@ async fn a_service_answers_every_request_while_a_replica_is_killed() {
 resources:
   ports: {port}
   job_recovery: {{max_restarts_on_errors: 3}}
-run: exec agentstack model serve {model} --host 127.0.0.1 --port $AGENTSTACK_PORT --threads 1
+run: exec agentstack model serve {model} --name smollm2 --host 127.0.0.1 --port $AGENTSTACK_PORT --threads 1
 service:
   replicas: 2
   ports: {lb}

@@ -585,7 +585,7 @@ fn adapters_sync_to_a_model_serve_process() {
         Some(json!({"name": "from-checkpoint", "path": last})),
     );
     assert_eq!(loaded["version"], 1, "{loaded}");
-    let generate = |model: &str| -> Value {
+    let generate = |model: Value| -> Value {
         http(
             reqwest::Method::POST,
             &format!("{}/generate", server.url),
@@ -593,11 +593,13 @@ fn adapters_sync_to_a_model_serve_process() {
         )
         .1
     };
+    // `model: null` is the base model.
     let (tuned, checkpoint, base) = (
-        generate("tuned"),
-        generate("from-checkpoint"),
-        generate("base"),
+        generate(json!("tuned")),
+        generate(json!("from-checkpoint")),
+        generate(Value::Null),
     );
+    assert!(base["logprobs"].is_array(), "{base}");
     assert_eq!(tuned["logprobs"], checkpoint["logprobs"]);
     assert_ne!(
         tuned["logprobs"], base["logprobs"],

@@ -171,14 +171,31 @@ async fn models(
 }
 
 impl AppState {
-    /// The adapter a request's `model` names, if it names a loaded one; any other name
-    /// (or none) runs on the base model, as before adapters existed.
-    pub(crate) fn adapter_for(&self, model: Option<&str>) -> Option<String> {
-        let model = model?;
-        (model != self.config.model_name && self.engine.adapters().iter().any(|a| a.name == model))
-            .then(|| model.to_owned())
+    /// The adapter a request's `model` names: `None` for the base model (its name, or no
+    /// `model` at all), the name of a loaded adapter, or a 404 (`model_not_found`) for any
+    /// other name, which would otherwise run on weights the client did not ask for.
+    pub(crate) fn adapter_for(&self, model: Option<&str>) -> Result<Option<String>, ApiError> {
+        let Some(model) = model else {
+            return Ok(None);
+        };
+        if model == self.config.model_name {
+            return Ok(None);
+        }
+        let adapters = self.engine.adapters();
+        if adapters.iter().any(|a| a.name == model) {
+            return Ok(Some(model.to_owned()));
+        }
+        let names: Vec<&str> = std::iter::once(self.config.model_name.as_str())
+            .chain(adapters.iter().map(|a| a.name.as_str()))
+            .collect();
+        Err(ApiError::model_not_found(model, &names))
     }
 }
+
+/// At most this many characters of a name a client sent are repeated in an error.
+const ECHOED_NAME: usize = 80;
+/// At most this many served names are listed in an error.
+const LISTED_NAMES: usize = 8;
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::new(
@@ -198,6 +215,7 @@ pub struct ApiError {
     kind: &'static str,
     message: String,
     param: Option<String>,
+    code: Option<&'static str>,
 }
 
 impl ApiError {
@@ -207,6 +225,34 @@ impl ApiError {
             kind,
             message: message.into(),
             param: None,
+            code: None,
+        }
+    }
+
+    /// A 404 (`model_not_found`, as OpenAI says it): `model` is neither the base
+    /// model's name nor a loaded adapter's; `served` lists the names that are.
+    fn model_not_found(model: &str, served: &[&str]) -> Self {
+        let shown: String = model.chars().take(ECHOED_NAME).collect();
+        let ellipsis = if shown.len() < model.len() { "…" } else { "" };
+        let mut listed = served
+            .iter()
+            .take(LISTED_NAMES)
+            .map(|name| format!("`{name}`"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if served.len() > LISTED_NAMES {
+            listed.push_str(&format!(" and {} more", served.len() - LISTED_NAMES));
+        }
+        Self {
+            param: Some("model".to_owned()),
+            code: Some("model_not_found"),
+            ..Self::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!(
+                    "the model `{shown}{ellipsis}` is not served here; this server serves {listed} (GET /v1/models lists them; leave `model` out for the base model)"
+                ),
+            )
         }
     }
 
@@ -286,7 +332,7 @@ impl IntoResponse for ApiError {
                 "message": self.message,
                 "type": self.kind,
                 "param": self.param,
-                "code": null,
+                "code": self.code,
             }
         });
         (self.status, Json(body)).into_response()

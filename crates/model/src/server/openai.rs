@@ -518,7 +518,7 @@ pub(super) async fn chat_completions(
     } = req;
     sampling.check()?;
     let drafting = sampling.drafting(&state.engine)?;
-    let adapter = state.adapter_for(model.as_deref());
+    let adapter = state.adapter_for(model.as_deref())?;
     if stream && return_token_ids {
         return Err(ApiError::invalid(
             "return_token_ids",
@@ -900,7 +900,7 @@ pub(super) async fn completions(
 ) -> Result<Response, ApiError> {
     req.sampling.check()?;
     let drafting = req.sampling.drafting(&state.engine)?;
-    let adapter = state.adapter_for(req.model.as_deref());
+    let adapter = state.adapter_for(req.model.as_deref())?;
     if req.echo {
         return Err(ApiError::invalid(
             "echo",

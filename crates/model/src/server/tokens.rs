@@ -80,7 +80,7 @@ pub(super) async fn generate(
         0,
         &drafting,
     );
-    let adapter = state.adapter_for(body.model.as_deref());
+    let adapter = state.adapter_for(body.model.as_deref())?;
     let receiver = state.engine.submit_with(request, adapter.as_deref())?;
     if body.stream {
         let stream = async_stream(move |tx| async move {

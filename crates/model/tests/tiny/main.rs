@@ -479,8 +479,36 @@ async fn named_adapters_load_replace_and_serve() {
 
     // Unknown adapters and bad files are refused with a reason.
     let gen_body = |model: &str| json!({"input_ids": [1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": true, "model": model});
-    let (status, _) = call(&state, "POST", "/generate", Some(gen_body("nope"))).await;
-    assert_eq!(status, 200, "an unknown name runs on the base model");
+    // A name that is neither the base model's nor a loaded adapter's is a 404 on every
+    // route that takes one, never a silent run on the base weights.
+    for (route, body) in [
+        ("/generate", gen_body("nope")),
+        (
+            "/v1/chat/completions",
+            json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "nope", "prompt": "hi", "max_tokens": 2}),
+        ),
+    ] {
+        let (status, err) = call(&state, "POST", route, Some(body)).await;
+        assert_eq!(status, 404, "{route}: {err}");
+        assert_eq!(err["error"]["code"], "model_not_found", "{route}: {err}");
+        assert_eq!(err["error"]["param"], "model", "{route}: {err}");
+        let message = err["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("`nope`") && message.contains("`model`"),
+            "the message names what was asked and what is served: {message}"
+        );
+    }
+    let long = "x".repeat(10_000);
+    let (status, err) = call(&state, "POST", "/generate", Some(gen_body(&long))).await;
+    assert_eq!(status, 404);
+    assert!(
+        err["error"]["message"].as_str().unwrap().len() < 400,
+        "a long name is not echoed whole: {err}"
+    );
     let refused = call(
         &state,
         "POST",
@@ -586,6 +614,11 @@ async fn named_adapters_load_replace_and_serve() {
     );
     let (status, _) = call(&state, "DELETE", "/v1/adapters/tuned", None).await;
     assert_eq!(status, 200);
+    let (status, err) = call(&state, "POST", "/generate", Some(gen_body("tuned"))).await;
+    assert_eq!(
+        status, 404,
+        "an unloaded adapter's name is unknown again: {err}"
+    );
     assert!(matches!(
         engine.submit_with(request, Some("tuned")),
         Err(agentstack_model::engine::SubmitError::UnknownAdapter(_))

@@ -280,11 +280,15 @@ async fn watch(pool: Weak<ServerPool>, member: Arc<Member>) {
 }
 
 /// Whether a model call failed because of its server (unreachable, gone mid-request,
-/// timed out, or 5xx), so another server should play the episode.
+/// timed out, 5xx, or no longer holding the run's adapters: a server restarted between
+/// two polls answers `model_not_found` until the watcher pushes them again), so another
+/// server should play the episode.
 fn server_failed(e: &ModelError) -> bool {
     match e {
         ModelError::Http { .. } => true,
-        ModelError::Status { status, .. } => *status >= 500,
+        ModelError::Status { status, body, .. } => {
+            *status >= 500 || (*status == 404 && body.contains("\"model_not_found\""))
+        }
         _ => false,
     }
 }
@@ -293,8 +297,9 @@ fn server_failed(e: &ModelError) -> bool {
 mod tests {
     use super::*;
 
-    /// Only failures of the server itself move an episode elsewhere: an answer that is
-    /// not a chat completion, or a 4xx (a bad request, an unknown adapter), ends the run.
+    /// Only failures of the server itself move an episode elsewhere (a server that lost
+    /// the run's adapters among them): an answer that is not a chat completion, or
+    /// another 4xx (a bad request, a missing route), ends the run.
     #[test]
     fn only_server_failures_move_an_episode() {
         let status = |status| ModelError::Status {
@@ -304,6 +309,13 @@ mod tests {
             hint: String::new(),
         };
         assert!(server_failed(&status(503)));
+        let lost = ModelError::Status {
+            url: "u".into(),
+            status: 404,
+            body: r#"{"error":{"message":"the model `run` is not served here","type":"invalid_request_error","param":"model","code":"model_not_found"}}"#.into(),
+            hint: String::new(),
+        };
+        assert!(server_failed(&lost), "a restarted server lost the adapters");
         assert!(server_failed(&status(502)));
         assert!(!server_failed(&status(400)));
         assert!(!server_failed(&status(404)));
