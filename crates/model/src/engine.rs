@@ -20,6 +20,7 @@ use crate::error::{ModelError, Result};
 use crate::generate::{GenerateOutput, GenerateRequest, Sequence, TokenEvent, common_prefix};
 use candle_core::Tensor;
 
+use crate::kernels;
 use crate::model::{Model, SeqCache};
 use crate::speculate::{PROBE_LEN, PassCosts, Speculation};
 
@@ -599,6 +600,14 @@ fn add_drafts(running: &mut [Running], budget: usize, costs: &PassCosts) {
     }
 }
 
+/// One sequence's sampling after a pass: its rows of logits, and the tokens it drew.
+struct Sampling<'a> {
+    running: &'a mut Running,
+    rows: Tensor,
+    version: Option<u64>,
+    events: Option<Result<Vec<TokenEvent>>>,
+}
+
 /// One forward pass over the running sequences.
 fn step(
     lm: &LanguageModel,
@@ -670,16 +679,41 @@ fn step(
                 .map(|(taken, row)| (taken, row, version)),
         );
     }
+    // Each sequence samples from its own rows with its own sampler, so the sequences
+    // sample side by side on the team (the same tokens as one after another); the
+    // events then go out in order.
+    let mut rows_of: Vec<Option<(usize, Tensor, Option<u64>)>> = vec![None; running.len()];
     for ((i, n), row, version) in results {
-        let r = &mut running[i];
-        if !r.seq.consumed(n) {
-            continue;
+        rows_of[i] = Some((n, row, version));
+    }
+    let mut samplings: Vec<Sampling<'_>> = Vec::with_capacity(running.len());
+    for (r, rows) in running.iter_mut().zip(rows_of) {
+        if let Some((n, rows, version)) = rows
+            && r.seq.consumed(n)
+        {
+            samplings.push(Sampling {
+                running: r,
+                rows,
+                version,
+                events: None,
+            });
         }
-        let rows: Vec<f32> = row.flatten_all()?.to_vec1()?;
-        match r.seq.sample_rows(lm, &rows) {
+    }
+    kernels::team::for_each_item(&mut samplings, |s| {
+        s.events = Some(
+            s.rows
+                .flatten_all()
+                .and_then(|rows| rows.to_vec1::<f32>())
+                .map_err(ModelError::from)
+                .and_then(|rows| s.running.seq.sample_rows(lm, &rows)),
+        );
+    });
+    for s in samplings {
+        let r = s.running;
+        match s.events.expect("every sequence sampled") {
             Ok(events) => {
                 for mut event in events {
-                    event.weights_version = version;
+                    event.weights_version = s.version;
                     let done = event.finish.is_some();
                     if r.events.send(Event::Token(event)).is_err() {
                         r.seq.cancel();

@@ -311,6 +311,21 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
     for_each_index(n, &task);
 }
 
+/// `f(item)` for every item of `items`, on a team opened for the call (or the one this
+/// thread has open) when teams are in use; otherwise one after another on this thread,
+/// not on rayon's pool, which other work of the process (an asynchronous trainer's
+/// learner) may be holding. For work between forward passes (the engine's sampling of
+/// each sequence's next token), which would otherwise leave the helpers spinning idle.
+pub(crate) fn for_each_item<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
+    with_team(|| {
+        if OPEN.get() == 0 || items.len() <= 1 {
+            items.iter_mut().for_each(&f);
+        } else {
+            for_each_chunk_mut(items, 1, |_, chunk| chunk.iter_mut().for_each(&f));
+        }
+    });
+}
+
 /// A new buffer of `len` values, chunk `i` (`chunk_len` long, the last may be
 /// shorter) set to `T::default()` (zero) and then filled by `f(i, chunk)` on the open
 /// team (see [`for_each_chunk_mut`]): the zeroing runs in the tasks, beside the writes,
