@@ -1213,7 +1213,6 @@ impl Model {
             .map(|w| w.to_dtype(DType::F32)?.to_vec1::<f32>())
             .transpose()?;
         let eps = cfg.rms_eps as f32;
-        let mut out = Vec::with_capacity(q.len());
         let mut offset = 0;
         for i in 0..batch.len() {
             if shared_prefix && i > 0 {
@@ -1246,10 +1245,25 @@ impl Model {
                     self.rope_in_place(head, pos);
                 }
             }
-            out.extend(kernels::attention(
-                qs, keys, values, n, heads, kv_heads, hd, scale,
-            ));
         }
+        // Every sequence's queries against its cache, in one parallel region.
+        let mut offset = 0;
+        let items: Vec<kernels::Queries<'_>> = batch
+            .iter()
+            .map(|item| {
+                let n = item.tokens.len();
+                let (keys, values) = &item.cache.raw[layer];
+                let queries = kernels::Queries {
+                    q: &q[offset * q_dim..(offset + n) * q_dim],
+                    k: keys,
+                    v: values,
+                    n,
+                };
+                offset += n;
+                queries
+            })
+            .collect();
+        let out = kernels::attention_batch(&items, heads, kv_heads, hd, scale);
         let rows = out.len() / q_dim;
         Ok(Tensor::from_vec(out, (rows, q_dim), &self.device)?.to_dtype(dtype)?)
     }

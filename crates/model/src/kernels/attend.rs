@@ -1,8 +1,10 @@
 //! Causal attention of new queries against a sequence's cached keys and values, for
 //! inference (training's differentiable attention is `grad`'s).
 //!
-//! Each query and head is one task: its scores (query · key, eight keys at a time),
-//! their softmax, and the probability-weighted sum of the value rows. Every output
+//! Each query and head is computed alone: its scores (query · key, eight keys at a
+//! time), their softmax, and the probability-weighted sum of the value rows. A task
+//! of the parallel region is one query's heads that share a key-value head, of any
+//! sequence of the batch ([`attention_batch`]). Every output
 //! element is computed in one fixed order whatever the number of queries, threads or
 //! the SIMD family, so a position attends to the same bits in a prefill, a decode step
 //! or a batch:
@@ -38,27 +40,110 @@ pub fn attention(
     hd: usize,
     scale: f32,
 ) -> Vec<f32> {
+    attention_batch(&[Queries { q, k, v, n }], heads, kv_heads, hd, scale)
+}
+
+/// One sequence's part of [`attention_batch`]: its `n` new queries `q`
+/// (`[n, heads·hd]`) and its keys and values `k`, `v` (`[s, kv_heads·hd]`, the new
+/// positions last).
+#[derive(Debug, Clone, Copy)]
+pub struct Queries<'a> {
+    /// The new queries, rotary applied.
+    pub q: &'a [f32],
+    /// Every key of the sequence, the new ones last.
+    pub k: &'a [f32],
+    /// Every value of the sequence, the new ones last.
+    pub v: &'a [f32],
+    /// How many queries are new.
+    pub n: usize,
+}
+
+/// [`attention`] of several sequences in one parallel region: the outputs of each in
+/// turn, `[Σ n, heads·hd]`, each row the same bits as alone. A task is one query's
+/// heads that share a key-value head, so the keys and values it reads for the first
+/// of them are in cache for the others; a batch of decoding sequences is one region per
+/// layer rather than one per sequence.
+pub fn attention_batch(
+    items: &[Queries<'_>],
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    scale: f32,
+) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     let wide = simd() >= Simd::Avx2;
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
-    let shape = Attend {
-        q,
-        k,
-        v,
-        n,
-        heads,
-        kv_heads,
-        hd,
-        scale,
-    };
-    shape.all(wide)
+    let shapes: Vec<Attend<'_>> = items
+        .iter()
+        .map(|it| Attend {
+            q: it.q,
+            k: it.k,
+            v: it.v,
+            n: it.n,
+            heads,
+            kv_heads,
+            hd,
+            scale,
+        })
+        .collect();
+    all(&shapes, wide)
 }
 
 /// Multiply-adds of one call's scores and sums at which its heads are split across the
 /// team: a parallel region costs a few microseconds, a decode step's attention of a
 /// small model's layer a few dozen at a few hundred positions.
 const PARALLEL_WORK: usize = 1 << 15;
+
+/// Every query and head of every shape (all of one model's layer: the same heads and
+/// head size), each computed by [`Attend::one`]; `wide` runs its AVX2 build.
+fn all(shapes: &[Attend<'_>], wide: bool) -> Vec<f32> {
+    let Some(first) = shapes.first() else {
+        return Vec::new();
+    };
+    let (heads, kv_heads, hd) = (first.heads, first.kv_heads, first.hd);
+    // The query heads that share a key-value head are next to each other.
+    let group = heads / kv_heads.max(1);
+    // Each query row of each shape, as (shape, row), and the work of them all.
+    let mut rows = Vec::new();
+    let mut work = 0;
+    for (i, shape) in shapes.iter().enumerate() {
+        let s = shape.k.len() / (kv_heads * hd).max(1);
+        rows.extend((0..shape.n).map(|t| (i, t)));
+        work += shape.n * heads * s * hd;
+    }
+    // A unit of work is one query's heads that share a key-value head when there are
+    // enough of them to keep the team busy, else one head.
+    let unit_heads =
+        if heads.is_multiple_of(kv_heads.max(1)) && rows.len() * kv_heads >= 4 * team::threads() {
+            group
+        } else {
+            1
+        };
+    let per_row = heads / unit_heads;
+    let units = rows.len() * per_row;
+    // Units per task: one each when the call is worth splitting, all of them in one
+    // task otherwise.
+    let per = if work >= PARALLEL_WORK {
+        1
+    } else {
+        units.max(1)
+    };
+    team::collect_chunks(
+        rows.len() * heads * hd,
+        per * unit_heads * hd,
+        |task, dst| {
+            for (u, dst) in dst.chunks_mut(unit_heads * hd).enumerate() {
+                let unit = task * per + u;
+                let (i, t) = rows[unit / per_row];
+                let first = unit % per_row * unit_heads;
+                for (j, dst) in dst.chunks_mut(hd).enumerate() {
+                    shapes[i].one_any(wide, t, first + j, dst);
+                }
+            }
+        },
+    )
+}
 
 /// One attention call's inputs and shape.
 pub(super) struct Attend<'a> {
@@ -74,35 +159,25 @@ pub(super) struct Attend<'a> {
 
 impl Attend<'_> {
     /// Every query and head, each computed by [`Self::one`]; `wide` runs its AVX2 build.
+    #[cfg(test)]
     pub(super) fn all(&self, wide: bool) -> Vec<f32> {
-        let s = self.k.len() / (self.kv_heads * self.hd).max(1);
-        let one = |i: usize, dst: &mut [f32]| {
-            let (t, h) = (i / self.heads, i % self.heads);
-            #[cfg(target_arch = "x86_64")]
-            if wide {
-                #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
-                // SAFETY: `wide` only when simd() found AVX2 and FMA.
-                unsafe {
-                    self.one_avx2(t, h, dst)
-                };
-                return;
-            }
-            let _ = wide;
-            self.one::<false>(t, h, dst);
-        };
-        let len = self.n * self.heads * self.hd;
-        // Heads per task: one each when the call is worth splitting, all of them in one
-        // task otherwise.
-        let per = if self.n * self.heads * s * self.hd >= PARALLEL_WORK {
-            1
-        } else {
-            self.n * self.heads
-        };
-        team::collect_chunks(len, per * self.hd, |task, dst| {
-            for (i, dst) in dst.chunks_mut(self.hd).enumerate() {
-                one(task * per + i, dst);
-            }
-        })
+        all(std::slice::from_ref(self), wide)
+    }
+
+    /// Query `t`, head `h` into `dst`, with the AVX2 kernels when `wide`.
+    #[inline]
+    fn one_any(&self, wide: bool, t: usize, h: usize, dst: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            #[expect(unsafe_code, reason = "the CPU was checked for AVX2 and FMA")]
+            // SAFETY: `wide` only when simd() found AVX2 and FMA.
+            unsafe {
+                self.one_avx2(t, h, dst)
+            };
+            return;
+        }
+        let _ = wide;
+        self.one::<false>(t, h, dst);
     }
 
     /// [`Self::one`] with AVX2 kernels for its scores and sums.
@@ -355,6 +430,70 @@ mod tests {
                 "n {n}, s {s}, heads {heads}/{kv_heads}, hd {hd}"
             );
         }
+    }
+
+    /// Several sequences in one call (decoding ones and a prompt, grouped heads and
+    /// not) give each the same bits as alone, on both builds.
+    #[test]
+    fn a_batch_gives_each_sequence_its_bits_alone() {
+        let (heads, kv_heads, hd) = (9, 3, 64);
+        let shapes = [(1, 37), (1, 120), (6, 6), (1, 9), (3, 300), (1, 1)];
+        /// One sequence's queries, keys, values and new positions.
+        type Sequence = (Vec<f32>, Vec<f32>, Vec<f32>, usize);
+        let data: Vec<Sequence> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, s))| {
+                (
+                    values(n * heads * hd, 10 + i),
+                    values(s * kv_heads * hd, 20 + i),
+                    values(s * kv_heads * hd, 30 + i),
+                    n,
+                )
+            })
+            .collect();
+        let items: Vec<Queries<'_>> = data
+            .iter()
+            .map(|(q, k, v, n)| Queries { q, k, v, n: *n })
+            .collect();
+        let simds: &[bool] = if detected_simd() >= Simd::Avx2 {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &wide in simds {
+            for count in [1, 2, shapes.len()] {
+                let shaped: Vec<Attend<'_>> = items[..count]
+                    .iter()
+                    .map(|it| Attend {
+                        q: it.q,
+                        k: it.k,
+                        v: it.v,
+                        n: it.n,
+                        heads,
+                        kv_heads,
+                        hd,
+                        scale: 0.125,
+                    })
+                    .collect();
+                let together = all(&shaped, wide);
+                let mut at = 0;
+                for (i, shape) in shaped.iter().enumerate() {
+                    let alone = shape.all(wide);
+                    assert_eq!(
+                        together[at..at + alone.len()]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                        alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "sequence {i} of {count}, wide {wide}"
+                    );
+                    at += alone.len();
+                }
+                assert_eq!(at, together.len());
+            }
+        }
+        assert!(attention_batch(&[], heads, kv_heads, hd, 0.125).is_empty());
     }
 
     /// Softmax-weighted values, as the definition computes them in f64.

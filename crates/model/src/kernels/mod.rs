@@ -60,7 +60,7 @@ mod packed32;
 mod pointwise;
 pub(crate) mod team;
 
-pub use attend::attention;
+pub use attend::{Queries, attention, attention_batch};
 pub(crate) use memory::{Arena, Weights as StoredArray, on_off_setting};
 pub(crate) use pointwise::{add, rms_norm, silu_mul};
 pub use team::stop_spinning;
