@@ -167,7 +167,7 @@ impl Sampler {
         allowed: Option<&dyn Fn(u32) -> bool>,
         top_n: usize,
     ) -> Result<Sampled> {
-        let logprobs = log_softmax(logits);
+        let (max, log_sum) = log_normalizer(logits);
         let mut work: Vec<f32> = logits.to_vec();
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
@@ -202,14 +202,14 @@ impl Sampler {
         }
         .ok_or_else(|| ModelError::InvalidRequest("no token is allowed at this position".into()))?;
         let top = if top_n > 0 {
-            top_logprobs(&logprobs, top_n)
+            top_logprobs(&log_softmax(logits), top_n)
         } else {
             Vec::new()
         };
         Ok(Sampled {
             token: TokenLogprob {
                 id,
-                logprob: logprobs[id as usize],
+                logprob: logits[id as usize] - max - log_sum,
             },
             top,
         })
@@ -316,14 +316,21 @@ pub fn argmax(values: &[f32]) -> Option<u32> {
 
 /// Natural-log softmax, computed in f64 for accuracy.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let (max, log_sum) = log_normalizer(logits);
+    logits.iter().map(|&l| l - max - log_sum).collect()
+}
+
+/// The largest finite logit `m` and `ln Σ exp(l − m)` (summed in f64): a logit's
+/// log-probability is `l − m − ln Σ`, bit for bit [`log_softmax`]'s, without the
+/// vocabulary-sized vector when one or a few are wanted.
+fn log_normalizer(logits: &[f32]) -> (f32, f32) {
     let max = logits
         .iter()
         .copied()
         .filter(|v| v.is_finite())
         .fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
-    let log_sum = sum.ln() as f32;
-    logits.iter().map(|&l| l - max - log_sum).collect()
+    (max, sum.ln() as f32)
 }
 
 /// The `n` most likely tokens, best first (ties: lower id first).
@@ -494,6 +501,33 @@ mod tests {
                     (seen - p).abs() <= tolerance,
                     "top_k {top_k}, id {i}: {seen} vs {p}"
                 );
+            }
+        }
+    }
+
+    /// A sampled token's log-probability is its entry of the full log-softmax, bit for
+    /// bit, with and without alternatives asked for.
+    #[test]
+    fn a_sampled_logprob_is_the_log_softmax_entry() {
+        let logits: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919 % 1009) as f32 - 500.0) / 61.0)
+            .chain([f32::NEG_INFINITY])
+            .collect();
+        let full = log_softmax(&logits);
+        for top_n in [0, 3] {
+            let params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(top_n as u64),
+                ..SamplingParams::default()
+            };
+            let mut s = Sampler::new(params, &[]);
+            for _ in 0..20 {
+                let got = s.sample(&logits, None, top_n).unwrap();
+                let id = got.token.id as usize;
+                assert_eq!(got.token.logprob.to_bits(), full[id].to_bits());
+                for t in &got.top {
+                    assert_eq!(t.logprob.to_bits(), full[t.id as usize].to_bits());
+                }
             }
         }
     }
