@@ -74,7 +74,18 @@ pub fn attention_batch(
     let wide = simd() >= Simd::Avx2;
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
-    let shapes: Vec<Attend<'_>> = items
+    all(&shapes(items, heads, kv_heads, hd, scale), wide)
+}
+
+/// Each sequence's [`Attend`] with the layer's shape.
+fn shapes<'a>(
+    items: &[Queries<'a>],
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    scale: f32,
+) -> Vec<Attend<'a>> {
+    items
         .iter()
         .map(|it| Attend {
             q: it.q,
@@ -86,8 +97,7 @@ pub fn attention_batch(
             hd,
             scale,
         })
-        .collect();
-    all(&shapes, wide)
+        .collect()
 }
 
 /// Multiply-adds of one call's scores and sums at which its heads are split across the
@@ -437,10 +447,10 @@ mod tests {
     #[test]
     fn a_batch_gives_each_sequence_its_bits_alone() {
         let (heads, kv_heads, hd) = (9, 3, 64);
-        let shapes = [(1, 37), (1, 120), (6, 6), (1, 9), (3, 300), (1, 1)];
+        let sizes = [(1, 37), (1, 120), (6, 6), (1, 9), (3, 300), (1, 1)];
         /// One sequence's queries, keys, values and new positions.
         type Sequence = (Vec<f32>, Vec<f32>, Vec<f32>, usize);
-        let data: Vec<Sequence> = shapes
+        let data: Vec<Sequence> = sizes
             .iter()
             .enumerate()
             .map(|(i, &(n, s))| {
@@ -462,20 +472,8 @@ mod tests {
             &[false]
         };
         for &wide in simds {
-            for count in [1, 2, shapes.len()] {
-                let shaped: Vec<Attend<'_>> = items[..count]
-                    .iter()
-                    .map(|it| Attend {
-                        q: it.q,
-                        k: it.k,
-                        v: it.v,
-                        n: it.n,
-                        heads,
-                        kv_heads,
-                        hd,
-                        scale: 0.125,
-                    })
-                    .collect();
+            for count in [1, 2, sizes.len()] {
+                let shaped = shapes(&items[..count], heads, kv_heads, hd, 0.125);
                 let together = all(&shaped, wide);
                 let mut at = 0;
                 for (i, shape) in shaped.iter().enumerate() {
