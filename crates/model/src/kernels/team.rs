@@ -317,8 +317,12 @@ pub(crate) fn for_each_chunk_mut<T: Send>(
 /// learner) may be holding. For work between forward passes (the engine's sampling of
 /// each sequence's next token), which would otherwise leave the helpers spinning idle.
 pub(crate) fn for_each_item<T: Send>(items: &mut [T], f: impl Fn(&mut T) + Sync) {
+    if items.len() <= 1 {
+        items.iter_mut().for_each(&f);
+        return;
+    }
     with_team(|| {
-        if OPEN.get() == 0 || items.len() <= 1 {
+        if OPEN.get() == 0 {
             items.iter_mut().for_each(&f);
         } else {
             for_each_chunk_mut(items, 1, |_, chunk| chunk.iter_mut().for_each(&f));
