@@ -347,20 +347,11 @@ impl CustomOp1 for FrozenMatmul {
             bail!("frozen-matmul of {dims:?} by a weight [{out}, {inp}]");
         }
         let rows = x.len() / inp;
-        let mut y = vec![0f32; rows * out];
-        if rows > 0 {
-            with_f32(&self.0, |w| {
-                product(
-                    &mut y,
-                    out,
-                    Side(x, inp, 1),
-                    Side(w, 1, inp),
-                    (rows, out, inp),
-                    None,
-                    true,
-                )
-            })?;
-        }
+        let y = if rows > 0 {
+            with_f32(&self.0, |w| times_transposed(x, w, (rows, inp, out)))?
+        } else {
+            Vec::new()
+        };
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("a dimension") = out;
         Ok((CpuStorage::F32(y), Shape::from(shape)))
@@ -438,20 +429,21 @@ impl AdaptedMatmul {
     }
 }
 
-/// `x Aᵀ`, `[rows, rank]`: the adapter's input to `B`, in the forward pass and again in
-/// the backward pass.
-fn low_rank_input(x: &[f32], a: &[f32], (rows, inp, rank): (usize, usize, usize)) -> Vec<f32> {
-    let mut u = vec![0f32; rows * rank];
+/// `x Wᵀ`, `[rows, out]`, for `x` `[rows, inp]` and `W` `[out, inp]`: a frozen
+/// weight's product, and the adapter's `x Aᵀ` (its input to `B`) in the forward pass and
+/// again in the backward pass.
+fn times_transposed(x: &[f32], w: &[f32], (rows, inp, out): (usize, usize, usize)) -> Vec<f32> {
+    let mut y = vec![0f32; rows * out];
     product(
-        &mut u,
-        rank,
+        &mut y,
+        out,
         Side(x, inp, 1),
-        Side(a, 1, inp),
-        (rows, rank, inp),
+        Side(w, 1, inp),
+        (rows, out, inp),
         None,
         true,
     );
-    u
+    y
 }
 
 impl CustomOp3 for AdaptedMatmul {
@@ -480,21 +472,11 @@ impl CustomOp3 for AdaptedMatmul {
                 xl.dims()
             );
         }
-        let mut y = vec![0f32; rows * out];
+        let mut y = Vec::new();
         if rows > 0 {
-            with_f32(&self.w, |w| {
-                product(
-                    &mut y,
-                    out,
-                    Side(x, inp, 1),
-                    Side(w, 1, inp),
-                    (rows, out, inp),
-                    None,
-                    true,
-                )
-            })?;
+            y = with_f32(&self.w, |w| times_transposed(x, w, (rows, inp, out)))?;
             // u = x Aᵀ; y += scale · u Bᵀ
-            let u = low_rank_input(x, a, (rows, inp, rank));
+            let u = times_transposed(x, a, (rows, inp, rank));
             product(
                 &mut y,
                 out,
@@ -542,7 +524,7 @@ impl CustomOp3 for AdaptedMatmul {
                                 None,
                                 true,
                             );
-                            let u = low_rank_input(x, a, (rows, inp, rank));
+                            let u = times_transposed(x, a, (rows, inp, rank));
                             // ∂x = ∂y W + scale · (∂y B) A
                             product(
                                 &mut dx,
