@@ -167,7 +167,7 @@ impl Sampler {
         allowed: Option<&dyn Fn(u32) -> bool>,
         top_n: usize,
     ) -> Result<Sampled> {
-        let (max, log_sum) = log_normalizer(logits);
+        let normalizer = log_normalizer(logits);
         let mut work: Vec<f32> = logits.to_vec();
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
@@ -202,14 +202,14 @@ impl Sampler {
         }
         .ok_or_else(|| ModelError::InvalidRequest("no token is allowed at this position".into()))?;
         let top = if top_n > 0 {
-            top_logprobs(&log_softmax(logits), top_n)
+            top_logprobs(&normalized(logits, normalizer), top_n)
         } else {
             Vec::new()
         };
         Ok(Sampled {
             token: TokenLogprob {
                 id,
-                logprob: logits[id as usize] - max - log_sum,
+                logprob: logprob(logits[id as usize], normalizer),
             },
             top,
         })
@@ -316,8 +316,17 @@ pub fn argmax(values: &[f32]) -> Option<u32> {
 
 /// Natural-log softmax, computed in f64 for accuracy.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let (max, log_sum) = log_normalizer(logits);
-    logits.iter().map(|&l| l - max - log_sum).collect()
+    normalized(logits, log_normalizer(logits))
+}
+
+/// Each logit's [`logprob`].
+fn normalized(logits: &[f32], normalizer: (f32, f32)) -> Vec<f32> {
+    logits.iter().map(|&l| logprob(l, normalizer)).collect()
+}
+
+/// A logit's log-probability `l − m − ln Σ`, from [`log_normalizer`]'s `(m, ln Σ)`.
+fn logprob(l: f32, (max, log_sum): (f32, f32)) -> f32 {
+    l - max - log_sum
 }
 
 /// The largest finite logit `m` and `ln Σ exp(l − m)` (summed in f64): a logit's
