@@ -1027,6 +1027,11 @@ pub struct GenerateArgs {
     /// Print token ids and log-probabilities as JSON lines instead of text.
     #[arg(long)]
     pub tokens: bool,
+    /// Draft tokens verified per pass at most by prompt-lookup speculative decoding
+    /// (as `model serve`'s); drafts run only where they pay, and the output is the same
+    /// with them or without (0 = off).
+    #[arg(long, default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=64))]
+    pub speculative_draft: usize,
 }
 
 /// `model serve`.

@@ -124,6 +124,10 @@ fn blames_the_user(cause: &(dyn std::error::Error + 'static)) -> bool {
     if let Some(e) = cause.downcast_ref::<ModelError>() {
         return model_error_is_users(e);
     }
+    if let Some(agentstack_model::engine::SubmitError::Invalid(e)) = cause.downcast_ref() {
+        // Transparent too: a request the in-process engine refused (`model generate`).
+        return model_error_is_users(e);
+    }
     if let Some(e) = cause.downcast_ref::<ClientModelError>() {
         return match e {
             // Transparent: the chain skips the model's own error.

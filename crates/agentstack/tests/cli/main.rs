@@ -457,6 +457,49 @@ fn model_info_and_generate_on_the_test_model() {
         .collect();
     assert!(!lines.is_empty() && lines.len() <= 8);
     assert!(lines.iter().all(|l| l["logprob"].as_f64().unwrap() <= 0.0));
+
+    // Prompt-lookup speculation (on by default) drafts on a prompt the answer repeats,
+    // and the tokens and log-probabilities are the ones without it.
+    let repeat =
+        "Repeat this sentence exactly three times: The quick brown fox jumps over the lazy dog.";
+    let generate = |draft: &str| {
+        let out = agentstack(&[
+            "model",
+            "generate",
+            &model,
+            repeat,
+            "--max-tokens",
+            "40",
+            "--threads",
+            "1",
+            "--tokens",
+            "--speculative-draft",
+            draft,
+        ]);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        let drafted: usize = out
+            .stderr
+            .split("drafted=")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no drafted= in the log: {}", out.stderr));
+        (out.stdout, drafted)
+    };
+    let (with, drafted) = generate("16");
+    let (without, none) = generate("0");
+    assert!(drafted > 0, "nothing was drafted");
+    assert_eq!(none, 0);
+    assert_eq!(with, without);
+
+    // A request the engine refuses is the user's error (exit 1), said as it is.
+    let out = agentstack(&["model", "generate", &model, "hi", "--top-p", "2", "-q"]);
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("`top_p` must be in (0, 1]"),
+        "{}",
+        out.stderr
+    );
 }
 
 /// `model quantize --target-size` end to end: importance and sensitivity from calibration

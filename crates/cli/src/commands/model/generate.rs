@@ -2,8 +2,12 @@
 
 use std::io::Write;
 
-use agentstack_model::generate::{GenerateRequest, Sequence};
-use agentstack_model::{Logits, Message, SamplingParams};
+use std::sync::Arc;
+
+use agentstack_model::engine::{Engine, EngineConfig, Event};
+use agentstack_model::generate::GenerateRequest;
+use agentstack_model::speculate::Speculation;
+use agentstack_model::{Message, SamplingParams};
 use anyhow::Context;
 
 use crate::Exit;
@@ -44,39 +48,49 @@ pub async fn run(args: GenerateArgs) -> Result<(), Exit> {
         detect_loops: true,
         ..GenerateRequest::greedy(prompt, args.max_tokens)
     };
-    let as_tokens = args.tokens;
-    tokio::task::spawn_blocking(move || -> anyhow::Result<()> {
-        let mut seq = Sequence::new(&lm, request)?;
-        let mut stdout = std::io::stdout().lock();
-        while !seq.is_finished() {
-            let (input, n) = seq.input(usize::MAX);
-            let mut batch = [input];
-            let logits = lm.model().forward(&mut batch)?;
-            if !seq.consumed(n) {
-                continue;
+    // The serving engine, one sequence: prompt-lookup speculation as `model serve` has
+    // it (the same tokens with it or without).
+    let engine = Engine::start(
+        Arc::new(lm),
+        EngineConfig {
+            max_running: 1,
+            max_waiting: 1,
+            prefix_cache_bytes: 0,
+            speculation: Speculation {
+                max_draft: args.speculative_draft,
+                ..Speculation::default()
+            },
+            ..EngineConfig::default()
+        },
+    );
+    let mut events = engine.submit(request).map_err(anyhow::Error::from)?;
+    let mut stdout = std::io::stdout().lock();
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Token(event) if args.tokens => writeln!(
+                stdout,
+                "{}",
+                serde_json::json!({"id": event.token.id, "logprob": event.token.logprob, "text": event.text, "finish_reason": event.finish})
+            )
+            .context("writing to stdout")?,
+            Event::Token(event) => stdout
+                .write_all(event.text.as_bytes())
+                .context("writing to stdout")?,
+            Event::Done(out) => {
+                if !args.tokens {
+                    writeln!(stdout).context("writing to stdout")?;
+                }
+                tracing::info!(
+                    tokens = out.tokens.len(),
+                    drafted = out.draft_tokens,
+                    finish = ?out.finish,
+                    "done"
+                );
+                return Ok(());
             }
-            let row: Vec<f32> = logits[0].squeeze(0)?.to_vec1()?;
-            debug_assert!(matches!(Logits::Last, Logits::Last));
-            let event = seq.sample(&lm, &row)?;
-            if as_tokens {
-                writeln!(
-                    stdout,
-                    "{}",
-                    serde_json::json!({"id": event.token.id, "logprob": event.token.logprob, "text": event.text, "finish_reason": event.finish})
-                )?;
-            } else {
-                stdout.write_all(event.text.as_bytes())?;
-            }
-            stdout.flush()?;
+            Event::Error(e) => return Err(anyhow::Error::from(e).into()),
         }
-        if !as_tokens {
-            writeln!(stdout)?;
-        }
-        let out = seq.output();
-        tracing::info!(tokens = out.tokens.len(), finish = ?out.finish, "done");
-        Ok(())
-    })
-    .await
-    .context("generation thread")??;
-    Ok(())
+        stdout.flush().context("writing to stdout")?;
+    }
+    Err(anyhow::anyhow!("the generation stopped before its end").into())
 }
