@@ -396,7 +396,8 @@ mod avx2 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::detected_simd;
+    use super::super::tests::cpu_has;
+    use super::super::{Simd, detected_simd};
     use super::*;
 
     fn values(len: usize, seed: usize) -> Vec<f32> {
@@ -407,8 +408,7 @@ mod tests {
 
     #[test]
     fn the_avx2_build_gives_the_baselines_bits() {
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
+        if !cpu_has(Simd::Avx2) {
             return;
         }
         for (n, s, heads, kv_heads, hd) in [

@@ -764,7 +764,7 @@ mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
     use candle_core::{Device, Tensor};
 
-    use super::super::tests::assert_streams_give_scalar_bits;
+    use super::super::tests::{assert_streams_give_scalar_bits, cpu_has};
     use super::super::{Simd, detected_simd, q6k_value, quantize_row_k};
     use super::*;
 
@@ -845,8 +845,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_group_kernels_equal_the_scalar_one() {
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
+        if !cpu_has(Simd::Avx2) {
             return;
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
@@ -897,8 +896,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_unpacked_prefill_equals_the_scalar_kernel() {
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
+        if !cpu_has(Simd::Avx2) {
             return;
         }
         for ty in TYPES {
@@ -957,8 +955,7 @@ mod tests {
                 what,
             );
         }
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
+        if !cpu_has(Simd::Avx2) {
             return;
         }
         for ty in TYPES {
@@ -1004,8 +1001,7 @@ mod tests {
             }
             out.iter().map(|v| v.to_bits()).collect()
         }
-        if detected_simd() < Simd::Avx512Vnni {
-            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+        if !cpu_has(Simd::Avx512Vnni) {
             return;
         }
         let mut with = vec![false];

@@ -1313,6 +1313,16 @@ mod tests {
 
     use super::*;
 
+    /// Whether this CPU runs the `level` kernels a test compares; says the test is
+    /// skipped where it does not.
+    pub(super) fn cpu_has(level: Simd) -> bool {
+        let has = detected_simd() >= level;
+        if !has {
+            eprintln!("skipped: this CPU has no {level:?} (kernels::Simd)");
+        }
+        has
+    }
+
     /// A tensor's values, flattened.
     pub(super) fn values(t: &Tensor) -> Vec<f32> {
         t.flatten_all().unwrap().to_vec1().unwrap()

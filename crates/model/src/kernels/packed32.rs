@@ -723,7 +723,7 @@ mod amx;
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::assert_streams_give_scalar_bits;
+    use super::super::tests::{assert_streams_give_scalar_bits, cpu_has};
     use super::super::{Simd, Sums, detected_simd, quantize_row};
     use super::*;
 
@@ -832,8 +832,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn simd_group_kernels_equal_the_scalar_one() {
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
+        if !cpu_has(Simd::Avx2) {
             return;
         }
         let avx512 = detected_simd() >= Simd::Avx512Vnni;
@@ -877,8 +876,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_unpacked_prefill_equals_the_scalar_kernel() {
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
+        if !cpu_has(Simd::Avx2) {
             return;
         }
         for (packed, nb, case) in packings(20, &[1, 3, 19]) {
@@ -925,8 +923,7 @@ mod tests {
                 what,
             );
         }
-        if detected_simd() < Simd::Avx2 {
-            eprintln!("skipped: this CPU has no AVX2");
+        if !cpu_has(Simd::Avx2) {
             return;
         }
         // 88 outputs: 6 groups, the last with 8 padding lanes.
