@@ -1013,10 +1013,10 @@ impl FastLinear {
     ///
     /// Decode reads each task's part of the weight as [`STREAMS`] streams, each begun
     /// afresh (its first [`STREAM_PREFETCH`] bytes not prefetched), and more, shorter
-    /// tasks cost more than they balance: 2 threads, this VM, alternating runs, against four tasks per
-    /// thread: SmolLM2-135M Q4_1 223–237 → 262–284 tok/s; 1B Q2_K 52–53 → 54–56, Q3_K_M
-    /// 42–43 → 44, Q6_K 31–32 → 32–33; Q4_0, Q4_K_M, Q8_0 and IQ4_XS 0–3% (two tasks
-    /// per thread fell between; eight or sixteen were slower still).
+    /// tasks cost more than they balance. Two threads, this VM, alternating runs, against
+    /// four tasks per thread: SmolLM2-135M Q4_1 223–237 → 262–284 tok/s; 1B Q2_K 52–53 →
+    /// 54–56, Q3_K_M 42–43 → 44, Q6_K 31–32 → 32–33; Q4_0, Q4_K_M, Q8_0 and IQ4_XS 0–3%
+    /// (two tasks per thread fell between; eight or sixteen were slower still).
     fn groups_per_task(&self, n: usize, threads: usize) -> usize {
         let groups = self.packed.groups();
         if threads <= 1 || n * self.out_features * self.in_features < 1 << 16 {

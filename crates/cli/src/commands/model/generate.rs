@@ -1,7 +1,6 @@
 //! `agentstack model generate`: chat or completion from the terminal, streaming.
 
 use std::io::Write;
-
 use std::sync::Arc;
 
 use agentstack_model::engine::{Engine, EngineConfig, Event};
