@@ -16,8 +16,8 @@
 //! only above a threshold set from the cache size), while one thread counted 23 GB/s,
 //! more than the 15.4 GB/s any read-only stream reached on one core. So the benchmark
 //! also measures what decode needs, reading ([`measure_read`]: a buffer of twice the
-//! last-level cache, each thread reading it as four streams), and reports decode
-//! against both ceilings.
+//! last-level cache, each thread reading it as four prefetched streams and as one, the
+//! faster counted), and reports decode against both ceilings.
 
 use std::time::Instant;
 
@@ -98,9 +98,9 @@ impl Bandwidth {
     }
 }
 
-/// Sequential streams each thread reads at once in [`measure_read`]: one core of an
-/// Intel Xeon here read 12.4 GB/s from one stream, 15.4 from four and no more from
-/// eight, as decode's kernels read four (`kernels::STREAMS`).
+/// Sequential streams each thread reads at once in [`measure_read`]'s first plan: one
+/// core of an Intel Xeon here read 12.4 GB/s from one stream, 15.4 from four and no
+/// more from eight, as decode's kernels read four (`kernels::STREAMS`).
 pub const READ_STREAMS: usize = 4;
 
 /// Bytes read per measurement of [`measure_read`]: twice the last-level cache this
@@ -131,47 +131,66 @@ fn last_level_cache_bytes() -> Option<usize> {
 }
 
 /// Measures read-only bandwidth at `threads` threads (a pool of its own): a buffer of
-/// [`read_buffer_bytes`] split evenly between them, each thread's part read as
-/// [`READ_STREAMS`] sequential streams in lockstep and summed, as a decode reads its
-/// weights. `bytes` and the rates count bytes read.
+/// [`read_buffer_bytes`] split evenly between them, each thread's part summed in each of
+/// the two ways decode reads its weights (`AGENTSTACK_DECODE_READ`): as
+/// [`READ_STREAMS`] streams in lockstep, each prefetched in software, and as one stream
+/// with no software prefetch. The faster plan's samples are returned, so the ceiling is
+/// this machine's, whichever way its core reads best (an Intel Xeon here: the streams,
+/// 15.4 GB/s against 12.4; an AMD EPYC: the one stream). `bytes` and the rates count
+/// bytes read.
 pub fn measure_read(threads: usize) -> Result<Bandwidth> {
     let bytes = read_buffer_bytes();
     // Touched before timing (non-zero, so no page stays a shared zero page).
     let words = vec![1u64; bytes / 8];
     let chunk = words.len().div_ceil(threads);
-    let samples = timed(threads, bytes, || {
-        let sum: u64 = words
-            .par_chunks(chunk)
-            .map(read_streams)
-            .reduce(|| 0, u64::wrapping_add);
-        std::hint::black_box(sum);
-    })?;
-    Ok(Bandwidth::of(threads, bytes, samples))
+    let plan = |read: fn(&[u64]) -> u64| {
+        timed(threads, bytes, || {
+            let sum: u64 = words
+                .par_chunks(chunk)
+                .map(read)
+                .reduce(|| 0, u64::wrapping_add);
+            std::hint::black_box(sum);
+        })
+    };
+    let streams = Bandwidth::of(
+        threads,
+        bytes,
+        plan(read_streams::<READ_STREAMS, READ_AHEAD>)?,
+    );
+    let one = Bandwidth::of(threads, bytes, plan(read_streams::<1, 0>)?);
+    Ok(
+        if one.best_bytes_per_second > streams.best_bytes_per_second {
+            one
+        } else {
+            streams
+        },
+    )
 }
 
 /// Words of each stream read per step of [`read_streams`]: 256 bytes, four cache lines.
 const STEP_WORDS: usize = 32;
 
 /// How far ahead of its loads each stream asks for a cache line, as decode's kernels do
-/// (`kernels::STREAM_PREFETCH`).
+/// with several streams (`kernels::STREAM_PREFETCH`).
 const READ_AHEAD: usize = 4 << 10;
 
-/// The wrapping sum of `part`, read as [`READ_STREAMS`] equal runs in lockstep, 256
-/// bytes of each at a time (the words past the last whole step are left out): with
-/// AVX2's 32-byte loads where the CPU has them (a loop the compiler vectorized for the
-/// baseline's 16-byte ones read one core at 11 GB/s where AVX-512 loads in C read 15).
-fn read_streams(part: &[u64]) -> u64 {
-    let run = part.len() / READ_STREAMS / STEP_WORDS * STEP_WORDS;
+/// The wrapping sum of `part`, read as `S` equal runs in lockstep, 256 bytes of each at
+/// a time (the words past the last whole step are left out), each run prefetched
+/// `AHEAD` bytes ahead (0: not at all): with AVX2's 32-byte loads where the CPU has them
+/// (a loop the compiler vectorized for the baseline's 16-byte ones read one core at 11
+/// GB/s where AVX-512 loads in C read 15).
+fn read_streams<const S: usize, const AHEAD: usize>(part: &[u64]) -> u64 {
+    let run = part.len() / S / STEP_WORDS * STEP_WORDS;
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         #[expect(unsafe_code, reason = "AVX2 loads, the CPU checked")]
-        // SAFETY: the CPU has AVX2; the loads lie within `part` (`READ_STREAMS` runs of
-        // `run` words).
-        return unsafe { read_streams_avx2(part, run) };
+        // SAFETY: the CPU has AVX2; the loads lie within `part` (`S` runs of `run`
+        // words).
+        return unsafe { read_streams_avx2::<S, AHEAD>(part, run) };
     }
     let mut acc = [0u64; STEP_WORDS];
     for i in (0..run).step_by(STEP_WORDS) {
-        for s in 0..READ_STREAMS {
+        for s in 0..S {
             let words = &part[s * run + i..s * run + i + STEP_WORDS];
             for (a, w) in acc.iter_mut().zip(words) {
                 *a = a.wrapping_add(*w);
@@ -184,26 +203,26 @@ fn read_streams(part: &[u64]) -> u64 {
 /// [`read_streams`] with AVX2.
 ///
 /// # Safety
-/// The CPU must have AVX2; `part` must hold `READ_STREAMS · run` words, `run` a multiple
-/// of [`STEP_WORDS`].
+/// The CPU must have AVX2; `part` must hold `S · run` words, `run` a multiple of
+/// [`STEP_WORDS`].
 #[cfg(target_arch = "x86_64")]
 #[expect(unsafe_code, reason = "AVX2 loads")]
 #[target_feature(enable = "avx2")]
-unsafe fn read_streams_avx2(part: &[u64], run: usize) -> u64 {
+unsafe fn read_streams_avx2<const S: usize, const AHEAD: usize>(part: &[u64], run: usize) -> u64 {
     use std::arch::x86_64::*;
-    assert!(part.len() >= READ_STREAMS * run && run.is_multiple_of(STEP_WORDS));
+    assert!(part.len() >= S * run && run.is_multiple_of(STEP_WORDS));
     let base = part.as_ptr();
     let mut acc = [_mm256_setzero_si256(); 4];
     for i in (0..run).step_by(STEP_WORDS) {
-        for s in 0..READ_STREAMS {
+        for s in 0..S {
             // SAFETY: words s·run + i .. + STEP_WORDS lie within `part`; a prefetch
             // past its end reads nothing.
             unsafe {
                 let p = base.add(s * run + i);
-                for line in 0..4 {
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        p.wrapping_add((READ_AHEAD + 64 * line) / 8).cast(),
-                    );
+                if AHEAD > 0 {
+                    for line in 0..4 {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((AHEAD + 64 * line) / 8).cast());
+                    }
                 }
                 for k in 0..STEP_WORDS / 4 {
                     let v = _mm256_loadu_si256(p.add(4 * k).cast());
@@ -269,11 +288,13 @@ mod tests {
     #[test]
     fn reads_sum_every_stream() {
         let part: Vec<u64> = (1..=256).collect();
-        // Four runs of 64 words, all read.
-        assert_eq!(read_streams(&part), 256 * 257 / 2);
-        // 300 words: four runs of 64, the last 44 words left out.
+        // Four runs of 64 words, all read; or one of 256.
+        assert_eq!(read_streams::<4, READ_AHEAD>(&part), 256 * 257 / 2);
+        assert_eq!(read_streams::<1, 0>(&part), 256 * 257 / 2);
+        // 300 words: four runs of 64, the last 44 words left out; one run of 288.
         let part: Vec<u64> = (1..=300).collect();
-        assert_eq!(read_streams(&part), 256 * 257 / 2);
+        assert_eq!(read_streams::<4, READ_AHEAD>(&part), 256 * 257 / 2);
+        assert_eq!(read_streams::<1, 0>(&part), 288 * 289 / 2);
         assert!(read_buffer_bytes() >= 1 << 30);
     }
 

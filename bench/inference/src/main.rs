@@ -814,8 +814,9 @@ fn append_results(path: &Path, results: &Results, table: &str, cost_table: &str)
         let _ = writeln!(
             s,
             "- Read ceiling: best read-only bandwidth at T threads (a {} MiB buffer, twice the last-level cache and at least 1 GiB, each thread \
-             reading its part as {} sequential streams at once, as decode reads its weights) / the same bytes per token. A copy is not what \
-             decode does: one core here reads less than `memcpy` counts (see `bench/inference/src/bandwidth.rs`).",
+             reading its part as {} prefetched sequential streams at once and as one stream, the two ways decode reads its weights, the faster \
+             counted) / the same bytes per token. A copy is not what decode does: one core may read more or less than `memcpy` counts (see \
+             `bench/inference/src/bandwidth.rs`).",
             bandwidth::read_buffer_bytes() >> 20,
             bandwidth::READ_STREAMS
         );

@@ -407,7 +407,7 @@ pub fn bandwidth_line(results: &Results) -> String {
     if !results.read_bandwidth.is_empty() {
         let _ = write!(
             line,
-            "\nRead bandwidth (bytes read per second; a {} MiB buffer, {} streams per thread): {}.\n",
+            "\nRead bandwidth (bytes read per second; a {} MiB buffer, each thread's part read as {} prefetched streams and as one stream, the faster counted): {}.\n",
             results.read_bandwidth.first().map_or(0, |b| b.bytes >> 20),
             crate::bandwidth::READ_STREAMS,
             figures(&results.read_bandwidth)

@@ -85,6 +85,13 @@ env_vars! {
     /// Read once per process.
     AGENTSTACK_HUGE_PAGES = "AGENTSTACK_HUGE_PAGES";
 
+    /// How a decode reads a model's weights: `streams` (four groups of rows at a time,
+    /// prefetched in software) or `sequential` (one after another, the hardware
+    /// prefetcher alone); unset or empty picks by the CPU (AMD: sequential, else
+    /// streams); anything else warns and does the same. Only speed depends on it (the
+    /// outputs are the same bits). Read once per process.
+    AGENTSTACK_DECODE_READ = "AGENTSTACK_DECODE_READ";
+
     /// The repack cache, where weights repacked for the kernels are kept so later loads
     /// of the same GGUF file map them instead of repacking: `off`/`0`/`false` turns it
     /// off; a path puts it there; unset, empty or `on` use

@@ -105,6 +105,108 @@ pub(super) const STREAMS: usize = 4;
 /// thread (2 KiB 21.4, 8 KiB 22.2, 16 KiB 21.5), from 37 to 39 at two.
 const STREAM_PREFETCH: usize = 4 << 10;
 
+/// How a decode (one activation row) reads a weight: the CPU's memory system decides
+/// which is faster, by far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodeRead {
+    /// [`STREAMS`] groups at a time, block by block in lockstep, each stream
+    /// prefetched [`STREAM_PREFETCH`] ahead in software: an Intel Xeon's core reads
+    /// one stream at 12.4 GB/s and four at 15.4 (see [`STREAMS`]).
+    Streams,
+    /// One group after another, one sequential stream, with no software prefetch: an
+    /// AMD EPYC (Zen 4, 2 cores) whose hardware prefetcher follows one stream at memory
+    /// speed, and which four prefetched streams slow down. One thread, 1B, alternating
+    /// runs: Q4_K_M 15–17 → 34–40 tok/s (llama.cpp 33), Q6_K 13 → 24–30, Q2_K 24 → 36,
+    /// Q3_K_M 18 → 26, Q4_0 21–25 → 24–28, Q8_0 13–14 → 15–16; one stream with the
+    /// 16 KiB prefetch of prefill was between (Q4_K_M 27–29).
+    Sequential,
+}
+
+/// The [`DecodeRead`] of this process, chosen once: `AGENTSTACK_DECODE_READ`
+/// (`streams` or `sequential`), else by the CPU's vendor (AMD: sequential; the rest:
+/// streams, as measured on the CPUs above).
+fn decode_read() -> DecodeRead {
+    static READ: std::sync::OnceLock<DecodeRead> = std::sync::OnceLock::new();
+    *READ.get_or_init(|| {
+        let name = agentstack_static::env_vars::AGENTSTACK_DECODE_READ;
+        let value = std::env::var(name).ok();
+        let default = if cpu_is_amd() {
+            DecodeRead::Sequential
+        } else {
+            DecodeRead::Streams
+        };
+        match decode_read_setting(value.as_deref()) {
+            Some(Some(read)) => read,
+            Some(None) => default,
+            None => {
+                tracing::warn!(
+                    value = value.as_deref().unwrap_or_default(),
+                    "{name} is neither `streams` nor `sequential`: using {default:?}"
+                );
+                default
+            }
+        }
+    })
+}
+
+/// `AGENTSTACK_DECODE_READ`'s meaning: `Some(None)` when unset or empty (the CPU's
+/// default), `None` for a value that is neither choice.
+fn decode_read_setting(value: Option<&str>) -> Option<Option<DecodeRead>> {
+    match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+        None | Some("") => Some(None),
+        Some("streams") => Some(Some(DecodeRead::Streams)),
+        Some("sequential") => Some(Some(DecodeRead::Sequential)),
+        Some(_) => None,
+    }
+}
+
+/// Whether the CPU's vendor is AMD (`cpuid` leaf 0: "AuthenticAMD").
+fn cpu_is_amd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let id = std::arch::x86_64::__cpuid(0);
+        let vendor = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes);
+        vendor.concat() == *b"AuthenticAMD"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether a decode reads in [`DecodeRead::Streams`].
+fn decode_streams() -> bool {
+    decode_read() == DecodeRead::Streams
+}
+
+/// How far ahead, in bytes, a kernel reading `streams` streams of quants for `rows`
+/// activation rows prefetches them: [`STREAM_PREFETCH`] with several streams, `one`
+/// (the packing's distance for one stream) with one, and 0 (no software prefetch) for
+/// a one-row decode read [`DecodeRead::Sequential`].
+#[inline(always)]
+fn prefetch_ahead(streams: usize, rows: usize, one: usize) -> usize {
+    if streams > 1 {
+        STREAM_PREFETCH
+    } else if rows == 1 && !decode_streams() {
+        0
+    } else {
+        one
+    }
+}
+
+/// Prefetches into L1 the line `ahead` bytes after `at`, unless `ahead` is 0.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_line(at: *const u8, ahead: usize) {
+    if ahead != 0 {
+        #[expect(unsafe_code, reason = "a prefetch")]
+        // SAFETY: a prefetch reads nothing and does not fault, whatever the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                at.wrapping_add(ahead).cast(),
+            );
+        }
+    }
+}
+
 /// Calls `each` with the groups of `groups` `S` at a time, one from each of `S` equal
 /// runs of the range (the `i`-th of every run together), and returns the groups left
 /// over at its end; a range of fewer than `S` groups is all left over.
@@ -127,6 +229,9 @@ fn in_streams<const S: usize>(
 #[inline(always)]
 fn prefetch_blocks_ahead(arrays: [(*const u8, usize); 4], ahead: usize) {
     use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+    if ahead == 0 {
+        return;
+    }
     for (at, per_block) in arrays {
         let next = at.wrapping_add(ahead * per_block);
         for line in (0..per_block).step_by(64) {
@@ -447,9 +552,20 @@ impl Packing {
 
     /// Groups `groups` for one activation row (decode): [`Self::group`]'s bits.
     fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
+        self.decode_read(groups, row, out, decode_streams());
+    }
+
+    /// [`Self::decode`] read in streams or not (see [`DecodeRead`]): the same bits.
+    fn decode_read(
+        &self,
+        groups: std::ops::Range<usize>,
+        row: &ActRow,
+        out: &mut [f32],
+        streams: bool,
+    ) {
         match self {
-            Self::K(p) => p.decode(groups, row, out),
-            Self::B32(p) => p.decode(groups, row, out),
+            Self::K(p) => p.decode(groups, row, out, streams),
+            Self::B32(p) => p.decode(groups, row, out, streams),
         }
     }
 
@@ -1346,6 +1462,22 @@ mod tests {
             .collect()
     }
 
+    /// `AGENTSTACK_DECODE_READ` takes its two words in any case, leaves the choice to
+    /// the CPU when unset or empty, and refuses anything else (the caller warns).
+    #[test]
+    fn decode_read_setting_reads_its_words() {
+        use DecodeRead::{Sequential, Streams};
+        assert_eq!(decode_read_setting(None), Some(None));
+        assert_eq!(decode_read_setting(Some(" ")), Some(None));
+        assert_eq!(decode_read_setting(Some("streams")), Some(Some(Streams)));
+        assert_eq!(
+            decode_read_setting(Some("Sequential")),
+            Some(Some(Sequential))
+        );
+        assert_eq!(decode_read_setting(Some("stream")), None);
+        assert_eq!(decode_read_setting(Some("1")), None);
+    }
+
     #[test]
     fn matches_candle_q4_1_matmul() {
         let device = Device::Cpu;
@@ -1681,20 +1813,28 @@ mod tests {
         }
     }
 
-    /// `Packing::decode` of several ranges of `p`'s groups equals `Packing::group` of
-    /// each group, bit for bit.
+    /// `Packing::decode` of several ranges of `p`'s groups, read in streams and not,
+    /// equals `Packing::group` of each group, bit for bit.
     pub(super) fn assert_decodes_as_groups(p: &Packing, row: &ActRow, what: &str) {
         let groups = p.groups();
         assert!(groups >= 12, "{what}: too few groups to test streams");
-        for range in [0..groups, 3..groups - 1, 1..9, 2..5, 0..1] {
+        let ranges = [0..groups, 3..groups - 1, 1..9, 2..5, 0..1];
+        for (range, streams) in ranges
+            .into_iter()
+            .flat_map(|r| [(r.clone(), true), (r, false)])
+        {
             let mut want = vec![0f32; range.len() * LANES];
             for (g, d) in range.clone().zip(want.chunks_exact_mut(LANES)) {
                 p.group(g, std::slice::from_ref(row), d);
             }
             let mut got = vec![f32::NAN; range.len() * LANES];
-            p.decode(range.clone(), row, &mut got);
+            p.decode_read(range.clone(), row, &mut got, streams);
             let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "{what}, groups {range:?}");
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{what}, groups {range:?}, streams {streams}"
+            );
         }
     }
 

@@ -8,7 +8,8 @@ use super::super::Sides;
 use super::ROW_TILE;
 use super::lowk::avx2::{pair_scales, q23k};
 use super::{
-    ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, STREAM_PREFETCH, pair, word_at,
+    ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, prefetch_ahead, prefetch_line,
+    word_at,
 };
 
 /// # Safety
@@ -191,7 +192,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
     // Q5_K's 5-bit values: pair sums up to 2·31·128, so at most 4 steps fit in 16 bits.
     let flush = if FIVE { 4 } else { 8 };
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
-    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let ahead = prefetch_ahead(S, R, PREFETCH);
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
@@ -223,9 +224,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
                         unsafe {
                             if R == 1 && j % 2 == 0 && hh == 0 {
                                 // The first of sub-blocks 2i and 2i + 1 to read step (i, t).
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    q.wrapping_add((i * 8 + t) * 64 + ahead).cast(),
-                                );
+                                prefetch_line(q.wrapping_add((i * 8 + t) * 64), ahead);
                             }
                             let w = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
                             let mut w = _mm256_and_si256(
@@ -298,7 +297,7 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
     let low = _mm256_set1_epi8(0x0F);
     let bits45 = _mm256_set1_epi8(0x30);
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
-    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let ahead = prefetch_ahead(S, R, PREFETCH);
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
@@ -341,9 +340,7 @@ unsafe fn q6k<const S: usize, const R: usize, const H: usize>(
                             // row's block.
                             unsafe {
                                 if R == 1 && hh == 0 {
-                                    _mm_prefetch::<_MM_HINT_T0>(
-                                        q.wrapping_add(step * 64 + ahead).cast(),
-                                    );
+                                    prefetch_line(q.wrapping_add(step * 64), ahead);
                                 }
                                 let w = _mm256_loadu_si256(q.add(step * 64 + 32 * h).cast());
                                 let top =

@@ -8,7 +8,8 @@ use super::super::Sides;
 use super::ROW_TILE;
 use super::lowk::avx512::{q3k, q23k};
 use super::{
-    ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, STREAM_PREFETCH, pair, word_at,
+    ActRow, K_SUMS, KPacked, KType, LANES, PREFETCH, QK_K, pair, prefetch_ahead, prefetch_line,
+    word_at,
 };
 
 /// # Safety
@@ -118,7 +119,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
     rows: &[ActRow],
     out: &mut [f32],
 ) {
-    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let ahead = prefetch_ahead(S, R, PREFETCH);
     let low = _mm512_set1_epi8(0x0F);
     let sixteen = _mm512_set1_epi8(16);
     // With one or two rows, two accumulators per row (even and odd steps), so that a
@@ -145,9 +146,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
                         // its half's mask 8 of the 512 bytes of fifth bits.
                         unsafe {
                             if half == 0 {
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    q.wrapping_add((i * 8 + t) * 64 + ahead).cast(),
-                                );
+                                prefetch_line(q.wrapping_add((i * 8 + t) * 64), ahead);
                             }
                             let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
                             let x = if half == 0 {
@@ -244,7 +243,7 @@ unsafe fn q6k<const S: usize, const R: usize>(
     rows: &[ActRow],
     out: &mut [f32],
 ) {
-    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let ahead = prefetch_ahead(S, R, PREFETCH);
     let low = _mm512_set1_epi8(0x0F);
     let bits45 = _mm512_set1_epi8(0x30);
     // Each row's arrays, whose lengths `group` asserted.
@@ -269,7 +268,7 @@ unsafe fn q6k<const S: usize, const R: usize>(
                     // SAFETY: step's 64 of the block's 2048 nibble bytes and its pair's 64
                     // of its 1024 top-bit bytes.
                     unsafe {
-                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(step * 64 + ahead).cast());
+                        prefetch_line(q.wrapping_add(step * 64), ahead);
                         let x = _mm512_loadu_si512(q.add(step * 64).cast());
                         let top = _mm512_loadu_si512(hp.add((step / 2) * 64).cast());
                         // The step's fields at bits 4-5 (bits shifted in from a neighbouring

@@ -7,7 +7,8 @@ use super::super::Sides;
 #[cfg(doc)]
 use super::ROW_TILE;
 use super::{
-    ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, Scales, word_at,
+    ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, Scales,
+    decode_streams, prefetch_line, word_at,
 };
 
 /// # Safety
@@ -88,7 +89,13 @@ unsafe fn rows_n<const R: usize, const F: u8>(
     for b in 0..p.nb {
         let blk = p.block(g, b);
         // SAFETY: the block's quants and fifth bits.
-        let w = unsafe { unpack::<F, PREFETCH>(&blk, low, table) };
+        let w = unsafe {
+            if R == 1 && !decode_streams() {
+                unpack::<F, 0>(&blk, low, table)
+            } else {
+                unpack::<F, PREFETCH>(&blk, low, table)
+            }
+        };
         // SAFETY: the block's scales and minimums.
         let (d, m) = unsafe { block_scales(&blk, F == CODEBOOK_SUB, has_min) };
         // SAFETY: block b of each row.
@@ -256,15 +263,11 @@ unsafe fn unpack<const F: u8, const AHEAD: usize>(
     // of fifth bits.
     unsafe {
         blk.prefetch_side(AHEAD / blk.quants.len());
-        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(AHEAD).cast());
-        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(64 + AHEAD).cast());
-        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(128 + AHEAD).cast());
-        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(192 + AHEAD).cast());
+        let lines = if F == BYTES { 8 } else { 4 };
+        for line in 0..lines {
+            prefetch_line(q.wrapping_add(64 * line), AHEAD);
+        }
         if F == BYTES {
-            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(256 + AHEAD).cast());
-            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(320 + AHEAD).cast());
-            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(384 + AHEAD).cast());
-            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(448 + AHEAD).cast());
             for (t, w) in w.iter_mut().enumerate() {
                 *w = _mm512_loadu_si512(q.add(t * 64).cast());
             }

@@ -4,7 +4,7 @@ use std::arch::x86_64::*;
 
 use super::super::super::{Sides, word_at};
 use super::super::avx2::{doubled, store};
-use super::super::{PREFETCH, STREAM_PREFETCH};
+use super::super::{PREFETCH, prefetch_ahead, prefetch_line};
 use super::{ActRow, K_SUMS, KPacked, QK_K, high_bit};
 
 /// Scale pair `pr` of lanes `8h..8h + 8` as 16-bit pairs (one per lane), and Q2_K's
@@ -65,7 +65,7 @@ pub(in super::super) unsafe fn q23k<
     debug_assert!(S == 1 || R == 1);
     let two_bits = _mm256_set1_epi8(3);
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
-    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let ahead = prefetch_ahead(S, R, PREFETCH);
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb super-blocks of every row.
@@ -97,9 +97,7 @@ pub(in super::super) unsafe fn q23k<
                                 unsafe {
                                     if R == 1 && j == 0 && hh == 0 {
                                         // The first of the four shifts to read step (n, t).
-                                        _mm_prefetch::<_MM_HINT_T0>(
-                                            q.wrapping_add((n * 8 + t) * 64 + ahead).cast(),
-                                        );
+                                        prefetch_line(q.wrapping_add((n * 8 + t) * 64), ahead);
                                     }
                                     let w =
                                         _mm256_loadu_si256(q.add((n * 8 + t) * 64 + 32 * h).cast());

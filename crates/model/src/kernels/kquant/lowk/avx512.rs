@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 use super::super::super::gfni;
 use super::super::super::{Sides, word_at};
 use super::super::avx512::store;
-use super::super::{PREFETCH, STREAM_PREFETCH};
+use super::super::{PREFETCH, prefetch_ahead, prefetch_line};
 use super::{ActRow, K_SUMS, KPacked, QK_K, high_bit};
 
 /// Per field `j` of half `n`: `vpdpbusd` of the sixteen rows' 2-bit (Q3_K: 3-bit
@@ -41,7 +41,7 @@ pub(in super::super) unsafe fn q23k<
     rows: &[ActRow],
     out: &mut [f32],
 ) {
-    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
+    let ahead = prefetch_ahead(S, R, PREFETCH);
     let mut accs = [[_mm512_setzero_ps(); R]; S];
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
@@ -81,9 +81,7 @@ pub(in super::super) unsafe fn q23k<
                         unsafe {
                             if R == 1 && j == 0 {
                                 // The first of the four shifts to read step (n, t).
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    q.wrapping_add((n * 8 + t) * 64 + ahead).cast(),
-                                );
+                                prefetch_line(q.wrapping_add((n * 8 + t) * 64), ahead);
                             }
                             let w = _mm512_loadu_si512(q.add((n * 8 + t) * 64).cast());
                             let w = if GFNI {
