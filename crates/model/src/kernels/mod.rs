@@ -113,12 +113,14 @@ enum DecodeRead {
     /// prefetched [`STREAM_PREFETCH`] ahead in software: an Intel Xeon's core reads
     /// one stream at 12.4 GB/s and four at 15.4 (see [`STREAMS`]).
     Streams,
-    /// One group after another, one sequential stream, with no software prefetch: an
-    /// AMD EPYC (Zen 4, 2 cores) whose hardware prefetcher follows one stream at memory
-    /// speed, and which four prefetched streams slow down. One thread, 1B, alternating
-    /// runs: Q4_K_M 15–17 → 34–40 tok/s (llama.cpp 33), Q6_K 13 → 24–30, Q2_K 24 → 36,
-    /// Q3_K_M 18 → 26, Q4_0 21–25 → 24–28, Q8_0 13–14 → 15–16; one stream with the
-    /// 16 KiB prefetch of prefill was between (Q4_K_M 27–29).
+    /// One group after another, one sequential stream: an AMD EPYC (Zen 4, 2 cores)
+    /// whose hardware prefetcher follows one stream at memory speed, and which four
+    /// prefetched streams slow down. The K-quants then prefetch nothing in software
+    /// (ahead by 1 or 4 KiB was slower), the blocks of 32 keep their one-stream
+    /// distance (without it Q8_0 decoded at half speed, 7–8 tok/s against 15–17). One
+    /// thread, 1B, alternating runs: Q4_K_M 15–19 → 34–40 tok/s (llama.cpp 31–33),
+    /// Q6_K 13 → 24–30, Q2_K 24 → 36, Q3_K_M 18 → 26, Q4_0 21–25 → 24–28, Q8_0
+    /// 13–14 → 15–17.
     Sequential,
 }
 
@@ -177,10 +179,10 @@ fn decode_streams() -> bool {
     decode_read() == DecodeRead::Streams
 }
 
-/// How far ahead, in bytes, a kernel reading `streams` streams of quants for `rows`
-/// activation rows prefetches them: [`STREAM_PREFETCH`] with several streams, `one`
-/// (the packing's distance for one stream) with one, and 0 (no software prefetch) for
-/// a one-row decode read [`DecodeRead::Sequential`].
+/// How far ahead, in bytes, a K-quant kernel reading `streams` streams of quants for
+/// `rows` activation rows prefetches them: [`STREAM_PREFETCH`] with several streams,
+/// `one` (the packing's distance for one stream) with one, and 0 (no software
+/// prefetch) for a one-row decode read [`DecodeRead::Sequential`].
 #[inline(always)]
 fn prefetch_ahead(streams: usize, rows: usize, one: usize) -> usize {
     if streams > 1 {

@@ -42,8 +42,8 @@ use rayon::prelude::*;
 
 use super::memory::Weights;
 use super::{
-    ActRow, QK, QuantKind, ROW_TILE, STREAM_PREFETCH, STREAMS, decode_streams, decode_with,
-    in_streams, per_group, prefetch_ahead, prefetch_line, word_at,
+    ActRow, QK, QuantKind, ROW_TILE, STREAM_PREFETCH, STREAMS, decode_with, in_streams, per_group,
+    prefetch_line, word_at,
 };
 
 /// Weight rows per group.

@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 use super::super::Sides;
 use super::super::kquant::avx2::{sixteen_where, store, unsigned_steps};
 use super::{
-    ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, prefetch_ahead, prefetch_line,
+    ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, prefetch_line,
     word_at,
 };
 
@@ -68,7 +68,7 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
     // SAFETY: 16 readable bytes.
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
-    let ahead = prefetch_ahead(S, R, PREFETCH);
+    let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb blocks of every row.

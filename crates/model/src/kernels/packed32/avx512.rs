@@ -8,7 +8,7 @@ use super::super::Sides;
 use super::ROW_TILE;
 use super::{
     ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, Scales,
-    decode_streams, prefetch_line, word_at,
+    prefetch_line, word_at,
 };
 
 /// # Safety
@@ -89,13 +89,7 @@ unsafe fn rows_n<const R: usize, const F: u8>(
     for b in 0..p.nb {
         let blk = p.block(g, b);
         // SAFETY: the block's quants and fifth bits.
-        let w = unsafe {
-            if R == 1 && !decode_streams() {
-                unpack::<F, 0>(&blk, low, table)
-            } else {
-                unpack::<F, PREFETCH>(&blk, low, table)
-            }
-        };
+        let w = unsafe { unpack::<F, PREFETCH>(&blk, low, table) };
         // SAFETY: the block's scales and minimums.
         let (d, m) = unsafe { block_scales(&blk, F == CODEBOOK_SUB, has_min) };
         // SAFETY: block b of each row.
