@@ -183,6 +183,7 @@ fn decode_streams() -> bool {
 /// `rows` activation rows prefetches them: [`STREAM_PREFETCH`] with several streams,
 /// `one` (the packing's distance for one stream) with one, and 0 (no software
 /// prefetch) for a one-row decode read [`DecodeRead::Sequential`].
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_ahead(streams: usize, rows: usize, one: usize) -> usize {
     if streams > 1 {
