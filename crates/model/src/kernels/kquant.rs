@@ -42,8 +42,8 @@ use rayon::prelude::*;
 
 use super::memory::Weights;
 use super::{
-    ActRow, K_SUMS, QK_K, ROW_TILE, STREAMS, decode_with, in_streams, per_group, prefetch_ahead,
-    prefetch_line, q4k_step, q6k_step, unpack_q4k_scales, word_at,
+    ActRow, DecodeRead, K_SUMS, QK_K, ROW_TILE, STREAMS, decode_with, in_streams, per_group,
+    prefetch_ahead, prefetch_line, q4k_step, q6k_step, unpack_q4k_scales, word_at,
 };
 
 mod lowk;
@@ -513,20 +513,22 @@ impl KPacked {
     /// `out` (`16·groups.len()`): [`Self::group`]'s bits. With AVX-512 or AVX2 the
     /// groups go [`STREAMS`] at a time, one from each of as many equal runs of the
     /// range, block by block in lockstep, so that the core reads that many sequential
-    /// streams of quants, where `streams` (the process's [`super::DecodeRead`]) says;
-    /// else one group after another.
+    /// streams of quants, where `read` says so; else one group after another.
     pub(super) fn decode(
         &self,
         groups: std::ops::Range<usize>,
         row: &ActRow,
         out: &mut [f32],
-        streams: bool,
+        read: DecodeRead,
     ) {
         assert!(groups.end <= self.groups);
         let rows = std::slice::from_ref(row);
         let streamed = |out: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
-            if super::simd() >= super::Simd::Avx2 && streams && groups.len() >= STREAMS {
+            if super::simd() >= super::Simd::Avx2
+                && read == DecodeRead::Streams
+                && groups.len() >= STREAMS
+            {
                 self.check_row(row);
                 // Q6_K reads two arrays (quants and top bits): two groups at a time.
                 return if self.ty == KType::Q6K {

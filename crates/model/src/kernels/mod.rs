@@ -555,20 +555,20 @@ impl Packing {
 
     /// Groups `groups` for one activation row (decode): [`Self::group`]'s bits.
     fn decode(&self, groups: std::ops::Range<usize>, row: &ActRow, out: &mut [f32]) {
-        self.decode_read(groups, row, out, decode_streams());
+        self.decode_as(groups, row, out, decode_read());
     }
 
-    /// [`Self::decode`] read in streams or not (see [`DecodeRead`]): the same bits.
-    fn decode_read(
+    /// [`Self::decode`] read as `read` says: the same bits either way.
+    fn decode_as(
         &self,
         groups: std::ops::Range<usize>,
         row: &ActRow,
         out: &mut [f32],
-        streams: bool,
+        read: DecodeRead,
     ) {
         match self {
-            Self::K(p) => p.decode(groups, row, out, streams),
-            Self::B32(p) => p.decode(groups, row, out, streams),
+            Self::K(p) => p.decode(groups, row, out, read),
+            Self::B32(p) => p.decode(groups, row, out, read),
         }
     }
 
@@ -1822,21 +1822,23 @@ mod tests {
         let groups = p.groups();
         assert!(groups >= 12, "{what}: too few groups to test streams");
         let ranges = [0..groups, 3..groups - 1, 1..9, 2..5, 0..1];
-        for (range, streams) in ranges
-            .into_iter()
-            .flat_map(|r| [(r.clone(), true), (r, false)])
-        {
+        for (range, read) in ranges.into_iter().flat_map(|r| {
+            [
+                (r.clone(), DecodeRead::Streams),
+                (r, DecodeRead::Sequential),
+            ]
+        }) {
             let mut want = vec![0f32; range.len() * LANES];
             for (g, d) in range.clone().zip(want.chunks_exact_mut(LANES)) {
                 p.group(g, std::slice::from_ref(row), d);
             }
             let mut got = vec![f32::NAN; range.len() * LANES];
-            p.decode_read(range.clone(), row, &mut got, streams);
+            p.decode_as(range.clone(), row, &mut got, read);
             let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(
                 bits(&got),
                 bits(&want),
-                "{what}, groups {range:?}, streams {streams}"
+                "{what}, groups {range:?}, {read:?}"
             );
         }
     }

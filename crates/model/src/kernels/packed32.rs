@@ -42,8 +42,8 @@ use rayon::prelude::*;
 
 use super::memory::Weights;
 use super::{
-    ActRow, QK, QuantKind, ROW_TILE, STREAM_PREFETCH, STREAMS, decode_with, in_streams, per_group,
-    prefetch_line, word_at,
+    ActRow, DecodeRead, QK, QuantKind, ROW_TILE, STREAM_PREFETCH, STREAMS, decode_with, in_streams,
+    per_group, prefetch_line, word_at,
 };
 
 /// Weight rows per group.
@@ -558,20 +558,22 @@ impl Packed32 {
     /// `out` (`16·groups.len()`): [`Self::group`]'s bits. With AVX-512 or AVX2 the
     /// groups go [`STREAMS`] at a time, one from each of as many equal runs of the
     /// range, block by block in lockstep, so that the core reads that many sequential
-    /// streams of quants, where `streams` (the process's [`super::DecodeRead`]) says;
-    /// else one group after another.
+    /// streams of quants, where `read` says so; else one group after another.
     pub(super) fn decode(
         &self,
         groups: std::ops::Range<usize>,
         row: &ActRow,
         out: &mut [f32],
-        streams: bool,
+        read: DecodeRead,
     ) {
         assert!(groups.end <= self.groups);
         let rows = std::slice::from_ref(row);
         let streamed = |out: &mut [f32]| {
             #[cfg(target_arch = "x86_64")]
-            if super::simd() >= super::Simd::Avx2 && streams && groups.len() >= STREAMS {
+            if super::simd() >= super::Simd::Avx2
+                && read == DecodeRead::Streams
+                && groups.len() >= STREAMS
+            {
                 self.check_row(row);
                 let avx512 = super::simd() == super::Simd::Avx512Vnni;
                 return in_streams(groups.clone(), |gs| {
