@@ -94,28 +94,20 @@ unsafe fn rows_n<const R: usize, const F: u8>(
         let (d, m) = unsafe { block_scales(&blk, F == CODEBOOK_SUB, has_min) };
         // SAFETY: block b of each row.
         let a = unsafe { sides.qs(b * QK) };
-        for (r, (acc, a)) in acc.iter_mut().zip(a).enumerate() {
+        for r in 0..R {
             // SAFETY: block b of each of the row's arrays (its value words lie in the
             // block's 32 bytes).
             unsafe {
-                let mut s0 = if offset == 0 {
+                let start = if offset == 0 {
                     _mm512_setzero_si512()
                 } else {
                     _mm512_set1_epi32(-offset * sides.isum(r, b))
                 };
-                let mut s1 = _mm512_setzero_si512();
-                // Values 0..16 in the first chain, 16..32 in the second.
-                for t in 0..4 {
-                    let lo = _mm512_set1_epi32(word_at(a.add(4 * t)));
-                    let hi = _mm512_set1_epi32(word_at(a.add(16 + 4 * t)));
-                    s0 = _mm512_dpbusd_epi32(s0, w[t], lo);
-                    s1 = _mm512_dpbusd_epi32(s1, w[4 + t], hi);
-                }
-                let total = _mm512_add_epi32(s0, s1);
+                let total = block_sum(&w, a[r], start);
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(sides.d(r, b)));
-                *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), *acc);
+                acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[r]);
                 if has_min {
-                    *acc = _mm512_fmadd_ps(m, _mm512_set1_ps(sides.s(r, b)), *acc);
+                    acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sides.s(r, b)), acc[r]);
                 }
             }
         }
@@ -123,6 +115,27 @@ unsafe fn rows_n<const R: usize, const F: u8>(
     for (r, &v) in acc.iter().enumerate() {
         // SAFETY: `out` holds 16·R values.
         unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(r * LANES), v) };
+    }
+}
+
+/// One row's integer sum of a block unpacked in `w` ([`unpack`]) with its 32
+/// activations at `a`, from `start`: values 0..16 in one chain, 16..32 in another,
+/// each activation word broadcast straight from memory.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and VNNI; `a` must point to 32 readable bytes.
+#[inline(always)]
+unsafe fn block_sum(w: &[__m512i; 8], a: *const i8, start: __m512i) -> __m512i {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        let word = |at: usize| _mm512_set1_epi32(word_at(a.add(at)));
+        let mut s0 = start;
+        let mut s1 = _mm512_setzero_si512();
+        for t in 0..4 {
+            s0 = _mm512_dpbusd_epi32(s0, w[t], word(4 * t));
+            s1 = _mm512_dpbusd_epi32(s1, w[4 + t], word(16 + 4 * t));
+        }
+        _mm512_add_epi32(s0, s1)
     }
 }
 
