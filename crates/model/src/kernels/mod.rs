@@ -174,11 +174,6 @@ fn cpu_is_amd() -> bool {
     false
 }
 
-/// Whether a decode reads in [`DecodeRead::Streams`].
-fn decode_streams() -> bool {
-    decode_read() == DecodeRead::Streams
-}
-
 /// How far ahead, in bytes, a K-quant kernel reading `streams` streams of quants for
 /// `rows` activation rows prefetches them: [`STREAM_PREFETCH`] with several streams,
 /// `one` (the packing's distance for one stream) with one, and 0 (no software
@@ -188,7 +183,7 @@ fn decode_streams() -> bool {
 fn prefetch_ahead(streams: usize, rows: usize, one: usize) -> usize {
     if streams > 1 {
         STREAM_PREFETCH
-    } else if rows == 1 && !decode_streams() {
+    } else if rows == 1 && decode_read() == DecodeRead::Sequential {
         0
     } else {
         one
