@@ -12,22 +12,33 @@
 //! Activations are quantized as ggml quantizes them for each type: Q8_0 (an f16 scale
 //! per 32) for IQ4_NL, Q8_K (one f32 scale per 256) for IQ4_XS, held per block of 32
 //! with the scale repeated ([`quantize_row_k_in_32`]). Every block's `Σ q_w·q_a` is then
-//! the integer ggml's `ggml_vec_dot_iq4_nl_q8_0` / `ggml_vec_dot_iq4_xs_q8_K` sums; only
-//! the order of the float steps differs. Q8_K is coarser than Q8_0, but it is what
+//! the integer ggml's `ggml_vec_dot_iq4_nl_q8_0` / `ggml_vec_dot_iq4_xs_q8_K` sums. For
+//! IQ4_XS the kernels go on as ggml does: `Σ (ls − 32)·Σ q_w·q_a` over the super-block in
+//! integers, then one float step per 256 values (`d·d_a` times it). The float step per
+//! block this replaced (the block's scale `d·(ls − 32)` times `d_a`, the sum converted,
+//! a fused multiply-add) took the 64-row 2048² product 1.83–1.90 ms, the integer sums
+//! 1.74 (AVX-512, one Zen 4 thread; 1.60–1.63 once the activation sums were read from
+//! memory, see `ActRow::offset_sums`). Only the order of the float steps differs from ggml's (`fma`
+//! against a multiply and an add). Q8_K is coarser than Q8_0, but it is what
 //! llama.cpp computes: on SmolLM2-135M IQ4_XS, 525 next-token log-probabilities
 //! (`tests/llamacpp`, `prompt_logprobs_match_llama_cpp`) differ from llama.cpp's by 0.137
 //! nats on average with Q8_K for IQ4_XS and 0.149 with Q8_0 (llama.cpp differs from
-//! itself, flash attention off and an f32 cache, by 0.125).
+//! itself, flash attention off and an f32 cache, by 0.125). With the integer
+//! super-block sums: 0.143 on average, at most 1.73 (0.136 and 1.07 with a float step
+//! per block) — the noise of 8-bit activations, not of the change: the two definitions'
+//! outputs differ by ~1e-7 of their size (an IQ4_XS `ffn_down`, 50 rows), yet
+//! SmolLM2's log-probabilities of a 51-token text by 0.06 nats on average, as a change
+//! that small flips roundings of the next layer's quantized activations.
 //!
 //! IQ4_NL is held in 4.5 bits per value, as in the file (an f16 scale per 32). IQ4_XS
-//! in 4.31: each block's `d·(ls − 32)` is held as the super-block's f16 `d` and a
-//! signed byte per block ([`Scales::Sub`]), multiplied in the kernel (the file's 4.25;
-//! an f32 per block, 5 bits per value, decoded the 1B model 20% slower).
+//! in 4.31: the super-block's f16 `d` and a signed byte `ls − 32` per block
+//! ([`Scales::Sub`]; the file's 4.25; an f32 `d·(ls − 32)` per block, 5 bits per value,
+//! decoded the 1B model 20% slower).
 
 use half::f16;
 
 use super::packed32::{Form, Packed32, Scales};
-use super::{ActRow, FastLinear, Packing, QK, QK_K, QuantKind, quantize_row_k};
+use super::{ActRow, FastLinear, OFFSET_SUM, Packing, QK, QK_K, QuantKind, quantize_row_k};
 use crate::error::{ModelError, Result};
 use crate::gguf::{RawTensor, RawType};
 
@@ -43,10 +54,10 @@ pub(super) fn quantize_row_k_in_32(x: &[f32]) -> ActRow {
     let k = quantize_row_k(x);
     ActRow {
         d: k.d.iter().flat_map(|&d| [d; QK_K / QK]).collect(),
-        isums: k
+        offset_sums: k
             .qs
             .chunks_exact(QK)
-            .map(|b| b.iter().map(|&q| i32::from(q)).sum())
+            .map(|b| OFFSET_SUM * b.iter().map(|&q| i32::from(q)).sum::<i32>())
             .collect(),
         qs: k.qs,
         s: Vec::new(),

@@ -16,7 +16,10 @@
 //! acc)` and, with a minimum, `acc = fma(m, s_a, acc)` (`s_a = d_a·Σ q_a`; `fma` rounds
 //! once), and the output is `acc`: one chain of fused multiply-adds, the same in the
 //! scalar, AVX2 and AVX-512 kernels, so all give the same bits for any number of
-//! activation rows.
+//! activation rows. IQ4_XS ([`Scales::Sub`]), as ggml's `ggml_vec_dot_iq4_xs_q8_K`:
+//! over each super-block of eight blocks the integer `Σ (ls − 32)·Σ q_w·q_a` (at most
+//! 8·32·32·127·127 < 2³¹ in magnitude), then one `acc = fma(d·d_a, Σ, acc)` per
+//! super-block (`d_a` Q8_K's one scale per 256 values).
 //!
 //! Layout per group and block (`gb = group·nb + b`; padding rows are zeros):
 //! - nibbles and codebook: `quants[gb·256..]` as `[step t: 4][lane: 16][4 bytes]`, the
@@ -137,9 +140,10 @@ pub(super) enum Scales {
     /// An f16 per block (`d16`), as the file holds them.
     F16,
     /// IQ4_XS's: an f16 `d` per eight blocks (a super-block; `d16`, `[(gb / 8)·16 +
-    /// lane]`) and a signed byte `ls − 32` per block (`high`, `[gb·16 + lane]`). The
-    /// block's scale is `d·(ls − 32)`, exact in f32: the very float a per-block f32
-    /// would hold, in 4.31 bits per value rather than 5.
+    /// lane]`) and a signed byte `ls − 32` per block (`high`, `[gb·16 + lane]`), 4.31
+    /// bits per value. The kernels multiply each block's integer sum by `ls − 32` and
+    /// take `d` once per super-block (see the module docs); the block's dequantized
+    /// scale is `d·(ls − 32)`, exact in f32.
     Sub,
 }
 
@@ -519,7 +523,7 @@ impl Packed32 {
         assert!(
             row.qs.len() >= self.nb * QK
                 && row.d.len() >= self.nb
-                && row.isums.len() >= self.nb
+                && row.offset_sums.len() >= self.nb
                 && (!self.has_min() || row.s.len() >= self.nb)
         );
     }
@@ -692,12 +696,24 @@ impl Packed32 {
         for (r, row) in rows.iter().enumerate() {
             for lane in 0..LANES {
                 let mut acc = 0f32;
+                // IQ4_XS: the super-block's Σ (ls − 32)·Σ q_w·q_a so far.
+                let mut sub_sum = 0i32;
                 for b in 0..self.nb {
                     let blk = self.block(g, b);
                     let a = &row.qs[b * QK..(b + 1) * QK];
                     let isum: i32 = (0..QK)
                         .map(|j| self.quant(&blk, lane, j) * i32::from(a[j]))
                         .sum();
+                    if blk.sub {
+                        sub_sum += i32::from(blk.high[lane] as i8) * isum;
+                        if b % 8 == 7 {
+                            // The activations' scale is the super-block's (Q8_K).
+                            let d = blk.d16[lane].to_f32() * row.d[b];
+                            acc = d.mul_add(sub_sum as f32, acc);
+                            sub_sum = 0;
+                        }
+                        continue;
+                    }
                     acc = (blk.scale(lane) * row.d[b]).mul_add(isum as f32, acc);
                     if !blk.m.is_empty() {
                         acc = blk.m[lane].to_f32().mul_add(row.s[b], acc);
@@ -831,6 +847,25 @@ mod tests {
                     cases.push((packed, nb, case));
                 }
             }
+        }
+        // IQ4_XS's super-block scales: eight times as many blocks, scale bytes
+        // −32 and 31 first, row 1's first two blocks all −127 (with activation row 0's
+        // +127, a super-block sum past 2²⁴, which f32 rounds).
+        for &nb in nbs {
+            let nb = 8 * nb;
+            let (mut q, d, _) = rows_of(Form::Codebook, out, nb, false);
+            q[nb * QK / 2..(nb + 2) * QK / 2].fill(0);
+            let ls = |i: usize| match i % nb {
+                0 | 1 => -32,
+                2 => 31,
+                _ => (i * 29 % 64) as i32 - 32,
+            };
+            let packed =
+                Packed32::pack_with(Form::Codebook, (false, Scales::Sub), (out, nb), |i, src| {
+                    src.copy_from_slice(&q[i * QK / 2..(i + 1) * QK / 2]);
+                    (d[i / 8 * 8], ls(i) as f32)
+                });
+            cases.push((packed, nb, format!("IQ4_XS scales, {nb} blocks")));
         }
         cases
     }

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 
 use super::super::Sides;
 use super::super::amx::{TILE_ROWS, TileConfig, tile_sums};
-use super::avx512::block_scales;
+use super::avx512::{block_scales, sub_scales};
 use super::{ActRow, CODEBOOK, Form, LANES, Packed32, QK};
 
 /// Bytes of one group's block unpacked: 32 values of 16 rows.
@@ -106,6 +106,7 @@ pub(super) unsafe fn tile(
     let mut sums = Sums([[0; TILE_ROWS * LANES]; 2]);
     let c = sums.0.as_mut_ptr().cast::<i32>();
     let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+    let mut sub_sums = [_mm512_setzero_si512(); TILE_ROWS];
     let per_block = ahead.len().div_ceil(64 * nb);
     // SAFETY: a valid configuration (AMX is available); block 0's operands.
     unsafe {
@@ -129,9 +130,31 @@ pub(super) unsafe fn tile(
             _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
         }
         let blk = p.block(g, b);
-        // SAFETY: the block's scales (and minimums).
-        let (d, m) = unsafe { block_scales(&blk, blk.sub, has_min) };
         let sums = &sums.0[b % 2];
+        if blk.sub {
+            // IQ4_XS (the parent module's definition, as `avx512::rows_n`): each row's
+            // Σ (ls − 32)·Σ q_w·q_a over the super-block, one float step at its end.
+            // SAFETY: the block's scale bytes and its super-block's scales; 16 sums of
+            // each row; block b of the rows' scales.
+            unsafe {
+                let ls = sub_scales(&blk);
+                for (r, sub_sum) in sub_sums.iter_mut().enumerate() {
+                    let total = _mm512_load_si512(sums.as_ptr().add(r * LANES).cast());
+                    *sub_sum = _mm512_add_epi32(*sub_sum, _mm512_mullo_epi32(total, ls));
+                }
+                if b % 8 == 7 {
+                    let (d, _) = block_scales(&blk, true, false);
+                    for (r, (acc, sub_sum)) in acc.iter_mut().zip(&mut sub_sums).enumerate() {
+                        let dd = _mm512_mul_ps(d, _mm512_set1_ps(sides.d(r, b)));
+                        *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*sub_sum), *acc);
+                        *sub_sum = _mm512_setzero_si512();
+                    }
+                }
+            }
+            continue;
+        }
+        // SAFETY: the block's scales (and minimums).
+        let (d, m) = unsafe { block_scales(&blk, false, has_min) };
         for (r, acc) in acc.iter_mut().enumerate() {
             // SAFETY: 16 sums of row r; block b of the row's scales (and sums).
             unsafe {

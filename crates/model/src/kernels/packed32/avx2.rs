@@ -3,11 +3,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::Sides;
 use super::super::kquant::avx2::{sixteen_where, store, unsigned_steps};
+use super::super::{OFFSET_SUM, Sides};
 use super::{
-    ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, prefetch_line,
-    word_at,
+    ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, Scales,
+    prefetch_line, word_at,
 };
 
 /// # Safety
@@ -68,15 +68,20 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
     // SAFETY: 16 readable bytes.
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
     let mut accs = [[[_mm256_setzero_ps(); H]; R]; S];
+    // Each block's integer sums; IQ4_XS's ([`Scales::Sub`]) go on over its super-block.
+    let mut isums = [[[_mm256_setzero_si256(); H]; R]; S];
+    let sub = p.scales == Scales::Sub;
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb blocks of every row.
         let a = unsafe { sides.qs(b * QK) };
-        for (&g, acc) in gs.iter().zip(&mut accs) {
+        for ((&g, acc), isum) in gs.iter().zip(&mut accs).zip(&mut isums) {
             let blk = p.block(g, b);
             let q = blk.quants.as_ptr();
-            let mut isum = [[_mm256_setzero_si256(); H]; R];
+            if !sub || b % 8 == 0 {
+                *isum = [[_mm256_setzero_si256(); H]; R];
+            }
             match p.form {
                 Form::Nibbles { offset, five } => {
                     let mut sum16 = [[_mm256_setzero_si256(); H]; R];
@@ -114,7 +119,9 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
                     }
                     for r in 0..R {
                         // SAFETY: the rows hold block b.
-                        let off = _mm256_set1_epi32(offset * unsafe { sides.isum(r, b) });
+                        let off = _mm256_set1_epi32(
+                            offset * unsafe { sides.offset_sum(r, b) } / OFFSET_SUM,
+                        );
                         for (isum, sum16) in isum[r].iter_mut().zip(&sum16[r]) {
                             let rest = _mm256_add_epi32(*isum, _mm256_madd_epi16(*sum16, ones));
                             *isum = _mm256_sub_epi32(rest, off);
@@ -122,6 +129,16 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
                     }
                 }
                 Form::Codebook => {
+                    // IQ4_XS: each pair sum times its lane's `ls − 32` (exact: 32·2·127·127
+                    // < 2³¹), so the block's sums come out scaled.
+                    let pairs: [__m256i; H] = std::array::from_fn(|hh| {
+                        if sub {
+                            // SAFETY: the block's scale bytes.
+                            unsafe { sub_pairs(&blk, h0 + hh) }
+                        } else {
+                            ones
+                        }
+                    });
                     for t in 0..4 {
                         for hh in 0..H {
                             let h = h0 + hh;
@@ -143,11 +160,11 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
                                     let x = _mm256_add_epi32(
                                         _mm256_madd_epi16(
                                             _mm256_maddubs_epi16(absl, _mm256_sign_epi8(al, wl)),
-                                            ones,
+                                            pairs[hh],
                                         ),
                                         _mm256_madd_epi16(
                                             _mm256_maddubs_epi16(absh, _mm256_sign_epi8(ah, wh)),
-                                            ones,
+                                            pairs[hh],
                                         ),
                                     );
                                     isum[r][hh] = _mm256_add_epi32(isum[r][hh], x);
@@ -178,6 +195,9 @@ unsafe fn rows_n<const R: usize, const H: usize, const S: usize>(
                         }
                     }
                 }
+            }
+            if sub && b % 8 != 7 {
+                continue;
             }
             for hh in 0..H {
                 let isum: [__m256i; R] = std::array::from_fn(|r| isum[r][hh]);
@@ -322,23 +342,34 @@ unsafe fn fma_step<const R: usize>(
     }
 }
 
+/// IQ4_XS's ([`Scales::Sub`]) scale bytes `ls − 32` of lanes `8h..8h + 8` as 16-bit
+/// pairs `(ls − 32, ls − 32)`, one per 32-bit lane: the `vpmaddwd` operand that adds a
+/// lane's pair sums times its scale. Always inlined, as [`end`].
+///
+/// # Safety
+/// The CPU must support AVX2; the block's scales must be [`Scales::Sub`].
+#[inline(always)]
+unsafe fn sub_pairs(blk: &Block<'_>, h: usize) -> __m256i {
+    // SAFETY: AVX2 as the caller guarantees; 8 scale bytes from lane 8h.
+    unsafe {
+        let ls = _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.high.as_ptr().add(8 * h).cast()));
+        _mm256_or_si256(
+            _mm256_slli_epi32::<16>(ls),
+            _mm256_and_si256(ls, _mm256_set1_epi32(0xFFFF)),
+        )
+    }
+}
+
 /// Block `blk`'s scales of lanes `8h..8h + 8` as f32: `d`, the f16 `d` widened, or
-/// IQ4_XS's `d·(ls − 32)` (exact in f32). Always inlined, as [`end`].
+/// IQ4_XS's super-block `d`. Always inlined, as [`end`].
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline(always)]
 unsafe fn scales_of(blk: &Block<'_>, h: usize) -> __m256 {
-    // SAFETY: AVX2 and F16C as the caller guarantees; 8 scales from lane 8h (with
-    // super-block scales, 8 of them and 8 bytes).
+    // SAFETY: AVX2 and F16C as the caller guarantees; 8 scales from lane 8h.
     unsafe {
-        if blk.sub {
-            let ls = _mm256_cvtepi8_epi32(_mm_loadl_epi64(blk.high.as_ptr().add(8 * h).cast()));
-            _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast())),
-                _mm256_cvtepi32_ps(ls),
-            )
-        } else if blk.d16.is_empty() {
+        if blk.d16.is_empty() {
             _mm256_loadu_ps(blk.d.as_ptr().add(8 * h))
         } else {
             _mm256_cvtph_ps(_mm_loadu_si128(blk.d16.as_ptr().add(8 * h).cast()))
@@ -347,21 +378,28 @@ unsafe fn scales_of(blk: &Block<'_>, h: usize) -> __m256 {
 }
 
 /// Where a group's block unpacked by [`unpack`] holds its lanes' scales as f32 (and,
-/// 64 bytes on, its minimums): after the 32 values of 16 rows.
+/// 64 bytes on, its minimums, or IQ4_XS's [`sub_pairs`]): after the 32 values of 16
+/// rows.
 const SCALES_AT: usize = QK * LANES;
 
-/// Bytes of one group's block unpacked by [`unpack`]: values, scales, minimums.
+/// Bytes of one group's block unpacked by [`unpack`]: values, scales, minimums or
+/// scale pairs.
 pub(super) fn unpacked_bytes(p: &Packed32) -> usize {
-    SCALES_AT + if p.has_min() { 128 } else { 64 }
+    SCALES_AT
+        + if p.has_min() || p.scales == Scales::Sub {
+            128
+        } else {
+            64
+        }
 }
 
 /// Group `g`'s blocks as bytes into `w` (`p.nb·`[`unpacked_bytes`]), value `4t + k`
 /// of a block (step `t`) of lane `l` at byte `64t + 4l + k` of the block's part:
 /// nibbles as unsigned 0–15 (0–31 with a fifth bit), codebook indices and bytes as the
 /// signed weights; then (at [`SCALES_AT`]) the lanes' scales
-/// as f32 (`d`, the f16 `d` widened, or IQ4_XS's `d·(ls − 32)`, as the group kernels
-/// compute them) and minimums. Each step's eight-lane halves are then one load each
-/// for [`unpacked`].
+/// as f32 (`d`, the f16 `d` widened, or IQ4_XS's super-block `d`, as the group kernels
+/// compute them) and minimums (IQ4_XS: its [`sub_pairs`]). Each step's eight-lane
+/// halves are then one load each for [`unpacked`].
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `w` must hold `p.nb·unpacked_bytes(p)`
@@ -387,6 +425,8 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [u8]) {
                 if p.has_min() {
                     let m = _mm256_cvtph_ps(_mm_loadu_si128(blk.m.as_ptr().add(8 * h).cast()));
                     _mm256_storeu_ps(scales.add(16), m);
+                } else if blk.sub {
+                    _mm256_storeu_si256(scales.add(16).cast(), sub_pairs(&blk, h));
                 }
                 let at = |t: usize| dst.add(t * 64 + 32 * h);
                 match p.form {
@@ -469,17 +509,23 @@ pub(super) unsafe fn unpacked(p: &Packed32, g: usize, w: &[u8], rows: &[ActRow],
                         3 => nibbles::<3, 4, true>(p, (g, h), w, rows, out),
                         _ => nibbles::<4, 4, true>(p, (g, h), w, rows, out),
                     },
+                    (Form::Codebook, false, n) if p.scales == Scales::Sub => match n {
+                        1 => signed::<1, false, true>(p, (g, h), w, rows, out),
+                        2 => signed::<2, false, true>(p, (g, h), w, rows, out),
+                        3 => signed::<3, false, true>(p, (g, h), w, rows, out),
+                        _ => signed::<4, false, true>(p, (g, h), w, rows, out),
+                    },
                     (Form::Codebook | Form::Bytes, false, n) => match n {
-                        1 => signed::<1, false>(p, (g, h), w, rows, out),
-                        2 => signed::<2, false>(p, (g, h), w, rows, out),
-                        3 => signed::<3, false>(p, (g, h), w, rows, out),
-                        _ => signed::<4, false>(p, (g, h), w, rows, out),
+                        1 => signed::<1, false, false>(p, (g, h), w, rows, out),
+                        2 => signed::<2, false, false>(p, (g, h), w, rows, out),
+                        3 => signed::<3, false, false>(p, (g, h), w, rows, out),
+                        _ => signed::<4, false, false>(p, (g, h), w, rows, out),
                     },
                     (Form::Codebook | Form::Bytes, true, n) => match n {
-                        1 => signed::<1, true>(p, (g, h), w, rows, out),
-                        2 => signed::<2, true>(p, (g, h), w, rows, out),
-                        3 => signed::<3, true>(p, (g, h), w, rows, out),
-                        _ => signed::<4, true>(p, (g, h), w, rows, out),
+                        1 => signed::<1, true, false>(p, (g, h), w, rows, out),
+                        2 => signed::<2, true, false>(p, (g, h), w, rows, out),
+                        3 => signed::<3, true, false>(p, (g, h), w, rows, out),
+                        _ => signed::<4, true, false>(p, (g, h), w, rows, out),
                     },
                 }
             }
@@ -546,7 +592,7 @@ unsafe fn nibbles<const R: usize, const FLUSH: usize, const MIN: bool>(
         }
         for (r, isum) in isum.iter_mut().enumerate() {
             // SAFETY: the rows hold block b.
-            let off = offset * unsafe { sides.isum(r, b) };
+            let off = offset * unsafe { sides.offset_sum(r, b) } / OFFSET_SUM;
             *isum = _mm256_sub_epi32(*isum, _mm256_set1_epi32(off));
         }
         // SAFETY: the block's unpacked scales of half h (and minimums); the rows hold
@@ -563,12 +609,15 @@ unsafe fn nibbles<const R: usize, const FLUSH: usize, const MIN: bool>(
 /// as well made the 64-row Q8_0 product no faster, 2.4–2.8 ms against 2.4–2.5.
 /// Neither did 16-bit weights and activations with `vpmaddwd`, two multiply-adds and
 /// two adds per 32 products and row (64-row IQ4_XS 2.43 ms against 2.37–2.60): both
-/// are four vector operations per 32 products, and those bound the product.)
+/// are four vector operations per 32 products, and those bound the product.) With
+/// `SUB` (IQ4_XS), the widening multiplies by the lane's `ls − 32` ([`sub_pairs`]) and
+/// the sums go on over the super-block, one float step at its end.
 ///
 /// # Safety
-/// As [`unpacked`], with `R` rows and `p` in the codebook or bytes form.
+/// As [`unpacked`], with `R` rows and `p` in the codebook or bytes form (`SUB`: with
+/// [`Scales::Sub`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn signed<const R: usize, const MIN: bool>(
+unsafe fn signed<const R: usize, const MIN: bool, const SUB: bool>(
     p: &Packed32,
     (g, h): (usize, usize),
     w: &[u8],
@@ -578,11 +627,17 @@ unsafe fn signed<const R: usize, const MIN: bool>(
     let ones = _mm256_set1_epi16(1);
     let per = unpacked_bytes(p);
     let mut acc = [_mm256_setzero_ps(); R];
+    let mut isum = [_mm256_setzero_si256(); R];
     let sides = Sides::<R>::of(rows);
     for b in 0..p.nb {
         // SAFETY: block b of each row and of the unpacked group, half h.
         let (a, wb) = unsafe { (sides.qs(b * QK), w.as_ptr().add(b * per + 32 * h)) };
-        let mut isum = [_mm256_setzero_si256(); R];
+        let widen = if SUB {
+            // SAFETY: the block's scale pairs of half h.
+            unsafe { _mm256_loadu_si256(wb.add(SCALES_AT + 64).cast()) }
+        } else {
+            ones
+        };
         for t in 0..8 {
             // SAFETY: step t's half within the block's 512 bytes; the activation words
             // within the rows' block.
@@ -592,13 +647,17 @@ unsafe fn signed<const R: usize, const MIN: bool>(
                 for r in 0..R {
                     let x = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
                     let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x, wv));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(prod, ones));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(prod, widen));
                 }
             }
+        }
+        if SUB && b % 8 != 7 {
+            continue;
         }
         // SAFETY: the block's unpacked scales of half h (and minimums); the rows hold
         // block b.
         unsafe { unpacked_end::<R, MIN>(wb.add(SCALES_AT).cast(), &sides, b, isum, &mut acc) };
+        isum = [_mm256_setzero_si256(); R];
     }
     // SAFETY: `out` holds 16·R values.
     unsafe { store(&[acc.map(|v| [v])], ([g], g), h, out) };
