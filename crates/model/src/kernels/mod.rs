@@ -763,6 +763,18 @@ impl<const R: usize> Sides<R> {
         // SAFETY: as the caller guarantees.
         unsafe { *self.offset_sums[r].add(b) }
     }
+
+    /// Row `r`'s `Σq` of block `b` (blocks of 32), from its `−128·Σq`.
+    ///
+    /// # Safety
+    /// Row `r` must hold block `b`'s integer sum.
+    #[inline(always)]
+    unsafe fn isum(&self, r: usize, b: usize) -> i32 {
+        // SAFETY: as the caller guarantees.
+        let held = unsafe { self.offset_sum(r, b) };
+        // A multiple of 128 (−OFFSET_SUM): the shift divides it exactly.
+        -(held >> 7)
+    }
 }
 
 /// What [`ActRow::offset_sums`] holds per block times `Σq`: minus the 128 the
