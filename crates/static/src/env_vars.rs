@@ -86,9 +86,11 @@ env_vars! {
     AGENTSTACK_HUGE_PAGES = "AGENTSTACK_HUGE_PAGES";
 
     /// How a decode reads a model's weights: `streams` (four groups of rows at a time,
-    /// prefetched in software) or `sequential` (one after another, the hardware
-    /// prefetcher alone); unset or empty picks by the CPU (AMD: sequential, else
-    /// streams); anything else warns and does the same. Only speed depends on it (the
+    /// prefetched in software), `sequential` (one after another, the K-quants left to
+    /// the hardware prefetcher) or `prefetched` (one after another, every type
+    /// prefetched in software); unset or empty picks by the CPU (AMD Zen 5 and newer:
+    /// prefetched, older AMD: sequential, else streams); anything else warns and does
+    /// the same. Only speed depends on it (the
     /// outputs are the same bits). Read once per process.
     AGENTSTACK_DECODE_READ = "AGENTSTACK_DECODE_READ";
 

@@ -122,20 +122,34 @@ enum DecodeRead {
     /// Q6_K 13 → 24–30, Q2_K 24 → 36, Q3_K_M 18 → 26, Q4_0 21–25 → 24–28, Q8_0
     /// 13–14 → 15–17.
     Sequential,
+    /// As [`DecodeRead::Sequential`], the K-quants prefetching [`SEQUENTIAL_PREFETCH`]
+    /// ahead in software: an AMD EPYC of family 26 (Zen 5, 2 cores), whose hardware
+    /// prefetcher alone left a one-row K-quant product at 21–26 GB/s (`kernel_speed`,
+    /// 16384², one thread; 33–44 prefetched 4 or 8 KiB ahead, as the blocks of 32 read).
+    /// 1B decode, one thread, alternating runs: Q4_K_M 36–38 → 44 tok/s, Q3_K_M 38 →
+    /// 55–57, Q5_K_M 32–37 → 40–41, Q6_K 35–37 → 38–39; two threads: Q4_K_M 44–55 →
+    /// 67–70, Q3_K_M 56–59 → 93–94.
+    Prefetched,
 }
 
+/// How far ahead a K-quant one-row product read [`DecodeRead::Prefetched`] prefetches:
+/// on the Zen 5 above 4 KiB and 8 KiB read alike (Q6_K a little faster at 4), 16 KiB
+/// slower (Q6_K 23–31 GB/s against 34–36), none slowest.
+const SEQUENTIAL_PREFETCH: usize = 4 << 10;
+
 /// The [`DecodeRead`] of this process, chosen once: `AGENTSTACK_DECODE_READ`
-/// (`streams` or `sequential`), else by the CPU's vendor (AMD: sequential; the rest:
-/// streams, as measured on the CPUs above).
+/// (`streams`, `sequential` or `prefetched`), else by the CPU (AMD from Zen 5 on:
+/// prefetched; older AMD: sequential; the rest: streams, as measured on the CPUs
+/// above). An AMD family newer than measured gets Zen 5's.
 fn decode_read() -> DecodeRead {
     static READ: std::sync::OnceLock<DecodeRead> = std::sync::OnceLock::new();
     *READ.get_or_init(|| {
         let name = agentstack_static::env_vars::AGENTSTACK_DECODE_READ;
         let value = std::env::var(name).ok();
-        let default = if cpu_is_amd() {
-            DecodeRead::Sequential
-        } else {
-            DecodeRead::Streams
+        let default = match amd_family() {
+            Some(family) if family >= ZEN5 => DecodeRead::Prefetched,
+            Some(_) => DecodeRead::Sequential,
+            None => DecodeRead::Streams,
         };
         match decode_read_setting(value.as_deref()) {
             Some(Some(read)) => read,
@@ -143,7 +157,7 @@ fn decode_read() -> DecodeRead {
             None => {
                 tracing::warn!(
                     value = value.as_deref().unwrap_or_default(),
-                    "{name} is neither `streams` nor `sequential`: using {default:?}"
+                    "{name} is none of `streams`, `sequential`, `prefetched`: using {default:?}"
                 );
                 default
             }
@@ -152,39 +166,57 @@ fn decode_read() -> DecodeRead {
 }
 
 /// `AGENTSTACK_DECODE_READ`'s meaning: `Some(None)` when unset or empty (the CPU's
-/// default), `None` for a value that is neither choice.
+/// default), `None` for a value that is none of the choices.
 fn decode_read_setting(value: Option<&str>) -> Option<Option<DecodeRead>> {
     match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
         None | Some("") => Some(None),
         Some("streams") => Some(Some(DecodeRead::Streams)),
         Some("sequential") => Some(Some(DecodeRead::Sequential)),
+        Some("prefetched") => Some(Some(DecodeRead::Prefetched)),
         Some(_) => None,
     }
 }
 
-/// Whether the CPU's vendor is AMD (`cpuid` leaf 0: "AuthenticAMD").
-fn cpu_is_amd() -> bool {
+/// AMD's CPU family of Zen 5 (`0x1A`); Zen 3 and Zen 4 are `0x19`.
+const ZEN5: u32 = 0x1A;
+
+/// The CPU's family when its vendor is AMD (`cpuid` leaf 0: "AuthenticAMD"; leaf 1:
+/// the base family plus, when that is `0xF`, the extended one), else `None`.
+fn amd_family() -> Option<u32> {
     #[cfg(target_arch = "x86_64")]
     {
         let id = std::arch::x86_64::__cpuid(0);
         let vendor = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes);
-        vendor.concat() == *b"AuthenticAMD"
+        (vendor.concat() == *b"AuthenticAMD").then(|| {
+            let eax = std::arch::x86_64::__cpuid(1).eax;
+            let base = (eax >> 8) & 0xF;
+            if base == 0xF {
+                base + ((eax >> 20) & 0xFF)
+            } else {
+                base
+            }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    None
 }
 
 /// How far ahead, in bytes, a K-quant kernel reading `streams` streams of quants for
 /// `rows` activation rows prefetches them: [`STREAM_PREFETCH`] with several streams,
-/// `one` (the packing's distance for one stream) with one, and 0 (no software
-/// prefetch) for a one-row decode read [`DecodeRead::Sequential`].
+/// `one` (the packing's distance for one stream) with one, and for a one-row decode
+/// read [`DecodeRead::Sequential`] 0 (no software prefetch), read
+/// [`DecodeRead::Prefetched`] [`SEQUENTIAL_PREFETCH`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_ahead(streams: usize, rows: usize, one: usize) -> usize {
     if streams > 1 {
         STREAM_PREFETCH
-    } else if rows == 1 && decode_read() == DecodeRead::Sequential {
-        0
+    } else if rows == 1 {
+        match decode_read() {
+            DecodeRead::Sequential => 0,
+            DecodeRead::Prefetched => SEQUENTIAL_PREFETCH,
+            DecodeRead::Streams => one,
+        }
     } else {
         one
     }
@@ -1481,17 +1513,21 @@ mod tests {
             .collect()
     }
 
-    /// `AGENTSTACK_DECODE_READ` takes its two words in any case, leaves the choice to
-    /// the CPU when unset or empty, and refuses anything else (the caller warns).
+    /// `AGENTSTACK_DECODE_READ` takes its three words in any case, leaves the choice
+    /// to the CPU when unset or empty, and refuses anything else (the caller warns).
     #[test]
     fn decode_read_setting_reads_its_words() {
-        use DecodeRead::{Sequential, Streams};
+        use DecodeRead::{Prefetched, Sequential, Streams};
         assert_eq!(decode_read_setting(None), Some(None));
         assert_eq!(decode_read_setting(Some(" ")), Some(None));
         assert_eq!(decode_read_setting(Some("streams")), Some(Some(Streams)));
         assert_eq!(
             decode_read_setting(Some("Sequential")),
             Some(Some(Sequential))
+        );
+        assert_eq!(
+            decode_read_setting(Some("PREFETCHED")),
+            Some(Some(Prefetched))
         );
         assert_eq!(decode_read_setting(Some("stream")), None);
         assert_eq!(decode_read_setting(Some("1")), None);
@@ -1841,7 +1877,8 @@ mod tests {
         for (range, read) in ranges.into_iter().flat_map(|r| {
             [
                 (r.clone(), DecodeRead::Streams),
-                (r, DecodeRead::Sequential),
+                (r.clone(), DecodeRead::Sequential),
+                (r, DecodeRead::Prefetched),
             ]
         }) {
             let mut want = vec![0f32; range.len() * LANES];
