@@ -17,18 +17,19 @@
 //! integers, then one float step per 256 values (`d·d_a` times it). The float step per
 //! block this replaced (the block's scale `d·(ls − 32)` times `d_a`, the sum converted,
 //! a fused multiply-add) took the 64-row 2048² product 1.83–1.90 ms, the integer sums
-//! 1.74 (AVX-512, one Zen 4 thread; 1.60–1.63 once the activation sums were read from
-//! memory, see `ActRow::offset_sums`). Only the order of the float steps differs from ggml's (`fma`
-//! against a multiply and an add). Q8_K is coarser than Q8_0, but it is what
-//! llama.cpp computes: on SmolLM2-135M IQ4_XS, 525 next-token log-probabilities
-//! (`tests/llamacpp`, `prompt_logprobs_match_llama_cpp`) differ from llama.cpp's by 0.137
-//! nats on average with Q8_K for IQ4_XS and 0.149 with Q8_0 (llama.cpp differs from
-//! itself, flash attention off and an f32 cache, by 0.125). With the integer
-//! super-block sums: 0.143 on average, at most 1.73 (0.136 and 1.07 with a float step
-//! per block) — the noise of 8-bit activations, not of the change: the two definitions'
-//! outputs differ by ~1e-7 of their size (an IQ4_XS `ffn_down`, 50 rows), yet
-//! SmolLM2's log-probabilities of a 51-token text by 0.06 nats on average, as a change
-//! that small flips roundings of the next layer's quantized activations.
+//! 1.74 (AVX-512, one Zen 4 thread; 1.60–1.63 once the activation sums were read
+//! from memory, see `ActRow::offset_sums`). Only the order of the float steps differs
+//! from ggml's (`fma` against a multiply and an add). Q8_K is coarser than Q8_0, but
+//! it is what llama.cpp computes: on SmolLM2-135M IQ4_XS, 525 next-token
+//! log-probabilities (`tests/llamacpp`, `prompt_logprobs_match_llama_cpp`) differ from
+//! llama.cpp's by 0.137 nats on average with Q8_K for IQ4_XS and 0.149 with Q8_0
+//! (llama.cpp differs from itself, flash attention off and an f32 cache, by 0.125).
+//! With the integer super-block sums: 0.143 on average, at most 1.73 (0.136 and 1.07
+//! with a float step per block) — the noise of 8-bit activations, not of the change:
+//! the two definitions' outputs differ by ~1e-7 of their size (an IQ4_XS `ffn_down`,
+//! 50 rows), yet SmolLM2's log-probabilities of a 51-token text by 0.06 nats on
+//! average, as a change that small flips roundings of the next layer's quantized
+//! activations.
 //!
 //! IQ4_NL is held in 4.5 bits per value, as in the file (an f16 scale per 32). IQ4_XS
 //! in 4.31: the super-block's f16 `d` and a signed byte `ls − 32` per block

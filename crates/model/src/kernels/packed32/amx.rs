@@ -143,7 +143,7 @@ pub(super) unsafe fn tile(
                     *sub_sum = _mm512_add_epi32(*sub_sum, _mm512_mullo_epi32(total, ls));
                 }
                 if b % 8 == 7 {
-                    let (d, _) = block_scales(&blk, true, false);
+                    let (d, _) = block_scales(&blk, false);
                     for (r, (acc, sub_sum)) in acc.iter_mut().zip(&mut sub_sums).enumerate() {
                         let dd = _mm512_mul_ps(d, _mm512_set1_ps(sides.d(r, b)));
                         *acc = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*sub_sum), *acc);
@@ -154,7 +154,7 @@ pub(super) unsafe fn tile(
             continue;
         }
         // SAFETY: the block's scales (and minimums).
-        let (d, m) = unsafe { block_scales(&blk, false, has_min) };
+        let (d, m) = unsafe { block_scales(&blk, has_min) };
         for (r, acc) in acc.iter_mut().enumerate() {
             // SAFETY: 16 sums of row r; block b of the row's scales (and sums).
             unsafe {

@@ -126,7 +126,7 @@ unsafe fn rows_n<const R: usize, const F: u8>(
                     sub_sum[r] = _mm512_add_epi32(sub_sum[r], _mm512_mullo_epi32(total, ls));
                 });
                 if b % 8 == 7 {
-                    let (d, _) = block_scales(&blk, true, false);
+                    let (d, _) = block_scales(&blk, false);
                     each_row!(R, |r| {
                         let dd = _mm512_mul_ps(d, _mm512_set1_ps(sides.d(r, b)));
                         acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(sub_sum[r]), acc[r]);
@@ -137,7 +137,7 @@ unsafe fn rows_n<const R: usize, const F: u8>(
             continue;
         }
         // SAFETY: the block's scales and minimums.
-        let (d, m) = unsafe { block_scales(&blk, false, has_min) };
+        let (d, m) = unsafe { block_scales(&blk, has_min) };
         each_row!(R, |r| {
             // SAFETY: block b of each of the row's arrays (its value words lie in the
             // block's 32 bytes).
@@ -261,7 +261,7 @@ unsafe fn streams_f<const S: usize, const F: u8>(
                     let ls = sub_scales(&blk);
                     sub_sum[s] = _mm512_add_epi32(sub_sum[s], _mm512_mullo_epi32(total, ls));
                     if b % 8 == 7 {
-                        let (d, _) = block_scales(&blk, true, false);
+                        let (d, _) = block_scales(&blk, false);
                         let dd = _mm512_mul_ps(d, da);
                         acc[s] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(sub_sum[s]), acc[s]);
                         sub_sum[s] = _mm512_setzero_si512();
@@ -270,7 +270,7 @@ unsafe fn streams_f<const S: usize, const F: u8>(
                 continue;
             }
             // SAFETY: the block's scales and minimums.
-            let (d, m) = unsafe { block_scales(&blk, false, has_min) };
+            let (d, m) = unsafe { block_scales(&blk, has_min) };
             let dd = _mm512_mul_ps(d, da);
             acc[s] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(total), acc[s]);
             if has_min {
@@ -390,18 +390,18 @@ unsafe fn unpack<const F: u8, const AHEAD: usize>(
     }
 }
 
-/// A block's sixteen scales (`sub`: [`Scales::Sub`]'s super-block scales `d`) and,
-/// with `has_min`, its minimums (zeros without).
+/// A block's sixteen scales (with [`Scales::Sub`], its super-block's `d`, held as f16
+/// like the file's) and, with `has_min`, its minimums (zeros without).
 ///
 /// # Safety
 /// As [`group`], for the block's arrays.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(super) unsafe fn block_scales(blk: &Block<'_>, sub: bool, has_min: bool) -> (__m512, __m512) {
+pub(super) unsafe fn block_scales(blk: &Block<'_>, has_min: bool) -> (__m512, __m512) {
     // SAFETY: 16 scales, f16 or f32 (or 16 f16 super-block scales), and 16 f16 minimums
     // when the weight has them.
     unsafe {
-        let d = if sub || !blk.d16.is_empty() {
+        let d = if !blk.d16.is_empty() {
             _mm512_cvtph_ps(_mm256_loadu_si256(blk.d16.as_ptr().cast()))
         } else {
             _mm512_loadu_ps(blk.d.as_ptr())
