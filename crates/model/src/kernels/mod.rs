@@ -554,6 +554,20 @@ impl Packing {
         }
     }
 
+    /// Group `g`'s outputs for every row of `rows` into `out` (`[row][lane]`): the
+    /// bits of [`Self::group`] on each tile of [`ROW_TILE`] rows, in the order that
+    /// reads best (see [`packed32::Packed32::group_rows`]).
+    fn group_rows(&self, g: usize, rows: &[ActRow], out: &mut [f32]) {
+        match self {
+            Self::K(p) => {
+                for (tile, out) in rows.chunks(ROW_TILE).zip(out.chunks_mut(ROW_TILE * LANES)) {
+                    p.group(g, tile, out);
+                }
+            }
+            Self::B32(p) => p.group_rows(g, rows, out),
+        }
+    }
+
     /// Whether the AVX2 kernels run a product of `n` rows from each group unpacked once
     /// ([`Self::avx2_unpacked`]), for every packing alike: AVX2 is the kernel family in
     /// use (AVX-512 unpacks in registers, AMX in its own form) and there are at least
@@ -1227,9 +1241,7 @@ impl FastLinear {
                 return;
             }
             for (g, dst) in (t * per_task..).zip(dst.chunks_exact_mut(stride)) {
-                for (chunk, d) in rows.chunks(ROW_TILE).zip(dst.chunks_mut(ROW_TILE * LANES)) {
-                    p.group(g, chunk, d);
-                }
+                p.group_rows(g, rows, dst);
             }
         };
         let mut tiles = team::collect_chunks(groups * stride, per_task * stride, task);

@@ -96,11 +96,12 @@ unsafe fn rows_sub<const R: usize, const H: usize, const S: usize, const SUB: bo
     let mut sub_sums = [[[_mm256_setzero_si256(); H]; R]; S];
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let sides = Sides::<R>::of(rows);
+    let view = p.view();
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb blocks of every row.
         let a = unsafe { sides.qs(b * QK) };
         for ((&g, acc), sub_sum) in gs.iter().zip(&mut accs).zip(&mut sub_sums) {
-            let blk = p.block(g, b);
+            let blk = view.block(g, b);
             let q = blk.quants.as_ptr();
             let mut block_sum = [[_mm256_setzero_si256(); H]; R];
             let isum = if SUB {
@@ -438,8 +439,9 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [u8]) {
     // SAFETY: 16 readable bytes.
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
     let per = unpacked_bytes(p);
+    let view = p.view();
     for b in 0..p.nb {
-        let blk = p.block(g, b);
+        let blk = view.block(g, b);
         let q = blk.quants.as_ptr();
         let dst = w[b * per..(b + 1) * per].as_mut_ptr();
         for h in 0..2 {

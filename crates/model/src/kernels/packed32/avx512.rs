@@ -16,15 +16,18 @@ use super::{
 /// [`ROW_TILE`]) must hold `p.nb` blocks (quants, scales, integer sums, and sums `s`
 /// with a minimum) and `out` `16·rows.len()` values.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32], ahead: usize) {
+    let at = (g, ahead);
     // SAFETY: every arm calls with what this function requires.
     unsafe {
         match p.form {
-            Form::Nibbles { five: false, .. } => with_rows::<NIBBLES>(p, g, rows, out),
-            Form::Nibbles { five: true, .. } => with_rows::<FIVE>(p, g, rows, out),
-            Form::Codebook if p.scales == Scales::Sub => with_rows::<CODEBOOK_SUB>(p, g, rows, out),
-            Form::Codebook => with_rows::<CODEBOOK_FORM>(p, g, rows, out),
-            Form::Bytes => with_rows::<BYTES>(p, g, rows, out),
+            Form::Nibbles { five: false, .. } => with_rows::<NIBBLES>(p, at, rows, out),
+            Form::Nibbles { five: true, .. } => with_rows::<FIVE>(p, at, rows, out),
+            Form::Codebook if p.scales == Scales::Sub => {
+                with_rows::<CODEBOOK_SUB>(p, at, rows, out)
+            }
+            Form::Codebook => with_rows::<CODEBOOK_FORM>(p, at, rows, out),
+            Form::Bytes => with_rows::<BYTES>(p, at, rows, out),
         }
     }
 }
@@ -64,19 +67,24 @@ const CODEBOOK_SUB: u8 = 4;
 /// # Safety
 /// As [`group`]; `F` must be `p.form`'s constant.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-unsafe fn with_rows<const F: u8>(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32]) {
+unsafe fn with_rows<const F: u8>(
+    p: &Packed32,
+    at: (usize, usize),
+    rows: &[ActRow],
+    out: &mut [f32],
+) {
     // SAFETY: every arm calls with what this function requires.
     unsafe {
         match rows.len() {
             0 => {}
-            1 => rows_n::<1, F>(p, g, rows, out),
-            2 => rows_n::<2, F>(p, g, rows, out),
-            3 => rows_n::<3, F>(p, g, rows, out),
-            4 => rows_n::<4, F>(p, g, rows, out),
-            5 => rows_n::<5, F>(p, g, rows, out),
-            6 => rows_n::<6, F>(p, g, rows, out),
-            7 => rows_n::<7, F>(p, g, rows, out),
-            _ => rows_n::<8, F>(p, g, rows, out),
+            1 => rows_n::<1, F>(p, at, rows, out),
+            2 => rows_n::<2, F>(p, at, rows, out),
+            3 => rows_n::<3, F>(p, at, rows, out),
+            4 => rows_n::<4, F>(p, at, rows, out),
+            5 => rows_n::<5, F>(p, at, rows, out),
+            6 => rows_n::<6, F>(p, at, rows, out),
+            7 => rows_n::<7, F>(p, at, rows, out),
+            _ => rows_n::<8, F>(p, at, rows, out),
         }
     }
 }
@@ -96,7 +104,7 @@ unsafe fn with_rows<const F: u8>(p: &Packed32, g: usize, rows: &[ActRow], out: &
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 unsafe fn rows_n<const R: usize, const F: u8>(
     p: &Packed32,
-    g: usize,
+    (g, ahead): (usize, usize),
     rows: &[ActRow],
     out: &mut [f32],
 ) {
@@ -106,13 +114,17 @@ unsafe fn rows_n<const R: usize, const F: u8>(
     // Each row's arrays, whose lengths `group` asserted.
     let sides = Sides::<R>::of(rows);
     let mut acc = [_mm512_setzero_ps(); R];
+    // One row (decode) always reads ahead: a constant, so its kernel has no branch.
+    let ahead = if R == 1 { PREFETCH } else { ahead };
     // IQ4_XS: each row's Σ (ls − 32)·Σ q_w·q_a over the super-block so far.
     let mut sub_sum = [_mm512_setzero_si512(); R];
     let has_min = p.has_min();
+    let view = p.view();
     for b in 0..p.nb {
-        let blk = p.block(g, b);
+        let blk = view.block(g, b);
         // SAFETY: the block's quants and fifth bits.
-        let w = unsafe { unpack::<F, PREFETCH>(&blk, low, table) };
+        // SAFETY: the block's quants and fifth bits.
+        let w = unsafe { unpack::<F>(&blk, (low, table), ahead) };
         // SAFETY: block b of each row.
         let a = unsafe { sides.qs(b * QK) };
         if F == CODEBOOK_SUB {
@@ -228,6 +240,7 @@ unsafe fn streams_f<const S: usize, const F: u8>(
     let mut acc = [_mm512_setzero_ps(); S];
     // IQ4_XS: as in `rows_n`.
     let mut sub_sum = [_mm512_setzero_si512(); S];
+    let view = p.view();
     for b in 0..p.nb {
         // SAFETY: block b of the row's arrays (its value words lie in its 32 bytes).
         let (lo, hi, start, da, sa) = unsafe {
@@ -245,9 +258,9 @@ unsafe fn streams_f<const S: usize, const F: u8>(
             (lo, hi, start, _mm512_set1_ps(*row.d.get_unchecked(b)), sa)
         };
         for s in 0..S {
-            let blk = p.block(gs[s], b);
+            let blk = view.block(gs[s], b);
             // SAFETY: the block's quants and fifth bits, as in `rows_n`.
-            let w = unsafe { unpack::<F, STREAM_PREFETCH>(&blk, low, table) };
+            let w = unsafe { unpack::<F>(&blk, (low, table), STREAM_PREFETCH) };
             let mut s0 = start;
             let mut s1 = _mm512_setzero_si512();
             for t in 0..4 {
@@ -328,7 +341,7 @@ fn codebook_shifted() -> __m128i {
 
 /// A block's weights as unsigned bytes, value `4t + k` of each lane in byte k of its
 /// lane of `w[t]` (values 16.. in `w[4 + t]` for nibbles and codebook), prefetching
-/// `AHEAD` bytes of quants ahead, and the other arrays as many blocks ahead. The
+/// `ahead` bytes of quants ahead (none at 0), and the other arrays as many blocks ahead. The
 /// latter, 1B decode (`__measure`, one switch flipped, two alternating pairs, tok/s):
 /// Q4_0 20.7–20.9 → 21.1–21.8 on one thread, 36.2–36.6 → 37.6–38.2 on two; Q8_0 and
 /// IQ4_XS within noise (and Q4_0 too in a later A/B of the whole change).
@@ -343,20 +356,20 @@ fn codebook_shifted() -> __m128i {
 /// As [`group`], for the block (the CPU's features too); `F` must be the weight's
 /// form's constant.
 #[inline(always)]
-unsafe fn unpack<const F: u8, const AHEAD: usize>(
+unsafe fn unpack<const F: u8>(
     blk: &Block<'_>,
-    low: __m512i,
-    table: __m512i,
+    (low, table): (__m512i, __m512i),
+    ahead: usize,
 ) -> [__m512i; 8] {
     let q = blk.quants.as_ptr();
     // SAFETY: the block's 256 (nibbles, codebook) or 512 (bytes) bytes of quants and 64
     // of fifth bits; the CPU's features as the caller guarantees.
     unsafe {
         let mut w = [_mm512_setzero_si512(); 8];
-        blk.prefetch_side(AHEAD / blk.quants.len());
+        blk.prefetch_side(ahead / blk.quants.len());
         let lines = if F == BYTES { 8 } else { 4 };
         for line in 0..lines {
-            prefetch_line(q.wrapping_add(64 * line), AHEAD);
+            prefetch_line(q.wrapping_add(64 * line), ahead);
         }
         if F == BYTES {
             for (t, w) in w.iter_mut().enumerate() {
