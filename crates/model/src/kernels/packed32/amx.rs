@@ -32,9 +32,10 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [i8]) {
     };
     let offset = _mm512_set1_epi8(offset as i8);
     let sixteen = _mm512_set1_epi8(16);
-    let view = p.view();
+    let group = p.view().group(g);
     for b in 0..p.nb {
-        let blk = view.block(g, b);
+        // SAFETY: b < nb.
+        let blk = unsafe { group.block(b) };
         let q = blk.quants.as_ptr();
         let dst = w[b * UNPACKED..(b + 1) * UNPACKED].as_mut_ptr();
         // SAFETY: the block's 256 (nibbles, codebook) or 512 (bytes) bytes of quants,
@@ -109,7 +110,7 @@ pub(super) unsafe fn tile(
     let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
     let mut sub_sums = [_mm512_setzero_si512(); TILE_ROWS];
     let per_block = ahead.len().div_ceil(64 * nb);
-    let view = p.view();
+    let group = p.view().group(g);
     // SAFETY: a valid configuration (AMX is available); block 0's operands.
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &raw const config, options(nostack, readonly));
@@ -131,7 +132,8 @@ pub(super) unsafe fn tile(
         for line in ahead.chunks(64).skip(b * per_block).take(per_block) {
             _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast());
         }
-        let blk = view.block(g, b);
+        // SAFETY: b < nb.
+        let blk = unsafe { group.block(b) };
         let sums = &sums.0[b % 2];
         if blk.sub {
             // IQ4_XS (the parent module's definition, as `avx512::rows_n`): each row's

@@ -97,11 +97,18 @@ unsafe fn rows_sub<const R: usize, const H: usize, const S: usize, const SUB: bo
     let ahead = if S > 1 { STREAM_PREFETCH } else { PREFETCH };
     let sides = Sides::<R>::of(rows);
     let view = p.view();
+    let groups = gs.map(|g| view.group(g));
     for b in 0..p.nb {
         // SAFETY: `group`'s caller guarantees nb blocks of every row.
         let a = unsafe { sides.qs(b * QK) };
-        for ((&g, acc), sub_sum) in gs.iter().zip(&mut accs).zip(&mut sub_sums) {
-            let blk = view.block(g, b);
+        for ((s, acc), sub_sum) in (0..S).zip(&mut accs).zip(&mut sub_sums) {
+            // Decode (one row) keeps the checked block, as `avx512::rows_n` does.
+            let blk = if R == 1 {
+                view.block(gs[s], b)
+            } else {
+                // SAFETY: b < nb.
+                unsafe { groups[s].block(b) }
+            };
             let q = blk.quants.as_ptr();
             let mut block_sum = [[_mm256_setzero_si256(); H]; R];
             let isum = if SUB {
@@ -439,9 +446,10 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [u8]) {
     // SAFETY: 16 readable bytes.
     let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(CODEBOOK.as_ptr().cast()) });
     let per = unpacked_bytes(p);
-    let view = p.view();
+    let group = p.view().group(g);
     for b in 0..p.nb {
-        let blk = view.block(g, b);
+        // SAFETY: b < nb.
+        let blk = unsafe { group.block(b) };
         let q = blk.quants.as_ptr();
         let dst = w[b * per..(b + 1) * per].as_mut_ptr();
         for h in 0..2 {

@@ -120,8 +120,17 @@ unsafe fn rows_n<const R: usize, const F: u8>(
     let mut sub_sum = [_mm512_setzero_si512(); R];
     let has_min = p.has_min();
     let view = p.view();
+    let group = view.group(g);
     for b in 0..p.nb {
-        let blk = view.block(g, b);
+        // Decode (one row, from memory) keeps the checked block: the unchecked loop
+        // read memory 5–10% slower at its prefetch distance (Zen 5, Q4_0 16384²:
+        // 3.5–3.7 → 3.8–4.3 ms; 8 KiB ahead instead of 16 gave it back).
+        let blk = if R == 1 {
+            view.block(g, b)
+        } else {
+            // SAFETY: b < nb.
+            unsafe { group.block(b) }
+        };
         // SAFETY: the block's quants and fifth bits.
         // SAFETY: the block's quants and fifth bits.
         let w = unsafe { unpack::<F>(&blk, (low, table), ahead) };
