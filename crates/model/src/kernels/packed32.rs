@@ -201,17 +201,14 @@ impl<'a> View<'a> {
         // are whole entries of `d16`.
         let (s0, s1) = ((g * nb) >> self.d16_shift, ((g + 1) * nb) >> self.d16_shift);
         let range = |n: usize| g * nb * n..(g + 1) * nb * n;
-        GroupView {
+        GroupView(View {
             quants: &self.quants[range(self.qb)],
             d: &self.d[range(pd)],
             d16: &self.d16[s0 * pd16..s1 * pd16],
             m: &self.m[range(pm)],
             high: &self.high[range(ph)],
-            qb: self.qb,
-            per: self.per,
-            d16_shift: self.d16_shift,
-            sub: self.sub,
-        }
+            ..*self
+        })
     }
 
     /// Block `b` of group `g`.
@@ -231,21 +228,12 @@ impl<'a> View<'a> {
     }
 }
 
-/// One group's part of [`Packed32`]'s arrays ([`View::group`]): its blocks found
-/// without a bounds check each, which the SIMD kernels' block loops gave up to 8% of
-/// a 64-row product to (Zen 5, 2048² IQ4_XS 0.97–1.02 → 0.90–0.96 ms).
+/// One group's part of [`Packed32`]'s arrays ([`View::group`]), as a view of one
+/// group: its blocks found without a bounds check each, which the SIMD kernels' block
+/// loops gave up to 8% of a 64-row product to (Zen 5, 2048² IQ4_XS 0.97–1.02 →
+/// 0.90–0.96 ms).
 #[derive(Clone, Copy)]
-pub(super) struct GroupView<'a> {
-    quants: &'a [u8],
-    d: &'a [f32],
-    d16: &'a [f16],
-    m: &'a [f16],
-    high: &'a [u8],
-    qb: usize,
-    per: [usize; 4],
-    d16_shift: u32,
-    sub: bool,
-}
+pub(super) struct GroupView<'a>(View<'a>);
 
 impl<'a> GroupView<'a> {
     /// Block `b` of the group.
@@ -255,20 +243,21 @@ impl<'a> GroupView<'a> {
     #[expect(unsafe_code, reason = "a block of the group's checked ranges")]
     #[inline(always)]
     pub(super) unsafe fn block(&self, b: usize) -> Block<'a> {
-        let [pd, pd16, pm, ph] = self.per;
+        let v = &self.0;
+        let [pd, pd16, pm, ph] = v.per;
         let slot = |i: usize, n: usize| i * n..(i + 1) * n;
-        debug_assert!((b + 1) * self.qb <= self.quants.len());
+        debug_assert!(b < v.nb);
         // SAFETY: each array holds `nb` blocks of `per` values from the group's start
         // (`d16` one entry per `1 << d16_shift` blocks, from a super-block's start),
         // as `View::group` sliced them, and `b < nb`.
         unsafe {
             Block {
-                quants: self.quants.get_unchecked(slot(b, self.qb)),
-                d: self.d.get_unchecked(slot(b, pd)),
-                d16: self.d16.get_unchecked(slot(b >> self.d16_shift, pd16)),
-                m: self.m.get_unchecked(slot(b, pm)),
-                high: self.high.get_unchecked(slot(b, ph)),
-                sub: self.sub,
+                quants: v.quants.get_unchecked(slot(b, v.qb)),
+                d: v.d.get_unchecked(slot(b, pd)),
+                d16: v.d16.get_unchecked(slot(b >> v.d16_shift, pd16)),
+                m: v.m.get_unchecked(slot(b, pm)),
+                high: v.high.get_unchecked(slot(b, ph)),
+                sub: v.sub,
             }
         }
     }
