@@ -14,7 +14,8 @@ use super::{
 /// # Safety
 /// The CPU must support AVX-512 F, BW, VL and VNNI, AVX2 and FMA; `rows` (at most
 /// [`ROW_TILE`]) must hold `p.nb` blocks (quants, scales, integer sums, and sums `s`
-/// with a minimum) and `out` `16·rows.len()` values.
+/// with a minimum) and `out` `16·rows.len()` values. Several rows prefetch `ahead`
+/// bytes of quants ahead (none at 0); one row always prefetches [`PREFETCH`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f32], ahead: usize) {
     let at = (g, ahead);
@@ -131,7 +132,6 @@ unsafe fn rows_n<const R: usize, const F: u8>(
             // SAFETY: b < nb.
             unsafe { group.block(b) }
         };
-        // SAFETY: the block's quants and fifth bits.
         // SAFETY: the block's quants and fifth bits.
         let w = unsafe { unpack::<F>(&blk, (low, table), ahead) };
         // SAFETY: block b of each row.
@@ -350,8 +350,8 @@ fn codebook_shifted() -> __m128i {
 
 /// A block's weights as unsigned bytes, value `4t + k` of each lane in byte k of its
 /// lane of `w[t]` (values 16.. in `w[4 + t]` for nibbles and codebook), prefetching
-/// `ahead` bytes of quants ahead (none at 0), and the other arrays as many blocks ahead. The
-/// latter, 1B decode (`__measure`, one switch flipped, two alternating pairs, tok/s):
+/// `ahead` bytes of quants ahead (none at 0), and the other arrays as many blocks
+/// ahead. The latter, 1B decode (`__measure`, one switch flipped, two alternating pairs, tok/s):
 /// Q4_0 20.7–20.9 → 21.1–21.8 on one thread, 36.2–36.6 → 37.6–38.2 on two; Q8_0 and
 /// IQ4_XS within noise (and Q4_0 too in a later A/B of the whole change).
 ///
