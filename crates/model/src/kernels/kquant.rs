@@ -23,10 +23,11 @@
 //!   `64i + 4t..` (sub-block `2i`), high nibbles values `64i + 32 + 4t..` (sub-block
 //!   `2i + 1`). `small[gs·256..]`: the 8 scales as `[j][lane]`, then the 8 minimums as
 //!   `[pair p: 4][lane][2]` (minimums `2p`, `2p + 1`). `d`, `dmin`: `[gs·16 + lane]`.
-//! - Q5_K: Q4_K's, plus `high[gs·512..]` as `[chunk i][step t][nibble half h: 2]`, a
-//!   little-endian 64-bit mask each whose bit `4·lane + k` is the fifth bit of the value
-//!   in byte `4·lane + k` of the step's quants (its low nibble for `h = 0`, its high one
-//!   for `h = 1`): an AVX-512 kernel loads it as the byte mask of a masked add.
+//! - Q5_K: Q4_K's, plus `high[gs·512..]` as `[chunk i: 4][nibble half h: 2][lane:
+//!   16][4 bytes]`, bit `t` of byte k the fifth bit of the value in byte k of the
+//!   lane's word of step `(i, t)` (its low nibble for `h = 0`, its high one for `h =
+//!   1`): one load serves the chunk's eight steps of a nibble half, and a shift by
+//!   `4 − t` and a mask put step t's bits at bit 4 of its quant bytes, as Q6_K's.
 //! - Q6_K (212 bytes per row and super-block, the file's 210 plus f32 `d`):
 //!   `quants[gs·2048..]` as `[step s = 4·g8 + t: 32][lane][4 bytes]`, low nibbles the
 //!   low 4 bits of values `16·g8 + 4t..` (group `g8`), high nibbles those of group
@@ -308,22 +309,17 @@ impl KPacked {
                                             &qs[32 * i + 4 * t..32 * i + 4 * t + 4],
                                         );
                                         if ty == KType::Q5K {
-                                            // Bit 2i (low nibbles) or 2i + 1 (high) of four
-                                            // bytes, gathered into bits 0..4: one multiply
-                                            // moves bit 8k to bit 24 + k.
-                                            let h = u32::from_le_bytes(
-                                                qh[4 * t..4 * t + 4].try_into().expect("4"),
-                                            );
-                                            let gather = |bits: u32| {
-                                                ((bits & 0x0101_0101).wrapping_mul(0x0102_0408)
-                                                    >> 24)
-                                                    as u8
-                                            };
-                                            // Bits 4·lane.. of the step's two masks.
-                                            let at = gs * HIGH + (i * 8 + t) * 16 + lane / 2;
-                                            let shift = 4 * (lane % 2);
-                                            grp.high[at] |= gather(h >> (2 * i)) << shift;
-                                            grp.high[at + 8] |= gather(h >> (2 * i + 1)) << shift;
+                                            // Bit 2i (low nibbles) or 2i + 1 (high) of
+                                            // byte 4t + k, to bit t of byte k of the
+                                            // lane's word of chunk i's nibble half.
+                                            for h in 0..2 {
+                                                let at =
+                                                    gs * HIGH + ((i * 2 + h) * LANES + lane) * 4;
+                                                for k in 0..4 {
+                                                    let bit = (qh[4 * t + k] >> (2 * i + h)) & 1;
+                                                    grp.high[at + k] |= bit << t;
+                                                }
+                                            }
                                         }
                                     }
                                 }
@@ -411,8 +407,8 @@ impl KPacked {
         if blk.high.is_empty() {
             return nibble;
         }
-        let at = 4 * lane + k;
-        let bit = (blk.high[(i * 8 + t) * 16 + 8 * usize::from(hi) + at / 8] >> (at % 8)) & 1;
+        let at = ((i * 2 + usize::from(hi)) * LANES + lane) * 4 + k;
+        let bit = (blk.high[at] >> t) & 1;
         nibble | (bit << 4)
     }
 

@@ -13,6 +13,7 @@ use std::arch::x86_64::*;
 
 use super::super::Sides;
 use super::super::amx::{TILE_ROWS, TileConfig, tile_sums};
+use super::avx512::bit_to_4;
 use super::{ActRow, K_SUMS, KPacked, KType, LANES, QK_K, pair};
 
 /// Bytes of one group's super-block unpacked: 256 values of 16 rows.
@@ -42,23 +43,25 @@ pub(super) unsafe fn unpack(p: &KPacked, g: usize, w: &mut [i8]) {
         let dst = w[b * UNPACKED..(b + 1) * UNPACKED].as_mut_ptr();
         for i in 0..4 {
             for t in 0..8 {
-                // SAFETY: step (i, t)'s 64 bytes of the block's 2048, its two 8-byte
-                // masks of the 512 bytes of fifth bits (Q5_K), and 64 bytes of each of
-                // sub-blocks 2i and 2i + 1 in `dst`.
+                // SAFETY: step (i, t)'s 64 bytes of the block's 2048, chunk i's two
+                // nibble halves of the 512 bytes of fifth bits (Q5_K, 64 each), and 64
+                // bytes of each of sub-blocks 2i and 2i + 1 in `dst`.
                 unsafe {
                     let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
                     let mut wl = _mm512_and_si512(x, low);
                     let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
                     if five {
-                        let mask = |half: usize| {
-                            blk.high
-                                .as_ptr()
-                                .add(((i * 8 + t) * 2 + half) * 8)
-                                .cast::<u64>()
-                                .read_unaligned()
+                        let top = |half: usize| {
+                            bit_to_4(
+                                _mm512_loadu_si512(
+                                    blk.high.as_ptr().add((i * 2 + half) * 64).cast(),
+                                ),
+                                t,
+                            )
                         };
-                        wl = _mm512_mask_add_epi8(wl, mask(0), wl, sixteen);
-                        wh = _mm512_mask_add_epi8(wh, mask(1), wh, sixteen);
+                        // Or-ed onto the nibbles: A | (B & C).
+                        wl = _mm512_ternarylogic_epi32::<0xF8>(wl, top(0), sixteen);
+                        wh = _mm512_ternarylogic_epi32::<0xF8>(wh, top(1), sixteen);
                     }
                     _mm512_storeu_si512(dst.add(2 * i * SUB + t * 64).cast(), wl);
                     _mm512_storeu_si512(dst.add((2 * i + 1) * SUB + t * 64).cast(), wh);

@@ -159,10 +159,23 @@ pub(in crate::kernels) fn sixteen_where(mask: i32) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(16))
 }
 
-/// The block's fifth bits (Q5_K).
-#[inline(always)]
-fn p_high(blk: &super::Block<'_>) -> *const u8 {
-    blk.high.as_ptr()
+/// 16 in each byte of the result whose bit `t` is set in `top`, else 0: step t's fifth
+/// bits from a Q5_K chunk's nibble half (the parent module's layout). A shift of 16-bit
+/// words by at most 4 moves no byte's bit `t` into another byte's bit 4.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn fifth_bits(top: __m256i, t: usize) -> __m256i {
+    let at4 = match t {
+        0 => _mm256_slli_epi16::<4>(top),
+        1 => _mm256_slli_epi16::<3>(top),
+        2 => _mm256_slli_epi16::<2>(top),
+        3 => _mm256_slli_epi16::<1>(top),
+        4 => top,
+        5 => _mm256_srli_epi16::<1>(top),
+        6 => _mm256_srli_epi16::<2>(top),
+        _ => _mm256_srli_epi16::<3>(top),
+    };
+    _mm256_and_si256(at4, _mm256_set1_epi8(16))
 }
 
 /// Q4_K, lanes `8h..8h + 8·H` (`H` halves of eight lanes from half `h`): `vpmaddubsw`
@@ -176,10 +189,6 @@ fn p_high(blk: &super::Block<'_>) -> *const u8 {
 /// # Safety
 /// As [`group`].
 #[target_feature(enable = "avx2,fma")]
-#[expect(
-    clippy::needless_range_loop,
-    reason = "a half's index places its bytes and picks its accumulators alike"
-)]
 unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
     p: &KPacked,
     (gs, first): ([usize; S], usize),
@@ -215,6 +224,23 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
                         _mm_loadl_epi64(small.add(j * LANES + 8 * (h0 + hh)).cast())
                     }))
                 });
+                // Q5_K: the fifth bits of chunk i's nibble half j % 2, lanes 8h.., for
+                // its eight steps.
+                let top: [__m256i; H] = std::array::from_fn(|hh| {
+                    if FIVE {
+                        // SAFETY: 32 of the block's 512 bytes of fifth bits.
+                        unsafe {
+                            _mm256_loadu_si256(
+                                blk.high
+                                    .as_ptr()
+                                    .add((2 * i + j % 2) * 64 + 32 * (h0 + hh))
+                                    .cast(),
+                            )
+                        }
+                    } else {
+                        _mm256_setzero_si256()
+                    }
+                });
                 let mut sum16 = [[_mm256_setzero_si256(); H]; R];
                 for t in 0..8 {
                     for hh in 0..H {
@@ -232,13 +258,7 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool, const H: usize>(
                                 low,
                             );
                             if FIVE {
-                                // Bits 32h.. of the step's fifth-bit mask for this nibble
-                                // half, one per byte of `w`.
-                                let m = p_high(&blk)
-                                    .add(((i * 8 + t) * 2 + j % 2) * 8 + 4 * h)
-                                    .cast::<i32>()
-                                    .read_unaligned();
-                                w = _mm256_or_si256(w, sixteen_where(m));
+                                w = _mm256_or_si256(w, fifth_bits(top[hh], t));
                             }
                             for r in 0..R {
                                 let x = _mm256_set1_epi32(word_at(a[r].add(32 * j + 4 * t)));
@@ -520,20 +540,21 @@ pub(super) unsafe fn unpack(p: &KPacked, g: usize, w: &mut [u8]) {
                     for i in 0..4 {
                         for t in 0..8 {
                             // SAFETY: step (i, t)'s 64 bytes of the block's 2048 (half h:
-                            // 32), its two 8-byte masks of the 512 bytes of fifth bits
-                            // (Q5_K), and steps t of sub-blocks 2i and 2i + 1 in `dst`.
+                            // 32), 32 bytes of each of chunk i's two nibble halves of the
+                            // 512 bytes of fifth bits (Q5_K), and steps t of sub-blocks 2i
+                            // and 2i + 1 in `dst`.
                             unsafe {
                                 let x = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
                                 let mut wl = _mm256_and_si256(x, low);
                                 let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
                                 if p.ty == KType::Q5K {
-                                    let mask = |half: usize| {
-                                        hp.add(((i * 8 + t) * 2 + half) * 8 + 4 * h)
-                                            .cast::<i32>()
-                                            .read_unaligned()
+                                    let top = |half: usize| {
+                                        _mm256_loadu_si256(
+                                            hp.add((2 * i + half) * 64 + 32 * h).cast(),
+                                        )
                                     };
-                                    wl = _mm256_or_si256(wl, sixteen_where(mask(0)));
-                                    wh = _mm256_or_si256(wh, sixteen_where(mask(1)));
+                                    wl = _mm256_or_si256(wl, fifth_bits(top(0), t));
+                                    wh = _mm256_or_si256(wh, fifth_bits(top(1), t));
                                 }
                                 let at = |j: usize| dst.add(j * 512 + t * 64 + 32 * h).cast();
                                 _mm256_storeu_si256(at(2 * i), wl);
