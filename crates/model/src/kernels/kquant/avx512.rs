@@ -318,7 +318,10 @@ unsafe fn q6k<const S: usize, const R: usize>(
                         _mm512_cvtepi8_epi32(_mm_loadu_si128(small.add((g8 + 8) * LANES).cast())),
                     )
                 };
-                for r in 0..R {
+                // Straight-line rows: as a loop, the compiler kept the rows' sums on
+                // the stack (Zen 5, one thread: 64-row 2048² product 1.17 ms against
+                // 1.04).
+                each_row!(R, |r| {
                     // SAFETY: super-block b of the row's quants and sums; the activation
                     // words lie within it.
                     unsafe {
@@ -337,7 +340,7 @@ unsafe fn q6k<const S: usize, const R: usize>(
                         );
                         isum[r] = _mm512_add_epi32(isum[r], x);
                     }
-                }
+                });
             }
             // SAFETY: 16 f32 values.
             let d = unsafe { _mm512_loadu_ps(blk.d.as_ptr()) };

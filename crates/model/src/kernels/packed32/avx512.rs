@@ -33,27 +33,6 @@ pub(super) unsafe fn group(p: &Packed32, g: usize, rows: &[ActRow], out: &mut [f
     }
 }
 
-/// Runs `$body` for each `$r` in `0..$n` (`$n` a constant of at most eight) as
-/// straight-line code, each with its constant row, so that every row's accumulators
-/// are registers. A `for` loop over the rows is unrolled or not as the compiler's
-/// heuristics decide: a small change elsewhere in the kernel (a load in place of a
-/// multiply) once left the 64-row Q8_0 product's accumulators on the stack, 1.67 →
-/// 1.9 ms.
-macro_rules! each_row {
-    ($n:expr, |$r:ident| $body:block) => {{
-        const { assert!($n <= 8) };
-        each_row!(@ $n, $r, $body, 0 1 2 3 4 5 6 7)
-    }};
-    (@ $n:expr, $r:ident, $body:block, $($i:literal)*) => {{
-        $(
-            if $i < $n {
-                let $r: usize = $i;
-                $body
-            }
-        )*
-    }};
-}
-
 /// The forms as constants, so each gets its own kernel without a branch inside:
 /// with one shared body, the compiler hoisted the activation broadcasts common to
 /// the forms' branches and spilled them to the stack.
