@@ -334,6 +334,11 @@ fn llama_kld(
             "--kl-divergence-base",
         ])
         .arg(&kld_base));
+    (kld_base, llama_stats(&out))
+}
+
+/// The `name: number` lines of llama-perplexity's output (`Mean    KLD`, `Same top p`, …).
+fn llama_stats(out: &str) -> std::collections::BTreeMap<String, f64> {
     let mut stats = std::collections::BTreeMap::new();
     for line in out.lines() {
         if let Some((k, v)) = line.split_once(':') {
@@ -347,7 +352,7 @@ fn llama_kld(
             }
         }
     }
-    (kld_base, stats)
+    stats
 }
 
 fn eval_text() -> PathBuf {
@@ -415,13 +420,18 @@ fn our_kld_agrees_with_llama_perplexity() {
 /// against Q4_1, models.md), llama.cpp's own 16-bit storage adds some; a wrong
 /// dequantization would be orders of magnitude above.
 const ENGINE_KLD_TOLERANCE: f64 = 0.01;
+/// Or, on a file whose distributions move more under any change of arithmetic, this
+/// many times llama.cpp's own noise there: llama.cpp against itself with flash attention
+/// off and an f32 KV cache (Q2_K: 0.0131, where Q4_0 moves 0.0045).
+const ENGINE_KLD_NOISE_FACTOR: f64 = 1.25;
 /// And the most likely next token must agree this often: the noise floor is 96.8% ±
 /// 0.4 on 2,040 tokens (models.md); this text scores 189, where one binomial standard
 /// error is 1.3 points (measured 97.4% on IQ4_XS, 94.2% on Q4_K).
 const ENGINE_SAME_TOP: f64 = 0.90;
 
 /// Files we write load in llama.cpp, and llama.cpp and agentstack give the same
-/// distributions on them (IQ4_XS: a type candle cannot read; Q4_K + importance).
+/// distributions on them: every type our kernels run (the model runtime's own kernels
+/// against ggml's, one file per type), and Q4_K with importance as well.
 #[test]
 #[ignore = "needs llama.cpp (scripts/install-llamacpp) and the SmolLM2 model (scripts/fetch-model)"]
 fn llama_cpp_and_agentstack_agree_on_files_we_write() {
@@ -431,11 +441,33 @@ fn llama_cpp_and_agentstack_agree_on_files_we_write() {
     let (lm, tokens) = tokens_of(&text);
     let m = blocks_imatrix(&lm, &tokens);
     drop(lm);
-    for (ty, imatrix) in [(GgmlType::IQ4_XS, None), (GgmlType::Q4_K, Some(&m))] {
-        let mine = dir.path().join(format!("{ty}.gguf"));
+    let every = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
+    ];
+    let with_importance = [(GgmlType::Q4_K, Some(&m))];
+    // Every type is measured before the test fails, so one run shows them all.
+    let mut failed = Vec::new();
+    for (i, (ty, imatrix)) in every
+        .into_iter()
+        .map(|ty| (ty, None))
+        .chain(with_importance)
+        .enumerate()
+    {
+        let mine = dir.path().join(format!("{i}-{ty}.gguf"));
         ours(&model, &mine, ty, imatrix);
         // llama.cpp loads it and writes its log-probabilities of our file.
-        let kld_base = dir.path().join(format!("{ty}.kld"));
+        let kld_base = dir.path().join(format!("{i}-{ty}.kld"));
         run(Command::new(llama_bin("llama-perplexity"))
             .arg("-m")
             .arg(&mine)
@@ -443,6 +475,17 @@ fn llama_cpp_and_agentstack_agree_on_files_we_write() {
             .arg(eval_text())
             .args(["-c", "128", "-b", "128", "-t", "1", "--kl-divergence-base"])
             .arg(&kld_base));
+        // llama.cpp against itself: the same file, another attention path and cache type.
+        let own = llama_stats(&run(Command::new(llama_bin("llama-perplexity"))
+            .arg("-m")
+            .arg(&mine)
+            .arg("-f")
+            .arg(eval_text())
+            .args(["-c", "128", "-b", "128", "-t", "1"])
+            .args(["-fa", "off", "-ctk", "f32", "-ctv", "f32"])
+            .args(["--kl-divergence", "--kl-divergence-base"])
+            .arg(&kld_base)));
+        let own_kld = own["Mean    KLD"];
         let theirs = agentstack_quant::kld::LlamaBase::read(&kld_base).unwrap();
         let lm = agentstack_quant::kld::load_model(&mine).unwrap();
         assert_eq!(
@@ -460,20 +503,28 @@ fn llama_cpp_and_agentstack_agree_on_files_we_write() {
         }
         let s = acc.stats();
         eprintln!(
-            "{ty}: llama.cpp vs agentstack on our file: mean KLD {:.5}, max {:.4}, same top {:.2}%",
+            "{ty}{}: llama.cpp vs agentstack on our file: mean KLD {:.5}, max {:.4}, same top \
+             {:.2}%; llama.cpp vs itself (-fa off, f32 cache): mean KLD {own_kld:.5}, same top \
+             {:.2}%",
+            if imatrix.is_some() {
+                " (importance)"
+            } else {
+                ""
+            },
             s.kld_mean,
             s.kld_max,
-            100.0 * s.same_top
+            100.0 * s.same_top,
+            own["Same top p"],
         );
-        assert!(
-            s.kld_mean <= ENGINE_KLD_TOLERANCE,
-            "{ty}: mean KLD {} between the engines",
-            s.kld_mean
-        );
-        assert!(
-            s.same_top >= ENGINE_SAME_TOP,
-            "{ty}: same top {}",
-            s.same_top
-        );
+        if s.kld_mean > ENGINE_KLD_TOLERANCE.max(ENGINE_KLD_NOISE_FACTOR * own_kld) {
+            failed.push(format!(
+                "{ty}: mean KLD {} between the engines, llama.cpp's own {own_kld}",
+                s.kld_mean
+            ));
+        }
+        if s.same_top < ENGINE_SAME_TOP {
+            failed.push(format!("{ty}: same top {}", s.same_top));
+        }
     }
+    assert!(failed.is_empty(), "{}", failed.join("; "));
 }
