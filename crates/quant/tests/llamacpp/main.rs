@@ -107,6 +107,22 @@ fn compare(reference: &Path, a: &Path, b: &Path) -> Difference {
     d
 }
 
+/// Every type we write (and the model runtime's kernels run).
+const EVERY_TYPE: [GgmlType; 12] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+];
+
 fn ours(input: &Path, output: &Path, ty: GgmlType, imatrix: Option<&Imatrix>) {
     let mut file = Gguf::open(input).unwrap();
     let plan = Plan::uniform(&file, ty);
@@ -120,20 +136,7 @@ fn ours(input: &Path, output: &Path, ty: GgmlType, imatrix: Option<&Imatrix>) {
 fn every_type_matches_llama_quantize_byte_for_byte() {
     let dir = tempfile::tempdir().unwrap();
     let model = model_path();
-    for ty in [
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q2_K,
-        GgmlType::Q3_K,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::IQ4_NL,
-        GgmlType::IQ4_XS,
-    ] {
+    for ty in EVERY_TYPE {
         let (theirs, mine) = (
             dir.path().join(format!("l-{ty}.gguf")),
             dir.path().join(format!("a-{ty}.gguf")),
@@ -441,24 +444,10 @@ fn llama_cpp_and_agentstack_agree_on_files_we_write() {
     let (lm, tokens) = tokens_of(&text);
     let m = blocks_imatrix(&lm, &tokens);
     drop(lm);
-    let every = [
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q2_K,
-        GgmlType::Q3_K,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-        GgmlType::IQ4_NL,
-        GgmlType::IQ4_XS,
-    ];
     let with_importance = [(GgmlType::Q4_K, Some(&m))];
     // Every type is measured before the test fails, so one run shows them all.
     let mut failed = Vec::new();
-    for (i, (ty, imatrix)) in every
+    for (i, (ty, imatrix)) in EVERY_TYPE
         .into_iter()
         .map(|ty| (ty, None))
         .chain(with_importance)
