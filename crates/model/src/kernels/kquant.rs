@@ -748,7 +748,7 @@ fn pair(x: i32, y: i32) -> i32 {
     unsafe_code,
     reason = "SIMD intrinsics over buffers whose lengths are asserted first"
 )]
-mod avx512;
+pub(super) mod avx512;
 
 #[cfg(target_arch = "x86_64")]
 #[expect(

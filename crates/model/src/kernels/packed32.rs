@@ -24,10 +24,11 @@
 //! Layout per group and block (`gb = group·nb + b`; padding rows are zeros):
 //! - nibbles and codebook: `quants[gb·256..]` as `[step t: 4][lane: 16][4 bytes]`, the
 //!   row's file bytes `4t..4t + 4`: low nibbles are values `4t..`, high nibbles values
-//!   `16 + 4t..`; 5-bit: `high[gb·64..]` as `[step t][nibble half h: 2]`, a
-//!   little-endian 64-bit mask each whose bit `4·lane + k` is the fifth bit of value
-//!   `16h + 4t + k` of the lane's row (the value in byte `4·lane + k` of the step's
-//!   quants): an AVX-512 kernel loads it as the byte mask of a masked add;
+//!   `16 + 4t..`; 5-bit: `high[gb·64..]` as `[lane: 16][4 bytes]`, bit `t + 4h` of
+//!   byte k the fifth bit of value `16h + 4t + k` of the lane's row (the value in byte
+//!   `4·lane + k` of step t's quants, its low nibble for `h = 0`): one load serves the
+//!   block, and a shift and a mask put step t's bits at bit 4 of its quant bytes (as
+//!   Q5_K's, `kquant.rs`);
 //! - bytes: `quants[gb·512..]` as `[step t: 8][lane][4 bytes]`, values `4t..4t + 4`,
 //!   each `q + 128`;
 //! - `d` or `d16`, `m` (f16): `[gb·16 + lane]` (`m` empty without minimums). Scales are held
@@ -164,8 +165,8 @@ pub(super) struct Packed32 {
     d16: Weights<f16>,
     /// Minimums (Q4_1, Q5_1), f16s as the file holds them.
     m: Weights<f16>,
-    /// Fifth bits: `[step t: 4][nibble half h: 2]` a 64-bit mask each per group and
-    /// block, bit `4·lane + k` for value `16h + 4t + k` of the lane's row. With
+    /// Fifth bits: `[lane: 16][4 bytes]` per group and block, bit `t + 4h` of byte k
+    /// for value `16h + 4t + k` of the lane's row. With
     /// [`Scales::Sub`]: each block's signed scale byte per lane.
     high: Weights,
 }
@@ -490,12 +491,13 @@ impl Packed32 {
                         // Step t: values 4t..4t + 4 (low nibbles) and 16 + 4t.. (high), so
                         // the fifth bits 4t..4t + 4 and 16 + 4t.. of the block's word.
                         let qh = u32::from_le_bytes(src[16..20].try_into().expect("4 bytes"));
-                        let shift = 4 * (lane % 2);
-                        for t in 0..4 {
-                            // Bits 4·lane.. of step t's two masks.
-                            let at = gb * 4 * LANES + t * 16 + lane / 2;
-                            high[at] |= (((qh >> (4 * t)) & 0xF) as u8) << shift;
-                            high[at + 8] |= (((qh >> (16 + 4 * t)) & 0xF) as u8) << shift;
+                        for k in 0..4 {
+                            // Value 16h + 4t + k's bit to bit t + 4h of the lane's byte k.
+                            let at = gb * 4 * LANES + 4 * lane + k;
+                            for (t, h) in (0..4).flat_map(|t| [(t, 0), (t, 1)]) {
+                                let bit = (qh >> (16 * h + 4 * t + k)) & 1;
+                                high[at] |= (bit as u8) << (t + 4 * h);
+                            }
                         }
                     }
                     match scales {
@@ -581,9 +583,7 @@ impl Packed32 {
                 let byte = blk.quants[(t * LANES + lane) * 4 + k];
                 let mut q = if j < 16 { byte & 0x0F } else { byte >> 4 };
                 if five {
-                    let at = 4 * lane + k;
-                    let mask = &blk.high[t * 16 + 8 * usize::from(j >= 16)..];
-                    let bit = (mask[at / 8] >> (at % 8)) & 1;
+                    let bit = (blk.high[4 * lane + k] >> (t + 4 * usize::from(j >= 16))) & 1;
                     q |= bit << 4;
                 }
                 i32::from(q) - offset

@@ -141,30 +141,12 @@ pub(super) fn doubled(x: __m256i) -> __m256i {
     )
 }
 
-/// 16 in byte `j` of the result where bit `j` of `mask` is set, else 0: a fifth-bit
-/// mask (Q5_K, Q5_0, Q5_1) for 32 bytes of nibbles. Each 128-bit half takes the
-/// broadcast mask's bytes 0–1 (2–3) into bytes 8j..8j + 8, each tested for its own bit.
+/// 16 in each byte of the result whose bit `t` is set in `top`, else 0: fifth bits held
+/// as bit-planes (Q5_K, Q5_0, Q5_1: `kquant.rs`, `packed32.rs`). A shift of 16-bit words
+/// by at most 4 moves no byte's bit `t` into another byte's bit 4.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-pub(in crate::kernels) fn sixteen_where(mask: i32) -> __m256i {
-    let byte_of_bit = _mm256_setr_epi64x(
-        0,
-        0x0101_0101_0101_0101,
-        0x0202_0202_0202_0202,
-        0x0303_0303_0303_0303,
-    );
-    let bit_of_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(mask), byte_of_bit);
-    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_byte), bit_of_byte);
-    _mm256_and_si256(set, _mm256_set1_epi8(16))
-}
-
-/// 16 in each byte of the result whose bit `t` is set in `top`, else 0: step t's fifth
-/// bits from a Q5_K chunk's nibble half (the parent module's layout). A shift of 16-bit
-/// words by at most 4 moves no byte's bit `t` into another byte's bit 4.
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-fn fifth_bits(top: __m256i, t: usize) -> __m256i {
+pub(in crate::kernels) fn fifth_bits(top: __m256i, t: usize) -> __m256i {
     let at4 = match t {
         0 => _mm256_slli_epi16::<4>(top),
         1 => _mm256_slli_epi16::<3>(top),

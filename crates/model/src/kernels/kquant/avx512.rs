@@ -235,10 +235,11 @@ unsafe fn q4k<const S: usize, const R: usize, const FIVE: bool>(
 
 /// `top` shifted so that bit `t` of each byte lands at its bit 4 (the other bits are
 /// left as they fall; a shift of 16-bit words by at most 4 moves no byte's bit `t` into
-/// another byte's bit 4).
+/// another byte's bit 4): fifth bits held as bit-planes (Q5_K here, Q5_0 and Q5_1 in
+/// `packed32.rs`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-pub(super) fn bit_to_4(top: __m512i, t: usize) -> __m512i {
+pub(in crate::kernels) fn bit_to_4(top: __m512i, t: usize) -> __m512i {
     match t {
         0 => _mm512_slli_epi16::<4>(top),
         1 => _mm512_slli_epi16::<3>(top),

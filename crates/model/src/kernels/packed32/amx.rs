@@ -11,6 +11,7 @@ use std::arch::x86_64::*;
 
 use super::super::Sides;
 use super::super::amx::{TILE_ROWS, TileConfig, tile_sums};
+use super::super::kquant::avx512::bit_to_4;
 use super::avx512::{block_scales, sub_scales};
 use super::{ActRow, CODEBOOK, Form, LANES, Packed32, QK};
 
@@ -59,15 +60,11 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [i8]) {
                     wh = _mm512_shuffle_epi8(table, wh);
                 } else {
                     if five {
-                        let mask = |half: usize| {
-                            blk.high
-                                .as_ptr()
-                                .add((t * 2 + half) * 8)
-                                .cast::<u64>()
-                                .read_unaligned()
-                        };
-                        wl = _mm512_mask_add_epi8(wl, mask(0), wl, sixteen);
-                        wh = _mm512_mask_add_epi8(wh, mask(1), wh, sixteen);
+                        // Step t's fifth bits: bits t and t + 4 of the block's bytes.
+                        let top = _mm512_loadu_si512(blk.high.as_ptr().cast());
+                        // Or-ed onto the nibbles: A | (B & C).
+                        wl = _mm512_ternarylogic_epi32::<0xF8>(wl, bit_to_4(top, t), sixteen);
+                        wh = _mm512_ternarylogic_epi32::<0xF8>(wh, bit_to_4(top, t + 4), sixteen);
                     }
                     wl = _mm512_sub_epi8(wl, offset);
                     wh = _mm512_sub_epi8(wh, offset);

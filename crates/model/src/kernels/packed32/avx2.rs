@@ -4,7 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::super::Sides;
-use super::super::kquant::avx2::{sixteen_where, store, unsigned_steps};
+use super::super::kquant::avx2::{fifth_bits, store, unsigned_steps};
 use super::{
     ActRow, Block, CODEBOOK, Form, LANES, PREFETCH, Packed32, QK, STREAM_PREFETCH, Scales,
     prefetch_line, word_at,
@@ -250,12 +250,12 @@ unsafe fn rows_sub<const R: usize, const H: usize, const S: usize, const SUB: bo
 }
 
 /// The unsigned values of half `h` of step `t`'s 32 quant bytes `x`: the low nibbles
-/// and the high ones, each with 16 added where its fifth bit is set (`five`: bits 32h..
-/// of the step's mask of that nibble half). Always inlined (into AVX2 kernels), so no
-/// target feature of its own.
+/// and the high ones, each with 16 added where its fifth bit is set (`five`: bits t and
+/// t + 4 of the block's fifth-bit bytes 32h..). Always inlined (into AVX2 kernels), so
+/// no target feature of its own.
 ///
 /// # Safety
-/// The CPU must support AVX2; with `five`, the block's masks of step `t` must be
+/// The CPU must support AVX2; with `five`, the block's 64 bytes of fifth bits must be
 /// readable.
 #[inline(always)]
 unsafe fn nibble_halves(
@@ -264,21 +264,16 @@ unsafe fn nibble_halves(
     (t, h): (usize, usize),
     five: bool,
 ) -> (__m256i, __m256i) {
-    // SAFETY: AVX2 and the masks as the caller guarantees.
+    // SAFETY: AVX2 and the fifth bits as the caller guarantees.
     unsafe {
         let low = _mm256_set1_epi8(0x0F);
         let mut wl = _mm256_and_si256(x, low);
         let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
         if five {
-            let mask = |half: usize| {
-                blk.high
-                    .as_ptr()
-                    .add((t * 2 + half) * 8 + 4 * h)
-                    .cast::<i32>()
-                    .read_unaligned()
-            };
-            wl = _mm256_or_si256(wl, sixteen_where(mask(0)));
-            wh = _mm256_or_si256(wh, sixteen_where(mask(1)));
+            // Lanes 8h..'s fifth bits, step t's in bits t and t + 4 of each byte.
+            let top = _mm256_loadu_si256(blk.high.as_ptr().add(32 * h).cast());
+            wl = _mm256_or_si256(wl, fifth_bits(top, t));
+            wh = _mm256_or_si256(wh, fifth_bits(top, t + 4));
         }
         (wl, wh)
     }
@@ -454,7 +449,7 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [u8]) {
         let dst = w[b * per..(b + 1) * per].as_mut_ptr();
         for h in 0..2 {
             // SAFETY: each step's half (32 bytes) of the block's quants and (five bits)
-            // its 8 bytes of masks; steps t and t + 4 (bytes: t) of the block in `dst`;
+            // 32 of its 64 bytes of fifth bits; steps t and t + 4 (bytes: t) of the block in `dst`;
             // 8 scales (minimums) from lane 8h, to 32 bytes at SCALES_AT (+ 64) + 32h.
             unsafe {
                 let scales = dst.add(SCALES_AT + 32 * h).cast::<f32>();

@@ -4,6 +4,7 @@
 use std::arch::x86_64::*;
 
 use super::super::Sides;
+use super::super::kquant::avx512::bit_to_4;
 #[cfg(doc)]
 use super::ROW_TILE;
 use super::{
@@ -364,6 +365,12 @@ unsafe fn unpack<const F: u8>(
                 *w = _mm512_loadu_si512(q.add(t * 64).cast());
             }
         } else {
+            // The block's fifth bits, step t's in bits t and t + 4 of each byte.
+            let top = if F == FIVE {
+                _mm512_loadu_si512(blk.high.as_ptr().cast())
+            } else {
+                _mm512_setzero_si512()
+            };
             for t in 0..4 {
                 let x = _mm512_loadu_si512(q.add(t * 64).cast());
                 let mut wl = _mm512_and_si512(x, low);
@@ -372,16 +379,10 @@ unsafe fn unpack<const F: u8>(
                     wl = _mm512_shuffle_epi8(table, wl);
                     wh = _mm512_shuffle_epi8(table, wh);
                 } else if F == FIVE {
-                    let mask = |half: usize| {
-                        blk.high
-                            .as_ptr()
-                            .add((t * 2 + half) * 8)
-                            .cast::<u64>()
-                            .read_unaligned()
-                    };
-                    let (ml, mh) = (mask(0), mask(1));
-                    wl = _mm512_mask_add_epi8(wl, ml, wl, _mm512_set1_epi8(16));
-                    wh = _mm512_mask_add_epi8(wh, mh, wh, _mm512_set1_epi8(16));
+                    // Or-ed onto the nibbles: A | (B & C).
+                    let sixteen = _mm512_set1_epi8(16);
+                    wl = _mm512_ternarylogic_epi32::<0xF8>(wl, bit_to_4(top, t), sixteen);
+                    wh = _mm512_ternarylogic_epi32::<0xF8>(wh, bit_to_4(top, t + 4), sixteen);
                 }
                 w[t] = wl;
                 w[4 + t] = wh;
