@@ -166,8 +166,8 @@ pub(super) struct Packed32 {
     /// Minimums (Q4_1, Q5_1), f16s as the file holds them.
     m: Weights<f16>,
     /// Fifth bits: `[lane: 16][4 bytes]` per group and block, bit `t + 4h` of byte k
-    /// for value `16h + 4t + k` of the lane's row. With
-    /// [`Scales::Sub`]: each block's signed scale byte per lane.
+    /// for value `16h + 4t + k` of the lane's row. With [`Scales::Sub`]: each block's
+    /// signed scale byte per lane.
     high: Weights,
 }
 
