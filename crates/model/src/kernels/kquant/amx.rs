@@ -42,26 +42,27 @@ pub(super) unsafe fn unpack(p: &KPacked, g: usize, w: &mut [i8]) {
         let q = blk.quants.as_ptr();
         let dst = w[b * UNPACKED..(b + 1) * UNPACKED].as_mut_ptr();
         for i in 0..4 {
+            // Q5_K: the fifth bits of chunk i's two nibble halves, for its eight steps.
+            let top = [0, 1].map(|half| {
+                if five {
+                    // SAFETY: 64 of the block's 512 bytes of fifth bits.
+                    unsafe { _mm512_loadu_si512(blk.high.as_ptr().add((i * 2 + half) * 64).cast()) }
+                } else {
+                    _mm512_setzero_si512()
+                }
+            });
             for t in 0..8 {
-                // SAFETY: step (i, t)'s 64 bytes of the block's 2048, chunk i's two
-                // nibble halves of the 512 bytes of fifth bits (Q5_K, 64 each), and 64
-                // bytes of each of sub-blocks 2i and 2i + 1 in `dst`.
+                // SAFETY: step (i, t)'s 64 bytes of the block's 2048, and 64 bytes of
+                // each of sub-blocks 2i and 2i + 1 in `dst`.
                 unsafe {
                     let x = _mm512_loadu_si512(q.add((i * 8 + t) * 64).cast());
                     let mut wl = _mm512_and_si512(x, low);
                     let mut wh = _mm512_and_si512(_mm512_srli_epi16::<4>(x), low);
                     if five {
-                        let top = |half: usize| {
-                            bit_to_4(
-                                _mm512_loadu_si512(
-                                    blk.high.as_ptr().add((i * 2 + half) * 64).cast(),
-                                ),
-                                t,
-                            )
-                        };
                         // Or-ed onto the nibbles: A | (B & C).
-                        wl = _mm512_ternarylogic_epi32::<0xF8>(wl, top(0), sixteen);
-                        wh = _mm512_ternarylogic_epi32::<0xF8>(wh, top(1), sixteen);
+                        let (tl, th) = (bit_to_4(top[0], t), bit_to_4(top[1], t));
+                        wl = _mm512_ternarylogic_epi32::<0xF8>(wl, tl, sixteen);
+                        wh = _mm512_ternarylogic_epi32::<0xF8>(wh, th, sixteen);
                     }
                     _mm512_storeu_si512(dst.add(2 * i * SUB + t * 64).cast(), wl);
                     _mm512_storeu_si512(dst.add((2 * i + 1) * SUB + t * 64).cast(), wh);

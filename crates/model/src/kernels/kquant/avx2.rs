@@ -520,23 +520,28 @@ pub(super) unsafe fn unpack(p: &KPacked, g: usize, w: &mut [u8]) {
             match p.ty {
                 KType::Q4K | KType::Q5K => {
                     for i in 0..4 {
+                        // Q5_K: the fifth bits of chunk i's two nibble halves, lanes
+                        // 8h.., for its eight steps.
+                        let top = [0, 1].map(|half| {
+                            if p.ty == KType::Q5K {
+                                // SAFETY: 32 of the block's 512 bytes of fifth bits.
+                                unsafe {
+                                    _mm256_loadu_si256(hp.add((2 * i + half) * 64 + 32 * h).cast())
+                                }
+                            } else {
+                                _mm256_setzero_si256()
+                            }
+                        });
                         for t in 0..8 {
                             // SAFETY: step (i, t)'s 64 bytes of the block's 2048 (half h:
-                            // 32), 32 bytes of each of chunk i's two nibble halves of the
-                            // 512 bytes of fifth bits (Q5_K), and steps t of sub-blocks 2i
-                            // and 2i + 1 in `dst`.
+                            // 32), and steps t of sub-blocks 2i and 2i + 1 in `dst`.
                             unsafe {
                                 let x = _mm256_loadu_si256(q.add((i * 8 + t) * 64 + 32 * h).cast());
                                 let mut wl = _mm256_and_si256(x, low);
                                 let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
                                 if p.ty == KType::Q5K {
-                                    let top = |half: usize| {
-                                        _mm256_loadu_si256(
-                                            hp.add((2 * i + half) * 64 + 32 * h).cast(),
-                                        )
-                                    };
-                                    wl = _mm256_or_si256(wl, fifth_bits(top(0), t));
-                                    wh = _mm256_or_si256(wh, fifth_bits(top(1), t));
+                                    wl = _mm256_or_si256(wl, fifth_bits(top[0], t));
+                                    wh = _mm256_or_si256(wh, fifth_bits(top[1], t));
                                 }
                                 let at = |j: usize| dst.add(j * 512 + t * 64 + 32 * h).cast();
                                 _mm256_storeu_si256(at(2 * i), wl);

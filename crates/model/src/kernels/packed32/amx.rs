@@ -51,6 +51,12 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [i8]) {
                 }
                 continue;
             }
+            // The block's fifth bits, step t's in bits t and t + 4 of each byte.
+            let top = if five {
+                _mm512_loadu_si512(blk.high.as_ptr().cast())
+            } else {
+                _mm512_setzero_si512()
+            };
             for t in 0..4 {
                 let x = _mm512_loadu_si512(q.add(t * 64).cast());
                 let mut wl = _mm512_and_si512(x, low);
@@ -60,8 +66,6 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [i8]) {
                     wh = _mm512_shuffle_epi8(table, wh);
                 } else {
                     if five {
-                        // Step t's fifth bits: bits t and t + 4 of the block's bytes.
-                        let top = _mm512_loadu_si512(blk.high.as_ptr().cast());
                         // Or-ed onto the nibbles: A | (B & C).
                         wl = _mm512_ternarylogic_epi32::<0xF8>(wl, bit_to_4(top, t), sixteen);
                         wh = _mm512_ternarylogic_epi32::<0xF8>(wh, bit_to_4(top, t + 4), sixteen);

@@ -122,15 +122,17 @@ unsafe fn rows_sub<const R: usize, const H: usize, const S: usize, const SUB: bo
             match p.form {
                 Form::Nibbles { offset, five } => {
                     let mut sum16 = [[_mm256_setzero_si256(); H]; R];
+                    // SAFETY: with five bits, the block's 64 bytes of them.
+                    let top: [__m256i; H] =
+                        std::array::from_fn(|hh| unsafe { fifth_plane(&blk, h0 + hh, five) });
                     for t in 0..4 {
                         for hh in 0..H {
                             let h = h0 + hh;
                             // SAFETY: step t is 64 of the block's 256 bytes, half h 32 of
-                            // them (and 8 of its 64 bytes of fifth bits); the activation
-                            // words lie within the row's block.
+                            // them; the activation words lie within the row's block.
                             unsafe {
                                 let (wl, wh) =
-                                    nibble_halves(half_step(q, t, h, ahead), &blk, (t, h), five);
+                                    nibble_halves(half_step(q, t, h, ahead), top[hh], t, five);
                                 for r in 0..R {
                                     let al = _mm256_set1_epi32(word_at(a[r].add(4 * t)));
                                     let ah = _mm256_set1_epi32(word_at(a[r].add(16 + 4 * t)));
@@ -249,29 +251,39 @@ unsafe fn rows_sub<const R: usize, const H: usize, const S: usize, const SUB: bo
     unsafe { store(&accs, (gs, first), h0, out) };
 }
 
-/// The unsigned values of half `h` of step `t`'s 32 quant bytes `x`: the low nibbles
-/// and the high ones, each with 16 added where its fifth bit is set (`five`: bits t and
-/// t + 4 of the block's fifth-bit bytes 32h..). Always inlined (into AVX2 kernels), so
-/// no target feature of its own.
+/// Lanes `8h..`'s fifth bits of a block ([`nibble_halves`]' `top`): 32 of its 64
+/// bytes, step t's in bits t and t + 4 of each byte; zeros without `five`. Always
+/// inlined (into AVX2 kernels), so no target feature of its own.
 ///
 /// # Safety
 /// The CPU must support AVX2; with `five`, the block's 64 bytes of fifth bits must be
 /// readable.
 #[inline(always)]
-unsafe fn nibble_halves(
-    x: __m256i,
-    blk: &Block<'_>,
-    (t, h): (usize, usize),
-    five: bool,
-) -> (__m256i, __m256i) {
-    // SAFETY: AVX2 and the fifth bits as the caller guarantees.
+unsafe fn fifth_plane(blk: &Block<'_>, h: usize, five: bool) -> __m256i {
+    if five {
+        // SAFETY: AVX2 and the fifth bits as the caller guarantees.
+        unsafe { _mm256_loadu_si256(blk.high.as_ptr().add(32 * h).cast()) }
+    } else {
+        // SAFETY: AVX2 as the caller guarantees.
+        unsafe { _mm256_setzero_si256() }
+    }
+}
+
+/// The unsigned values of step `t`'s 32 quant bytes `x` (one half of its lanes): the
+/// low nibbles and the high ones, each with 16 added where its fifth bit is set
+/// (`five`: bits t and t + 4 of those lanes' [`fifth_plane`], `top`). Always inlined
+/// (into AVX2 kernels), so no target feature of its own.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline(always)]
+unsafe fn nibble_halves(x: __m256i, top: __m256i, t: usize, five: bool) -> (__m256i, __m256i) {
+    // SAFETY: AVX2 as the caller guarantees.
     unsafe {
         let low = _mm256_set1_epi8(0x0F);
         let mut wl = _mm256_and_si256(x, low);
         let mut wh = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
         if five {
-            // Lanes 8h..'s fifth bits, step t's in bits t and t + 4 of each byte.
-            let top = _mm256_loadu_si256(blk.high.as_ptr().add(32 * h).cast());
             wl = _mm256_or_si256(wl, fifth_bits(top, t));
             wh = _mm256_or_si256(wh, fifth_bits(top, t + 4));
         }
@@ -449,8 +461,9 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [u8]) {
         let dst = w[b * per..(b + 1) * per].as_mut_ptr();
         for h in 0..2 {
             // SAFETY: each step's half (32 bytes) of the block's quants and (five bits)
-            // 32 of its 64 bytes of fifth bits; steps t and t + 4 (bytes: t) of the block in `dst`;
-            // 8 scales (minimums) from lane 8h, to 32 bytes at SCALES_AT (+ 64) + 32h.
+            // its 64 bytes of fifth bits; steps t and t + 4 (bytes: t) of the block in
+            // `dst`; 8 scales (minimums) from lane 8h, to 32 bytes at SCALES_AT (+ 64) +
+            // 32h.
             unsafe {
                 let scales = dst.add(SCALES_AT + 32 * h).cast::<f32>();
                 _mm256_storeu_ps(scales, scales_of(&blk, h));
@@ -463,9 +476,10 @@ pub(super) unsafe fn unpack(p: &Packed32, g: usize, w: &mut [u8]) {
                 let at = |t: usize| dst.add(t * 64 + 32 * h);
                 match p.form {
                     Form::Nibbles { five, .. } => {
+                        let top = fifth_plane(&blk, h, five);
                         for t in 0..4 {
                             let x = _mm256_loadu_si256(q.add(t * 64 + 32 * h).cast());
-                            let (wl, wh) = nibble_halves(x, &blk, (t, h), five);
+                            let (wl, wh) = nibble_halves(x, top, t, five);
                             _mm256_storeu_si256(at(t).cast(), wl);
                             _mm256_storeu_si256(at(t + 4).cast(), wh);
                         }
