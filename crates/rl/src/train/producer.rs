@@ -14,9 +14,11 @@
 //!   generation in progress continues on the new weights from its next token, and
 //!   every token records the slot version that sampled it (with its log-probability
 //!   under those weights).
-//! - **Continuous batching:** a new group starts whenever the running episodes leave
-//!   room under `rollout.concurrency`, so the engine stays busy while a long answer
-//!   finishes, instead of waiting for the slowest sample of each step.
+//! - **Continuous batching:** a new group starts whenever the episodes still playing
+//!   leave room for its `group_size` under `rollout.concurrency`, counted by episode,
+//!   not by group: a group waiting on one long answer holds one place, not
+//!   `group_size`, so the engine keeps decoding a full batch while long answers
+//!   finish, instead of waiting for the slowest sample of each step or group.
 //!
 //! Which groups finish first depends on timing, so an asynchronous run is not
 //! reproducible bit for bit (a synchronous one is). Each group's task and sampling
@@ -24,12 +26,12 @@
 //! the producer should go on, and groups in flight when a run stops are not replayed.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use agentstack_harness::prompt::Presenter;
 use agentstack_harness::{EnvHandle, Episode};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::TrainError;
@@ -113,6 +115,40 @@ fn may_start(started: u64, updates: u64, per_step: u64, max_staleness: u64) -> b
     started < per_step * (updates + max_staleness + 1)
 }
 
+/// The episodes playing, counted against `rollout.concurrency`.
+#[derive(Default)]
+struct Playing {
+    episodes: AtomicUsize,
+    /// Woken when an episode ends.
+    ended: Notify,
+}
+
+/// One episode's place under the concurrency, given back when it is dropped: when the
+/// episode ends, fails, or its group's task is aborted.
+struct Place(Arc<Playing>);
+
+impl Place {
+    /// Takes `n` places.
+    fn take(playing: &Arc<Playing>, n: usize) -> Vec<Self> {
+        playing.episodes.fetch_add(n, Ordering::AcqRel);
+        (0..n).map(|_| Self(playing.clone())).collect()
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.episodes.fetch_sub(1, Ordering::AcqRel);
+        self.0.ended.notify_one();
+    }
+}
+
+/// Whether a group of `group_size` may start beside `playing` episodes: when they
+/// leave room under `concurrency`, or none play (a group larger than the concurrency
+/// still runs, alone).
+fn has_room(playing: usize, group_size: usize, concurrency: usize) -> bool {
+    playing == 0 || playing + group_size <= concurrency
+}
+
 /// The producer's loop: start groups while the staleness window and the concurrency
 /// allow, hand finished ones to the learner in the order they finish.
 async fn produce(
@@ -128,20 +164,27 @@ async fn produce(
     );
     let group_size = rollout.group_size;
     let setup = Arc::new(setup);
+    let playing = Arc::new(Playing::default());
     let mut running: JoinSet<Result<Group, TrainError>> = JoinSet::new();
     let (mut started, mut position) = (0u64, setup.first_position);
     loop {
         loop {
-            let room =
-                running.is_empty() || (running.len() + 1) * group_size <= rollout.concurrency;
+            let room = has_room(
+                playing.episodes.load(Ordering::Acquire),
+                group_size,
+                rollout.concurrency,
+            );
             if !room || !may_start(started, *updates.borrow(), per_step, k) {
                 break;
             }
-            running.spawn(play_group(setup.clone(), position));
+            let places = Place::take(&playing, group_size);
+            running.spawn(play_group(setup.clone(), position, places));
             started += 1;
             position += 1;
         }
         tokio::select! {
+            // An episode ended: its place may let the next group start.
+            () = playing.ended.notified() => {}
             Some(done) = running.join_next(), if !running.is_empty() => {
                 let group = done.unwrap_or_else(|e| {
                     Err(TrainError::Config(format!("a rollout group's task failed: {e}")))
@@ -160,8 +203,13 @@ async fn produce(
     }
 }
 
-/// Plays the `group_size` episodes of the task at `position`, at once.
-async fn play_group(setup: Arc<ProducerSetup>, position: u64) -> Result<Group, TrainError> {
+/// Plays the `group_size` episodes of the task at `position`, at once, each holding
+/// one of `places` until it ends.
+async fn play_group(
+    setup: Arc<ProducerSetup>,
+    position: u64,
+    places: Vec<Place>,
+) -> Result<Group, TrainError> {
     let config = &setup.config;
     let started_version = setup.version.load(Ordering::Acquire);
     let t = Instant::now();
@@ -172,18 +220,21 @@ async fn play_group(setup: Arc<ProducerSetup>, position: u64) -> Result<Group, T
         format!("train-async-{position}"),
     )?;
     let play_config = loop_config(config);
-    let episodes = futures_util::future::join_all((0..config.rollout.group_size).map(|i| {
-        let (reset, play_config) = (reset.clone(), &play_config);
-        let seed = mix(&[config.seed, 0xa5c0, position, i as u64]);
-        let setup = setup.clone();
-        async move {
-            setup
-                .player
-                .play(&setup.env, &setup.presenter, reset, seed, play_config)
-                .await
-        }
-    }))
-    .await;
+    let episodes =
+        futures_util::future::join_all(places.into_iter().enumerate().map(|(i, place)| {
+            let (reset, play_config) = (reset.clone(), &play_config);
+            let seed = mix(&[config.seed, 0xa5c0, position, i as u64]);
+            let setup = setup.clone();
+            async move {
+                let episode = setup
+                    .player
+                    .play(&setup.env, &setup.presenter, reset, seed, play_config)
+                    .await;
+                drop(place);
+                episode
+            }
+        }))
+        .await;
     let episodes = episodes.into_iter().collect::<Result<Vec<_>, _>>()?;
     Ok(Group {
         position,
@@ -195,7 +246,34 @@ async fn play_group(setup: Arc<ProducerSetup>, position: u64) -> Result<Group, T
 
 #[cfg(test)]
 mod tests {
-    use super::may_start;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    use super::{Place, Playing, has_room, may_start};
+
+    /// Places are counted by episode: a group whose other episodes ended holds only the
+    /// places of those still playing, and an aborted group gives all of its back.
+    #[test]
+    fn places_are_held_by_the_episodes_still_playing() {
+        let playing = Arc::new(Playing::default());
+        let mut first = Place::take(&playing, 8);
+        assert!(!has_room(8, 8, 12));
+        // Seven of the first group's eight episodes end; one long answer plays on.
+        first.truncate(1);
+        assert_eq!(playing.episodes.load(Ordering::Acquire), 1);
+        assert!(
+            has_room(1, 8, 12),
+            "one long answer must not hold a group's places"
+        );
+        let second = Place::take(&playing, 8);
+        assert_eq!(playing.episodes.load(Ordering::Acquire), 9);
+        drop(second);
+        drop(first);
+        assert_eq!(playing.episodes.load(Ordering::Acquire), 0);
+        // A group larger than the concurrency still runs when nothing else does.
+        assert!(has_room(0, 16, 8));
+        assert!(!has_room(1, 16, 8));
+    }
 
     /// With groups taken in the order they start, none is more than `max_staleness`
     /// updates old when the learner takes it, and the window holds `k + 1` steps.
