@@ -178,8 +178,10 @@ pub struct TokenTrace {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<f32>>,
     /// The version of the adapter weights that sampled each generated token, when an
-    /// in-process engine ran them on a named adapter. A weight update during the
-    /// generation (an asynchronous RL rollout) shows as a step up.
+    /// in-process engine ran them on a named adapter, or a server that says
+    /// (`choices[].weights_versions`, as `agentstack model serve` does on an adapter).
+    /// A weight update during the generation (an asynchronous RL rollout) shows as a
+    /// step up. A server's versions are its own count of the adapter's loads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weights_versions: Option<Vec<u64>>,
 }
@@ -617,6 +619,22 @@ fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
                 .map(|e| e.get("logprob").and_then(Value::as_f64).map(|x| x as f32))
                 .collect()
         });
+    let completion_ids = ids(choice.get("token_ids"));
+    // One version per token, or none.
+    let weights_versions = choice
+        .get("weights_versions")
+        .and_then(Value::as_array)
+        .and_then(|versions| {
+            versions
+                .iter()
+                .map(Value::as_u64)
+                .collect::<Option<Vec<_>>>()
+        })
+        .filter(|v| {
+            completion_ids
+                .as_ref()
+                .is_some_and(|ids| ids.len() == v.len())
+        });
     let usage = |key: &str| {
         reply
             .pointer(&format!("/usage/{key}"))
@@ -633,9 +651,9 @@ fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
             .to_owned(),
         tokens: TokenTrace {
             prompt_ids: ids(reply.get("prompt_token_ids")),
-            completion_ids: ids(choice.get("token_ids")),
+            completion_ids,
             logprobs,
-            weights_versions: None,
+            weights_versions,
         },
         prompt_tokens: usage("prompt_tokens"),
         cached_tokens: usage("prompt_tokens_details/cached_tokens"),
@@ -663,6 +681,24 @@ mod tests {
         assert_eq!(r.tokens.prompt_ids, Some(vec![1, 2, 3]));
         assert_eq!(r.tokens.completion_ids, Some(vec![7, 8]));
         assert_eq!(r.tokens.logprobs, Some(vec![-0.5, -0.25]));
+        assert_eq!(
+            r.tokens.weights_versions, None,
+            "the base model has no versions"
+        );
+        // A generation that spanned an adapter reload; versions that do not match the
+        // tokens one for one are not used.
+        let mut versioned = reply.clone();
+        versioned["choices"][0]["weights_versions"] = json!([3, 4]);
+        let r = parse_completion(&versioned).unwrap();
+        assert_eq!(r.tokens.weights_versions, Some(vec![3, 4]));
+        versioned["choices"][0]["weights_versions"] = json!([3]);
+        assert_eq!(
+            parse_completion(&versioned)
+                .unwrap()
+                .tokens
+                .weights_versions,
+            None
+        );
         let plain = json!({"choices": [{"message": {"content": null, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, "finish_reason": "tool_calls"}]});
         let r = parse_completion(&plain).unwrap();

@@ -261,6 +261,9 @@ pub(super) struct ChatRequest {
     /// Extension (vLLM's name): also return the prompt's token ids
     /// (`prompt_token_ids`) and each choice's generated ids (`choices[].token_ids`),
     /// so that a trainer gets the exact tokens without re-tokenizing. Not streamed.
+    /// On a loaded adapter, each choice also says which version of the adapter's
+    /// weights sampled each token (`choices[].weights_versions`, the `version` that
+    /// `POST /v1/adapters` answered): a generation that spans a reload steps up.
     #[serde(default)]
     return_token_ids: bool,
     #[serde(flatten)]
@@ -586,10 +589,10 @@ pub(super) async fn chat_completions(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let outputs = collect(receivers, n, state.config.request_timeout).await?;
+    let (outputs, versions) = collect(receivers, n, state.config.request_timeout).await?;
     let usage = Usage::of(prompt.len(), &outputs);
     let mut choices = Vec::with_capacity(n);
-    for (index, out) in outputs.into_iter().enumerate() {
+    for (index, (out, versions)) in outputs.into_iter().zip(versions).enumerate() {
         let (calls, text) = if has_tools {
             parse_tool_calls(&out.text)
         } else {
@@ -620,6 +623,9 @@ pub(super) async fn chat_completions(
         });
         if return_token_ids {
             choice["token_ids"] = json!(out.tokens);
+            if let Some(versions) = weights_versions(&versions, &out.tokens) {
+                choice["weights_versions"] = versions;
+            }
         }
         choices.push(choice);
     }
@@ -686,16 +692,19 @@ impl Usage {
 }
 
 /// Waits for all choices; a timeout cancels them (dropping the receivers).
+/// Each choice's output, and the adapter version of each of its tokens (empty on the
+/// base model).
 async fn collect(
     mut receivers: StreamMap<usize, UnboundedReceiverStream<Event>>,
     n: usize,
     timeout: std::time::Duration,
-) -> Result<Vec<GenerateOutput>, ApiError> {
+) -> Result<(Vec<GenerateOutput>, Vec<Vec<u64>>), ApiError> {
     let mut outputs: Vec<Option<GenerateOutput>> = vec![None; n];
+    let mut versions: Vec<Vec<u64>> = vec![Vec::new(); n];
     let work = async {
         while let Some((i, event)) = receivers.next().await {
             match event {
-                Event::Token(_) => {}
+                Event::Token(token) => versions[i].extend(token.weights_version),
                 Event::Done(out) => outputs[i] = Some(out),
                 Event::Error(e) => return Err(ApiError::from(e)),
             }
@@ -712,10 +721,17 @@ async fn collect(
             ));
         }
     }
-    outputs
+    let outputs = outputs
         .into_iter()
         .map(|o| o.ok_or_else(|| ApiError::from(crate::engine::SubmitError::Stopped)))
-        .collect()
+        .collect::<Result<_, _>>()?;
+    Ok((outputs, versions))
+}
+
+/// The `weights_versions` of a generation on an adapter: one version per token, or
+/// nothing (on the base model, which has no versions).
+pub(super) fn weights_versions(versions: &[u64], tokens: &[u32]) -> Option<Json_> {
+    (!tokens.is_empty() && versions.len() == tokens.len()).then(|| json!(versions))
 }
 
 #[expect(clippy::too_many_arguments, reason = "one stream's fixed context")]
@@ -993,7 +1009,7 @@ pub(super) async fn completions(
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let outputs = collect(receivers, index, state.config.request_timeout).await?;
+    let (outputs, _) = collect(receivers, index, state.config.request_timeout).await?;
     let usage = Usage::of(prompt_tokens, &outputs);
     let choices: Vec<Json_> = outputs
         .iter()

@@ -2,7 +2,10 @@
 //!
 //! `/generate` takes token ids (or text) and returns the generated ids with the
 //! log-probability of each, exactly as sampled: what an RL trainer needs to score and
-//! train on the very tokens the model produced, with no re-tokenization.
+//! train on the very tokens the model produced, with no re-tokenization. On a loaded
+//! adapter it also says which version of the adapter's weights sampled each token
+//! (`weights_versions`): a generation that spans a reload (`POST /v1/adapters`) steps
+//! up, which an asynchronous trainer needs to weigh each token by its staleness.
 
 use axum::Json;
 use axum::extract::State;
@@ -109,10 +112,11 @@ pub(super) async fn generate(
             .into_response());
     }
     let mut events = UnboundedReceiverStream::new(receiver);
+    let mut versions = Vec::new();
     let work = async {
         while let Some(event) = events.next().await {
             match event {
-                Event::Token(_) => {}
+                Event::Token(token) => versions.extend(token.weights_version),
                 Event::Done(out) => return Ok(out),
                 Event::Error(e) => return Err(ApiError::from(e)),
             }
@@ -122,7 +126,7 @@ pub(super) async fn generate(
     let out = tokio::time::timeout(state.config.request_timeout, work)
         .await
         .map_err(|_| ApiError::invalid("max_tokens", "the request timed out"))??;
-    Ok(Json(json!({
+    let mut reply = json!({
         "output_ids": out.tokens,
         "logprobs": out.logprobs,
         "top_logprobs": if body.top_logprobs > 0 { json!(out.top_logprobs) } else { Json_::Null },
@@ -133,8 +137,11 @@ pub(super) async fn generate(
         "cached_tokens": out.cached_tokens,
         "draft_tokens": out.draft_tokens,
         "accepted_draft_tokens": out.accepted_draft_tokens,
-    }))
-    .into_response())
+    });
+    if let Some(versions) = super::openai::weights_versions(&versions, &out.tokens) {
+        reply["weights_versions"] = versions;
+    }
+    Ok(Json(reply).into_response())
 }
 
 #[derive(Debug, Deserialize)]

@@ -543,6 +543,28 @@ async fn named_adapters_load_replace_and_serve() {
     let (_, base_out) = call(&state, "POST", "/generate", Some(gen_body("model"))).await;
     let (_, tuned_out) = call(&state, "POST", "/generate", Some(gen_body("tuned"))).await;
     assert_ne!(base_out["output_ids"], tuned_out["output_ids"]);
+    // Each token of a generation on the adapter says the version that sampled it, on
+    // /generate and in a chat completion's token ids.
+    assert!(base_out.get("weights_versions").is_none(), "{base_out}");
+    let tokens = tuned_out["output_ids"].as_array().unwrap().len();
+    assert_eq!(tuned_out["weights_versions"], json!(vec![1; tokens]));
+    let chat = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "return_token_ids": true});
+    let (status, tuned_chat) =
+        call(&state, "POST", "/v1/chat/completions", Some(chat("tuned"))).await;
+    assert_eq!(status, 200, "{tuned_chat}");
+    let tokens = tuned_chat["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(
+        tuned_chat["choices"][0]["weights_versions"],
+        json!(vec![1; tokens])
+    );
+    let (_, base_chat) = call(&state, "POST", "/v1/chat/completions", Some(chat("model"))).await;
+    assert!(
+        base_chat["choices"][0].get("weights_versions").is_none(),
+        "{base_chat}"
+    );
     let adapted = adapter.apply(lm.model()).unwrap();
     let mut cache = adapted.new_cache();
     let first = adapted
@@ -608,6 +630,8 @@ async fn named_adapters_load_replace_and_serve() {
         2
     );
     let (_, replaced) = call(&state, "POST", "/generate", Some(gen_body("tuned"))).await;
+    let tokens = replaced["output_ids"].as_array().unwrap().len();
+    assert_eq!(replaced["weights_versions"], json!(vec![2; tokens]));
     assert_eq!(
         replaced["output_ids"], base_out["output_ids"],
         "B = 0 is the base"

@@ -492,14 +492,17 @@ impl Trainer {
         if self.is_async() && self.pool.is_none() {
             agentstack_model::kernels::stop_spinning();
         }
+        if self.is_async() {
+            let (_, version) = self.rollouts.sync_version(POLICY_ADAPTER, &self.lora)?;
+            self.policy_version.store(version, Ordering::Release);
+        }
         if let Some(pool) = &self.pool {
-            pool.push(&self.lora).await?;
+            pool.push(&self.lora, self.policy_version.load(Ordering::Acquire))
+                .await?;
         }
         if !self.is_async() {
             return Ok(());
         }
-        let (_, version) = self.rollouts.sync_version(POLICY_ADAPTER, &self.lora)?;
-        self.policy_version.store(version, Ordering::Release);
         let (env, presenter) = self
             .rollouts
             .env_and_presenter()
@@ -593,8 +596,9 @@ impl Trainer {
             .flat_map(|(i, g)| g.episodes.into_iter().map(move |e| (i, e)))
             .collect();
         let (mut samples, advantages, mut masks) = self.shape_episodes(&episodes, m).await?;
-        // Tokens whose server did not say which weights sampled them count at the
-        // version their group started under (the oldest they can be).
+        // Tokens whose server did not say which weights sampled them (or whose version
+        // the pool could not place) count at the version their group started under
+        // (the oldest they can be).
         for sample in &mut samples {
             if sample.versions.is_empty() {
                 sample.versions = vec![started[sample.group]; sample.completion.len()];
@@ -737,7 +741,9 @@ impl Trainer {
             m.remote_sync_ms = Some(remote.push(&self.lora).await?);
         }
         if let Some(pool) = &self.pool {
-            let ms = pool.push(&self.lora).await?;
+            let ms = pool
+                .push(&self.lora, self.policy_version.load(Ordering::Acquire))
+                .await?;
             m.remote_sync_ms = Some(m.remote_sync_ms.unwrap_or(0.0) + ms);
             let (replayed, recoveries) = pool.take_counts();
             m.replayed_episodes = Some(replayed);

@@ -14,12 +14,18 @@
 //!   that fails the push is marked down the same way, and the run goes on. The run
 //!   fails only when no server comes back within `sync.wait_seconds`.
 //!
-//! The servers do not say which adapter version sampled a token, so an asynchronous run
-//! counts each of their tokens at the version its group started under: the oldest it
-//! can be, since a server only ever gets newer adapters.
+//! A server says which of its loads of the adapters sampled each token
+//! (`weights_versions`; a generation in flight goes on with adapters pushed meanwhile,
+//! so a long answer can span several). The pool records, per server, the trainer's
+//! version of each push the server answered with its own version, and translates: the
+//! learner gets every token at the trainer's version that sampled it, as from the
+//! in-process engine. A token whose server version it cannot place (a server that does
+//! not say, or a restart in between) leaves the episode's turn without versions, and
+//! the asynchronous trainer counts it at the version its group started under: the
+//! oldest it can be, since a server only ever gets newer adapters.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -47,6 +53,10 @@ const POLL: Duration = Duration::from_millis(500);
 /// How long an adapter push keeps retrying a server before it counts as down.
 const PUSH_WAIT: Duration = Duration::from_secs(5);
 
+/// The most pushes a server's version table remembers: far more steps than a token
+/// may be stale.
+const VERSIONS_KEPT: usize = 64;
+
 /// One rollout server.
 struct Member {
     /// Its base URL (`http://host:port`).
@@ -57,6 +67,43 @@ struct Member {
     busy: AtomicUsize,
     /// When it went down, while it is.
     down_since: Mutex<Option<Instant>>,
+    /// Its versions of the adapters → the trainer's, oldest first (since it last came
+    /// up: a restarted server counts from 1 again).
+    versions: Mutex<Versions>,
+}
+
+/// A server's adapter versions and the trainer's version each one holds.
+#[derive(Debug, Default)]
+struct Versions(Vec<(u64, u64)>);
+
+impl Versions {
+    /// The server loaded the trainer's version `trainer` as its version `server`.
+    fn record(&mut self, server: u64, trainer: u64) {
+        self.0.retain(|&(s, _)| s != server);
+        self.0.push((server, trainer));
+        if self.0.len() > VERSIONS_KEPT {
+            self.0.remove(0);
+        }
+    }
+
+    /// The trainer's versions of `server_versions`, or `None` when one is not known.
+    fn translate(&self, server_versions: &[u64]) -> Option<Vec<u64>> {
+        server_versions
+            .iter()
+            .map(|v| self.0.iter().find(|(s, _)| s == v).map(|&(_, t)| t))
+            .collect()
+    }
+
+    /// Every turn of `episode` gets the trainer's versions of its tokens, or none.
+    fn translate_episode(&self, episode: &mut Episode) {
+        for turn in &mut episode.turns {
+            let tokens = &mut turn.tokens;
+            tokens.weights_versions = tokens
+                .weights_versions
+                .as_deref()
+                .and_then(|v| self.translate(v));
+        }
+    }
 }
 
 /// The rollout servers of a run. See the [module docs](self).
@@ -76,6 +123,8 @@ pub(super) struct ServerPool {
     replayed: AtomicUsize,
     /// Seconds from each failure to the server's return, since the last take.
     recoveries: Mutex<Vec<f64>>,
+    /// The trainer's version of the adapters last saved at `path`.
+    version: AtomicU64,
 }
 
 impl ServerPool {
@@ -104,6 +153,7 @@ impl ServerPool {
                     up: AtomicBool::new(true),
                     busy: AtomicUsize::new(0),
                     down_since: Mutex::new(None),
+                    versions: Mutex::default(),
                 })
             })
             .collect();
@@ -117,6 +167,7 @@ impl ServerPool {
             back: Notify::new(),
             replayed: AtomicUsize::new(0),
             recoveries: Mutex::new(Vec::new()),
+            version: AtomicU64::new(0),
         })
     }
 
@@ -136,13 +187,21 @@ impl ServerPool {
         (replayed, recoveries)
     }
 
-    /// Saves `lora` and pushes it to every server that is up (at once); a server that
-    /// fails is marked down. Fails only when no server is up afterwards and none comes
-    /// back within the wait. The milliseconds it took.
-    pub(super) async fn push(self: &Arc<Self>, lora: &Lora) -> Result<f64, TrainError> {
+    /// Saves `lora`, the trainer's `version` of the adapters, and pushes it to every
+    /// server that is up (at once); a server that fails is marked down. Fails only when
+    /// no server is up afterwards and none comes back within the wait. The
+    /// milliseconds it took.
+    pub(super) async fn push(
+        self: &Arc<Self>,
+        lora: &Lora,
+        version: u64,
+    ) -> Result<f64, TrainError> {
         let t = Instant::now();
         lora.save(&self.path)
             .map_err(tensors("write", &self.path))?;
+        // After the file: a watcher's push that reads this version loads this file or
+        // a newer one, so a token is never counted newer than it is.
+        self.version.store(version, Ordering::Release);
         let pushes = self
             .members
             .iter()
@@ -159,17 +218,27 @@ impl ServerPool {
         Ok(t.elapsed().as_secs_f64() * 1e3)
     }
 
-    /// Pushes the saved adapters to one server.
+    /// Pushes the saved adapters to one server, and records which of the trainer's
+    /// versions its answer's version holds.
     async fn push_to(&self, member: &Member) -> Result<(), TrainError> {
+        let version = self.version.load(Ordering::Acquire);
         let body = json!({"name": self.name, "path": self.path});
-        push_adapter(
+        let loaded = push_adapter(
             &self.http,
             &member.base,
             self.key.as_ref(),
             &body,
             PUSH_WAIT,
         )
-        .await
+        .await?;
+        if let Some(server) = loaded {
+            member
+                .versions
+                .lock()
+                .expect("versions lock")
+                .record(server, version);
+        }
+        Ok(())
     }
 
     /// Plays one episode on a server that is up, again on another when its server
@@ -194,7 +263,14 @@ impl ServerPool {
             let played = play(&member.client, env, presenter, reset.clone(), seed, config).await;
             member.busy.fetch_sub(1, Ordering::AcqRel);
             match played {
-                Ok((episode, _)) => return Ok(episode),
+                Ok((mut episode, _)) => {
+                    member
+                        .versions
+                        .lock()
+                        .expect("versions lock")
+                        .translate_episode(&mut episode);
+                    return Ok(episode);
+                }
                 Err(EpisodeError::Model(e)) if server_failed(&e) => {
                     self.mark_down(&member, &with_causes(&e));
                     self.replayed.fetch_add(1, Ordering::AcqRel);
@@ -241,6 +317,8 @@ impl ServerPool {
             return;
         }
         *member.down_since.lock().expect("down_since lock") = Some(Instant::now());
+        // Back up, it counts its versions from 1 again.
+        member.versions.lock().expect("versions lock").0.clear();
         tracing::warn!(server = %member.base, error = %why, "rollout server failed; its episodes go to the others until it is back");
         tokio::spawn(watch(Arc::downgrade(self), member.clone()));
     }
@@ -296,6 +374,25 @@ fn server_failed(e: &ModelError) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server's versions become the trainer's that each push carried; a version the
+    /// table does not hold (before the first push, or forgotten) leaves none.
+    #[test]
+    fn server_versions_translate_to_the_trainers() {
+        let mut versions = Versions::default();
+        versions.record(1, 0);
+        versions.record(2, 1);
+        versions.record(3, 1); // a watcher's push of the same adapters
+        assert_eq!(versions.translate(&[1, 1, 2, 3]), Some(vec![0, 0, 1, 1]));
+        assert_eq!(versions.translate(&[2, 4]), None);
+        assert_eq!(versions.translate(&[]), Some(vec![]));
+        for server in 4..4 + VERSIONS_KEPT as u64 {
+            versions.record(server, server);
+        }
+        assert_eq!(versions.0.len(), VERSIONS_KEPT);
+        assert_eq!(versions.translate(&[1]), None, "the oldest are forgotten");
+        assert_eq!(versions.translate(&[4]), Some(vec![4]));
+    }
 
     /// Only failures of the server itself move an episode elsewhere (a server that lost
     /// the run's adapters among them): an answer that is not a chat completion, or

@@ -50,7 +50,8 @@ impl RemoteSync {
     }
 }
 
-/// `POST {server}/v1/adapters` with `body`, bearing `key` when there is one. A server
+/// `POST {server}/v1/adapters` with `body`, bearing `key` when there is one; the
+/// adapter's version on the server, when its answer says (`version`). A server
 /// that cannot be reached or answers 5xx (still starting, or being replaced by its
 /// supervisor) is retried, backing off from 0.25 s to 4 s, for up to `wait`; any other
 /// failure, or the last one, ends the run with the server's answer.
@@ -60,7 +61,7 @@ pub(super) async fn push_adapter(
     key: Option<&ApiKey>,
     body: &Value,
     wait: Duration,
-) -> Result<(), TrainError> {
+) -> Result<Option<u64>, TrainError> {
     let url = format!("{}/v1/adapters", server.trim_end_matches('/'));
     let deadline = Instant::now() + wait;
     let mut pause = Duration::from_millis(250);
@@ -70,7 +71,10 @@ pub(super) async fn push_adapter(
             request = request.bearer_auth(key.expose());
         }
         let failure = match request.send().await {
-            Ok(response) if response.status().is_success() => return Ok(()),
+            Ok(response) if response.status().is_success() => {
+                let answer: Option<Value> = response.json().await.ok();
+                return Ok(answer.and_then(|a| a.get("version").and_then(Value::as_u64)));
+            }
             Ok(response) => {
                 let status = response.status();
                 let text = response.text().await.unwrap_or_default();
@@ -175,8 +179,12 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(600)).await;
         let listener = TcpListener::bind(("127.0.0.1", port)).await.unwrap();
         answer(&listener, "503 Service Unavailable", "loading").await;
-        let request = answer(&listener, "200 OK", "{}").await;
-        push.await.unwrap().unwrap();
+        let request = answer(&listener, "200 OK", r#"{"name":"run","version":3}"#).await;
+        assert_eq!(
+            push.await.unwrap().unwrap(),
+            Some(3),
+            "the server's version"
+        );
         assert!(request.starts_with("POST /v1/adapters "), "{request}");
         assert!(request.contains("\"name\":\"run\""), "{request}");
         assert!(
