@@ -327,16 +327,11 @@ impl Gguf {
                     ty.0
                 )));
             }
-            if !dims
-                .first()
-                .copied()
-                .unwrap_or(1)
-                .is_multiple_of(ty.block_size() as u64)
-            {
+            // A tensor of no dimensions is one value: a row of 1.
+            let row = dims.first().copied().unwrap_or(1);
+            if !row.is_multiple_of(ty.block_size() as u64) {
                 return Err(c.bad(format!(
-                    "tensor `{name}`: row length {} is not a multiple of {}'s block of {}",
-                    dims[0],
-                    ty,
+                    "tensor `{name}`: row length {row} is not a multiple of {ty}'s block of {}",
                     ty.block_size()
                 )));
             }
@@ -853,6 +848,19 @@ mod tests {
             huge[dims_at..dims_at + 8].copy_from_slice(&rows.to_le_bytes());
             expect_err(&huge, "larger than the file");
         }
+        // A quantized tensor of no dimensions (one value, not a whole block): refused,
+        // not a panic (found by `imatrix`'s damaged-files property test).
+        let mut scalar = b"GGUF".to_vec();
+        scalar.extend(3u32.to_le_bytes());
+        scalar.extend(1u64.to_le_bytes()); // tensors
+        scalar.extend(0u64.to_le_bytes()); // metadata
+        scalar.extend(1u64.to_le_bytes());
+        scalar.push(b'a');
+        scalar.extend(0u32.to_le_bytes()); // dimensions
+        scalar.extend(GgmlType::Q8_0.0.to_le_bytes());
+        scalar.extend(0u64.to_le_bytes()); // offset
+        scalar.resize(128, 0);
+        expect_err(&scalar, "row length 1 is not a multiple");
     }
 
     /// Position of the offset field of tensor `name` in a file written by `write`.
