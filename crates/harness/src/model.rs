@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use agentstack_model::chat::{FunctionCall, Message, ToolCall};
 use agentstack_model::constraint::{Constraint, ConstraintCompiler, parse_tool_calls};
-use agentstack_model::engine::{Engine, Event};
+use agentstack_model::engine::{Engine, Event, weights_versions};
 use agentstack_model::generate::GenerateRequest;
 use agentstack_model::server::{API_KEY_ENV, ApiKey};
 use agentstack_model::{LanguageModel, SamplingParams};
@@ -518,9 +518,7 @@ impl EngineModel {
                         draft_tokens: out.draft_tokens,
                         accepted_draft_tokens: out.accepted_draft_tokens,
                         tokens: TokenTrace {
-                            weights_versions: (!versions.is_empty()
-                                && versions.len() == out.tokens.len())
-                            .then_some(versions),
+                            weights_versions: weights_versions(versions, out.tokens.len()),
                             prompt_ids: Some(prompt),
                             completion_ids: Some(out.tokens),
                             logprobs: Some(out.logprobs),
@@ -620,21 +618,12 @@ fn parse_completion(reply: &Value) -> Result<ChatResponse, String> {
                 .collect()
         });
     let completion_ids = ids(choice.get("token_ids"));
-    // One version per token, or none.
     let weights_versions = choice
         .get("weights_versions")
         .and_then(Value::as_array)
-        .and_then(|versions| {
-            versions
-                .iter()
-                .map(Value::as_u64)
-                .collect::<Option<Vec<_>>>()
-        })
-        .filter(|v| {
-            completion_ids
-                .as_ref()
-                .is_some_and(|ids| ids.len() == v.len())
-        });
+        .and_then(|versions| versions.iter().map(Value::as_u64).collect())
+        .zip(completion_ids.as_ref())
+        .and_then(|(versions, ids)| weights_versions(versions, ids.len()));
     let usage = |key: &str| {
         reply
             .pointer(&format!("/usage/{key}"))

@@ -118,6 +118,13 @@ impl PrefixPool {
     }
 }
 
+/// The adapter versions of a generation's `tokens` tokens, as its
+/// [`Event::Token`]s gave them: one per token, or `None` (the base model has no
+/// versions; a count that does not match is not used).
+pub fn weights_versions(versions: Vec<u64>, tokens: usize) -> Option<Vec<u64>> {
+    (tokens > 0 && versions.len() == tokens).then_some(versions)
+}
+
 /// What a request's receiver gets.
 #[derive(Debug)]
 pub enum Event {

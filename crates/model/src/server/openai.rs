@@ -16,7 +16,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::{ApiError, ApiJson, AppState};
 use crate::chat::{FunctionCall, Message, ToolCall};
 use crate::constraint::{Constraint, ToolChoice, parse_tool_calls};
-use crate::engine::Event;
+use crate::engine::{Event, weights_versions};
 use crate::generate::{FinishReason, GenerateOutput, GenerateRequest, TokenEvent};
 use crate::sampling::{SamplingParams, TokenLogprob};
 use crate::speculate::Speculation;
@@ -623,8 +623,8 @@ pub(super) async fn chat_completions(
         });
         if return_token_ids {
             choice["token_ids"] = json!(out.tokens);
-            if let Some(versions) = weights_versions(&versions, &out.tokens) {
-                choice["weights_versions"] = versions;
+            if let Some(versions) = weights_versions(versions, out.tokens.len()) {
+                choice["weights_versions"] = json!(versions);
             }
         }
         choices.push(choice);
@@ -726,12 +726,6 @@ async fn collect(
         .map(|o| o.ok_or_else(|| ApiError::from(crate::engine::SubmitError::Stopped)))
         .collect::<Result<_, _>>()?;
     Ok((outputs, versions))
-}
-
-/// The `weights_versions` of a generation on an adapter: one version per token, or
-/// nothing (on the base model, which has no versions).
-pub(super) fn weights_versions(versions: &[u64], tokens: &[u32]) -> Option<Json_> {
-    (!tokens.is_empty() && versions.len() == tokens.len()).then(|| json!(versions))
 }
 
 #[expect(clippy::too_many_arguments, reason = "one stream's fixed context")]

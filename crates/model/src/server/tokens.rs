@@ -19,7 +19,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::openai::{SamplingFields, async_stream};
 use super::{ApiError, ApiJson, AppState};
 use crate::chat::Message;
-use crate::engine::Event;
+use crate::engine::{Event, weights_versions};
 
 #[derive(Debug, Deserialize)]
 pub(super) struct GenerateBody {
@@ -138,8 +138,8 @@ pub(super) async fn generate(
         "draft_tokens": out.draft_tokens,
         "accepted_draft_tokens": out.accepted_draft_tokens,
     });
-    if let Some(versions) = super::openai::weights_versions(&versions, &out.tokens) {
-        reply["weights_versions"] = versions;
+    if let Some(versions) = weights_versions(versions, out.tokens.len()) {
+        reply["weights_versions"] = json!(versions);
     }
     Ok(Json(reply).into_response())
 }
