@@ -69,8 +69,14 @@ def cpu_count(cpus):
     count = 0
     for part in cpus.split(","):
         lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit() or int(hi or lo) < int(lo):
+            sys.exit(f"`{cpus}` is not a CPU list; write one like 1, 2-5 or 0,2 (as taskset -c takes)")
         count += int(hi or lo) - int(lo) + 1
     return count
+
+
+# Malformed CPU lists are refused before any run starts.
+cpu_count(args.rollout_cpus), cpu_count(args.learner_cpus)
 
 
 def free_port():
